@@ -1,0 +1,35 @@
+"""ftcomm: fault-tolerant, awaitable collectives for PyTorch.
+
+Every collective returns an awaitable :class:`Work` with a deadline; when the
+deadline passes or the awaiting task is cancelled, the group is aborted and a
+typed error (:mod:`ftcomm.errors`) is raised, so a trainer can reconfigure with
+the survivors and carry on.
+"""
+
+from . import errors as errors
+from ._runtime.deadline import Timeout as Timeout
+from ._runtime.work import Work as Work
+from .errors import CommAborted as CommAborted
+from .errors import CommError as CommError
+from .errors import CommFailed as CommFailed
+from .errors import CommTimeout as CommTimeout
+from .errors import NotConfigured as NotConfigured
+from .errors import ProtocolError as ProtocolError
+from .errors import WorkerDied as WorkerDied
+from .group import Group as Group
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommAborted",
+    "CommError",
+    "CommFailed",
+    "CommTimeout",
+    "Group",
+    "NotConfigured",
+    "ProtocolError",
+    "Timeout",
+    "Work",
+    "WorkerDied",
+    "errors",
+]

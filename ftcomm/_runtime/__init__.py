@@ -1,0 +1,1 @@
+"""The owner loop, worker threads, deadlines and the awaitable Work."""

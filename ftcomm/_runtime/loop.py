@@ -1,0 +1,247 @@
+"""The owner loop: one asyncio event loop per process that owns every group.
+
+The loop runs in a daemon thread named ``ftcomm-owner`` (uvloop when it is
+installed and ``FTCOMM_LOOP`` is not ``asyncio``). It holds the control plane:
+deadline timers, aborts, and the hand-off of native objects to the reaper.
+The data plane does not pass through it: a collective is issued on the
+caller's thread and its completion wakes the caller directly, so the owner
+loop costs the caller nothing on the fast path (see ``docs/design.md``).
+
+Callers on other threads reach the loop through :meth:`Runtime.call_soon`
+(fire and forget) and :meth:`Runtime.call` (blocking, like anyio's
+``BlockingPortal.call``; refused on the loop thread itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+import types
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .threads import Reaper, WorkerPool
+
+T = TypeVar("T")
+
+log = logging.getLogger("ftcomm")
+
+_LOOP_ENV = "FTCOMM_LOOP"
+_DEBUG_ENV = "FTCOMM_DEBUG"
+_STALL_ENV = "FTCOMM_STALL_MS"
+
+
+def loop_kind() -> str:
+    """The owner loop implementation this process uses: ``"uvloop"`` or ``"asyncio"``."""
+    wanted = os.environ.get(_LOOP_ENV, "auto").strip().lower()
+    if wanted not in ("auto", "uvloop", "asyncio"):
+        raise ValueError(f"{_LOOP_ENV} must be auto, uvloop or asyncio, got {wanted!r}")
+    if wanted == "asyncio":
+        return "asyncio"
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        if wanted == "uvloop":
+            raise RuntimeError(f"{_LOOP_ENV}=uvloop but uvloop is not installed") from None
+        return "asyncio"
+    return "uvloop"
+
+
+def new_event_loop(kind: str | None = None) -> asyncio.AbstractEventLoop:
+    """A fresh event loop of ``kind`` (default: :func:`loop_kind`)."""
+    kind = kind or loop_kind()
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+@dataclass(frozen=True)
+class Stall:
+    """The owner loop was held by one callback for longer than the threshold."""
+
+    seconds: float
+    stack: str
+
+
+# Innermost frames of an owner loop that is waiting for events, not running a
+# callback: a late heartbeat there means the process was busy elsewhere.
+_IDLE_FRAMES = frozenset({"run_forever", "_run_once", "select", "poll"})
+
+
+def _idle(frame: types.FrameType) -> bool:
+    # uvloop waits in C: its innermost Python frame is Runtime._run itself.
+    return frame.f_code.co_name in _IDLE_FRAMES or frame.f_code is Runtime._run.__code__
+
+
+class Watchdog:
+    """Debug mode: notices when a callback holds the owner loop too long.
+
+    The loop beats every ``threshold / 4``; a daemon thread checks the beat and,
+    when it is older than ``threshold`` while the owner thread is inside a
+    callback (not waiting for events), records a :class:`Stall` with the
+    owner thread's stack and logs it at ERROR. Tests fail on any stall.
+    """
+
+    def __init__(self, runtime: Runtime, threshold: float) -> None:
+        self.threshold = threshold
+        self.stalls: list[Stall] = []
+        self._runtime = runtime
+        self._beat = time.monotonic()
+        self._stop = threading.Event()
+        self._period = threshold / 4
+        runtime.call_soon(self._tick)
+        self._thread = threading.Thread(target=self._watch, name="ftcomm-watchdog", daemon=True)
+        self._thread.start()
+
+    def _tick(self) -> None:
+        self._beat = time.monotonic()
+        if not self._stop.is_set():
+            self._runtime.loop.call_later(self._period, self._tick)
+
+    def _watch(self) -> None:
+        reported = 0.0
+        while not self._stop.wait(self._period):
+            beat = self._beat
+            late = time.monotonic() - beat
+            if late > self.threshold and beat != reported:
+                frame = sys._current_frames().get(self._runtime.thread_id or -1)
+                if frame is None or _idle(frame):
+                    continue  # a late beat, not a callback holding the loop
+                reported = beat
+                stack = "".join(traceback.format_stack(frame))
+                self.stalls.append(Stall(late, stack))
+                log.error("ftcomm owner loop held for %.3f s by:\n%s", late, stack)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(1.0)
+
+
+class Runtime:
+    """The process's owner loop, its worker threads and its reaper."""
+
+    def __init__(self, kind: str | None = None) -> None:
+        self.kind = kind or loop_kind()
+        self.loop = new_event_loop(self.kind)
+        self.thread_id: int | None = None
+        self.workers = WorkerPool("ftcomm-worker", max_workers=16)
+        self.reaper = Reaper()
+        self.watchdog: Watchdog | None = None
+        started = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(started,), name="ftcomm-owner", daemon=True
+        )
+        self._thread.start()
+        started.wait()
+        if os.environ.get(_DEBUG_ENV, "") not in ("", "0"):
+            self.set_debug(float(os.environ.get(_STALL_ENV, "100")) / 1000)
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.thread_id = threading.get_ident()
+        self.loop.call_soon(started.set)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
+    # -- reaching the loop -------------------------------------------------
+    def in_loop_thread(self) -> bool:
+        """Whether the calling thread is the owner loop's thread."""
+        return threading.get_ident() == self.thread_id
+
+    def call_soon(self, fn: Callable[..., object], *args: object) -> None:
+        """Schedule ``fn(*args)`` on the owner loop; never waits for it."""
+        if self.in_loop_thread():
+            self.loop.call_soon(fn, *args)
+        else:
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the owner loop; its outcome lands in the future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the owner loop and block this thread for its result.
+
+        Raises:
+            RuntimeError: called on the owner loop's own thread (it would deadlock).
+            TimeoutError: ``timeout`` passed first; the coroutine is cancelled.
+        """
+        if self.in_loop_thread():
+            coro.close()
+            raise RuntimeError("Runtime.call() would deadlock on the owner loop thread")
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"owner loop call did not finish in {timeout} s") from None
+
+    # -- blocking work -----------------------------------------------------
+    def run_blocking(self, fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
+        """Run a call that may block on a worker thread, never on the loop."""
+        return self.workers.submit(fn, *args)
+
+    def dispose(self, *objs: object) -> None:
+        """Hand native objects to the reaper, which drops them off the loop."""
+        self.reaper.dispose(*objs)
+
+    # -- debug -------------------------------------------------------------
+    def set_debug(self, threshold: float | None) -> None:
+        """Turn the stall watchdog on (``threshold`` seconds) or off (``None``)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        if threshold is not None:
+            if not threshold > 0:
+                raise ValueError(f"threshold must be > 0 seconds, got {threshold}")
+            self.watchdog = Watchdog(self, threshold)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the loop and the idle threads (at interpreter exit)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+        self.workers.close(timeout / 2)
+        self.reaper.close(0.1)
+
+
+_runtime: Runtime | None = None
+_runtime_lock = threading.Lock()
+
+
+def get_runtime() -> Runtime:
+    """The process's :class:`Runtime`, started on first use."""
+    global _runtime
+    rt = _runtime
+    if rt is not None:
+        return rt
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = Runtime()
+            atexit.register(_runtime.close)
+        return _runtime
+
+
+def _forget_after_fork() -> None:
+    # The owner thread does not exist in a forked child: start afresh there.
+    global _runtime, _runtime_lock
+    _runtime = None
+    _runtime_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)

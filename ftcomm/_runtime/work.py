@@ -1,0 +1,321 @@
+"""Op records and the awaitable :class:`Work`.
+
+Rules this module keeps:
+
+1. Every op ends exactly once: success, or one ftcomm error. The first of the
+   native completion, the deadline sweeper, a cancellation or an abort to
+   settle it wins (under the table's lock); the others find it settled.
+2. An op that has not completed by its deadline ends with ``CommTimeout``,
+   breaks its :class:`OpTable`, and every other op in flight ends with
+   ``CommAborted``. A broken table refuses new ops at once.
+3. The deadline is enforced twice: the native op gets the remaining time as
+   its own timeout, and the owner loop keeps **one** timer per table, armed at
+   the earliest deadline in flight. Callers only wake the owner loop when the
+   timer is unarmed or must move earlier, so a steady stream of ops costs the
+   owner loop one wake-up per default timeout, and the timer count stays at
+   one per group however many ops run.
+4. Awaiting polls the native op for a short spin (raw speed for small ops),
+   then sleeps until the native completion or the sweeper wakes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
+
+from ..errors import CommAborted, CommError, CommFailed, CommTimeout
+from .loop import Runtime
+from .native import NativeOp
+
+R = TypeVar("R")
+
+_PENDING, _OK, _FAILED = 0, 1, 2
+
+SPIN_SECONDS = float(os.environ.get("FTCOMM_SPIN_US", "2000")) / 1e6
+"""How long ``await work`` polls before it sleeps on the completion callback."""
+
+_EARLY = 0.005
+"""A native error this close to the deadline counts as the deadline passing."""
+
+
+class OpTable:
+    """The ops in flight on one group configuration: their deadlines and their end."""
+
+    def __init__(self, runtime: Runtime, rank: int, on_break: Callable[[CommError], None]) -> None:
+        self.runtime = runtime
+        self.rank = rank
+        self.error: CommError | None = None
+        self._on_break = on_break
+        self._lock = threading.Lock()
+        self._inflight: dict[int, Work[Any]] = {}
+        self._seq = 0
+        self._armed_at: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self._inflight)
+
+    @property
+    def timer_armed(self) -> bool:
+        """Whether the owner loop holds a deadline timer for this table."""
+        return self._timer is not None
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def track(self, work: Work[Any]) -> None:
+        """Register an issued op (caller's thread)."""
+        self._inflight[work.seq] = work
+        armed = self._armed_at  # read after the insert: see _rearm
+        if armed is None or work.deadline < armed:
+            self.runtime.call_soon(self._rearm)
+
+    def break_(self, error: CommError) -> None:
+        """Mark the table errored (first error wins) and end every op in flight."""
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = error
+            pending = list(self._inflight.values())
+        for work in pending:
+            work._end_after_break(error)
+        self.runtime.call_soon(self._disarm)
+        self._on_break(error)
+
+    # -- owner loop only ---------------------------------------------------
+    def _rearm(self) -> None:
+        while True:
+            now = time.monotonic()
+            earliest: float | None = None
+            for work in list(self._inflight.values()):
+                if work.deadline <= now:
+                    work._expire()
+                elif earliest is None or work.deadline < earliest:
+                    earliest = work.deadline
+            if earliest is not None:
+                break
+            # Nothing to watch: disarm, then look once more. A caller inserts
+            # before it reads _armed_at, so either it sees None and wakes us,
+            # or we see its op here.
+            self._armed_at = None
+            if not self._inflight:
+                self._disarm()
+                return
+        if self._timer is not None and self._armed_at == earliest:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._armed_at = earliest
+        self._timer = self.runtime.loop.call_later(earliest - now, self._rearm)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._inflight:
+            self._armed_at = None
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Work(Generic[R]):
+    """The awaitable handle of one issued collective.
+
+    The op is already on the wire when you get this. ``await work`` returns its
+    result (the output tensor or tensors, ``None`` for barrier and send).
+
+    Attributes:
+        op: the collective's name.
+        seq: its sequence number within the group configuration (from 1).
+        deadline: ``time.monotonic()`` value by which it must end.
+
+    Awaiting raises:
+        CommTimeout: the op did not complete by its deadline.
+        CommFailed: the native op failed (peer died, connection closed).
+        CommAborted: the group was aborted, reconfigured or shut down, or broke
+            through another op, while this one was in flight.
+        asyncio.CancelledError: the awaiting task was cancelled; the group is
+            aborted (unless the op had already completed) and the error is
+            re-raised as it is.
+
+    On the in-process Gloo backend an aborted op cannot be stopped: it may
+    still write into its tensors until its own timeout. Do not reuse the
+    tensors of an op that did not succeed.
+    """
+
+    __slots__ = (
+        "_cb_armed",
+        "_error",
+        "_native",
+        "_result",
+        "_state",
+        "_table",
+        "_waiters",
+        "deadline",
+        "op",
+        "seq",
+    )
+
+    def __init__(
+        self, table: OpTable, op: str, seq: int, deadline: float, native: NativeOp, result: R
+    ) -> None:
+        self._table = table
+        self.op = op
+        self.seq = seq
+        self.deadline = deadline
+        self._native: NativeOp | None = native
+        self._result = result
+        self._state = _PENDING
+        self._error: BaseException | None = None
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] | None = None
+        self._cb_armed = False
+
+    def __repr__(self) -> str:
+        state = ("pending", "done", "failed")[self._state]
+        return f"<ftcomm.Work {self.op} seq={self.seq} {state}>"
+
+    # -- public ------------------------------------------------------------
+    def done(self) -> bool:
+        """Whether the op has ended (it may have failed)."""
+        if self._state == _PENDING and self._native is not None and self._native.poll():
+            self._complete(self._native.outcome())
+        return self._state != _PENDING
+
+    def cancel(self) -> bool:
+        """Abort the op and its group. Returns False if it had already ended.
+
+        Awaiters of this work then get ``CommAborted``; the group is errored
+        until ``configure()``.
+        """
+        if self.done():
+            return False
+        return self._abort(
+            CommAborted(f"{self.op} was cancelled with Work.cancel()", **self._ctx())
+        )
+
+    def exception(self) -> BaseException | None:
+        """The op's error, or ``None`` if it succeeded.
+
+        Raises:
+            asyncio.InvalidStateError: the op has not ended yet.
+        """
+        if not self.done():
+            raise asyncio.InvalidStateError(f"{self!r} has not ended")
+        return self._error
+
+    def __await__(self) -> Generator[Any, None, R]:
+        return self._wait().__await__()
+
+    # -- awaiting ----------------------------------------------------------
+    async def _wait(self) -> R:
+        if self._state == _PENDING:
+            try:
+                await self._until_ended()
+            except asyncio.CancelledError:
+                if not self.done():
+                    self._abort(
+                        CommAborted(f"{self.op} was cancelled while in flight", **self._ctx())
+                    )
+                raise
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    async def _until_ended(self) -> None:
+        native = self._native
+        if native is None:
+            return
+        spin_until = time.perf_counter() + SPIN_SECONDS
+        while self._state == _PENDING:
+            if native.poll():
+                self._complete(native.outcome())
+                return
+            if time.perf_counter() >= spin_until:
+                await self._sleep_until_ended(native)
+                return
+            await asyncio.sleep(0)
+
+    async def _sleep_until_ended(self, native: NativeOp) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        with self._table._lock:
+            if self._state != _PENDING:
+                return
+            if self._waiters is None:
+                self._waiters = []
+            self._waiters.append((loop, fut))
+            arm = not self._cb_armed
+            self._cb_armed = True
+        if arm:
+            native.on_done(self._complete)
+        await fut
+
+    # -- settling (any thread) ---------------------------------------------
+    def _ctx(self) -> dict[str, Any]:
+        return {"rank": self._table.rank, "op": self.op, "seq": self.seq}
+
+    def _settle(self, error: BaseException | None) -> bool:
+        table = self._table
+        with table._lock:
+            if self._state != _PENDING:
+                return False
+            self._state = _OK if error is None else _FAILED
+            self._error = error
+            table._inflight.pop(self.seq, None)
+            waiters, self._waiters = self._waiters, None
+            native, self._native = self._native, None
+        if error is not None and native is not None and not native.poll():
+            table.runtime.dispose(native)  # it may block whoever drops it last
+        for loop, fut in waiters or ():
+            # A closed loop raises RuntimeError: nobody is waiting there any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_wake, fut)
+        return True
+
+    def _complete(self, native_error: BaseException | None) -> None:
+        """The native op ended: settle with its outcome, mapped to ftcomm errors."""
+        if native_error is None:
+            self._settle(None)
+            return
+        error: CommError
+        if time.monotonic() >= self.deadline - _EARLY:
+            error = CommTimeout(f"{self.op} did not complete by its deadline", **self._ctx())
+        else:
+            error = CommFailed(f"{self.op} failed: {native_error}", **self._ctx())
+        error.__cause__ = native_error
+        if self._settle(error):
+            self._table.break_(error)
+
+    def _abort(self, error: CommError) -> bool:
+        if self._settle(error):
+            self._table.break_(error)
+            return True
+        return False
+
+    def _expire(self) -> None:
+        """The deadline passed (owner loop)."""
+        native = self._native
+        if native is not None and native.poll():
+            self._complete(native.outcome())
+        else:
+            self._abort(CommTimeout(f"{self.op} did not complete by its deadline", **self._ctx()))
+
+    def _end_after_break(self, cause: CommError) -> None:
+        native = self._native
+        if native is not None and native.poll():
+            self._complete(native.outcome())
+            return
+        error = CommAborted(
+            f"{self.op} was aborted: the group broke ({cause.message})", **self._ctx()
+        )
+        error.__cause__ = cause
+        self._settle(error)

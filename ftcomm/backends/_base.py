@@ -1,0 +1,114 @@
+"""The contract every backend fills.
+
+A backend is one configured native group. The front end (:mod:`ftcomm.group`)
+validates every argument before it calls a backend, so backends may assume
+well-formed tensors and ranks; they issue the op and return a
+:class:`~ftcomm._runtime.native.NativeOp` without waiting for it. ``connect``
+is the only call that blocks, and it runs on a worker thread.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch.distributed import ReduceOp
+
+from .._runtime.native import NativeOp
+from .._store import StoreAddr
+
+
+@dataclass(frozen=True)
+class ConnectSpec:
+    """Everything a backend needs to build its native group."""
+
+    store: StoreAddr
+    rank: int
+    world_size: int
+    timeout: float
+    """Seconds the store connection and the group construction may take."""
+    replica_id: str = "0"
+    quorum_id: int | None = None
+    group_rank: int | None = None
+    group_world_size: int | None = None
+    global_ranks: tuple[int, ...] | None = None
+
+
+class Backend(abc.ABC):
+    """One configured native group. Ops take the remaining deadline in seconds."""
+
+    name: ClassVar[str]
+    device_type: ClassVar[str]
+    """The device type of the tensors this backend accepts."""
+    reduce_ops: ClassVar[frozenset[ReduceOp.RedOpType]]
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    @classmethod
+    @abc.abstractmethod
+    def connect(cls, spec: ConnectSpec) -> Backend:
+        """Build the native group. Blocks; called on a worker thread."""
+
+    def close(self) -> list[object]:
+        """Let go of the native objects; the caller hands them to the reaper."""
+        return []
+
+    @abc.abstractmethod
+    def allreduce(
+        self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType, timeout: float
+    ) -> NativeOp: ...
+
+    @abc.abstractmethod
+    def allgather(
+        self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, timeout: float
+    ) -> NativeOp: ...
+
+    @abc.abstractmethod
+    def allgather_into_tensor(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], timeout: float
+    ) -> NativeOp: ...
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int, timeout: float) -> NativeOp: ...
+
+    @abc.abstractmethod
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        inputs: Sequence[torch.Tensor],
+        op: ReduceOp.RedOpType,
+        timeout: float,
+    ) -> NativeOp: ...
+
+    @abc.abstractmethod
+    def reduce_scatter_tensor(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        op: ReduceOp.RedOpType,
+        timeout: float,
+    ) -> NativeOp: ...
+
+    @abc.abstractmethod
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        timeout: float,
+    ) -> NativeOp: ...
+
+    @abc.abstractmethod
+    def barrier(self, timeout: float) -> NativeOp: ...
+
+    @abc.abstractmethod
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float) -> NativeOp: ...
+
+    @abc.abstractmethod
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, timeout: float) -> NativeOp: ...

@@ -1,0 +1,138 @@
+"""The exception hierarchy of ftcomm.
+
+Two families, kept apart on purpose:
+
+* **Argument errors** are the builtin ``TypeError`` / ``ValueError``. They name
+  the offending argument, are raised before anything is sent, and leave the
+  group usable.
+* **Communication errors** derive from :class:`CommError` (itself a
+  ``RuntimeError``). They say what broke the group, and carry the rank, the op
+  name and the op's sequence number when those are known.
+
+``CommAborted`` means "closed or aborted on purpose" (by ``abort()``, a
+cancelled await, ``configure()`` replacing the group, or an earlier failure);
+``CommTimeout`` and ``CommFailed`` mean "broken by something outside" (a
+deadline passed, a peer or the transport failed).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CommAborted",
+    "CommError",
+    "CommFailed",
+    "CommTimeout",
+    "NotConfigured",
+    "ProtocolError",
+    "WorkerDied",
+]
+
+
+class CommError(RuntimeError):
+    """Base class of every communication failure raised by ftcomm.
+
+    Attributes:
+        message: what happened, without the context suffix.
+        rank: the rank of the group that raised, or ``None``.
+        op: the collective's name (``"allreduce"``, ``"configure"`` …), or ``None``.
+        seq: the op's sequence number within its group configuration, or ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        op: str | None = None,
+        seq: int | None = None,
+    ) -> None:
+        self.message = message
+        self.rank = rank
+        self.op = op
+        self.seq = seq
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        where = [
+            f"{name}={value}"
+            for name, value in (("rank", self.rank), ("op", self.op), ("seq", self.seq))
+            if value is not None
+        ]
+        return f"{self.message} [{' '.join(where)}]" if where else self.message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only constructor arguments: rebuild through a helper so the
+        # error survives pickling (it crosses process boundaries in tests).
+        return (_rebuild, (type(self), self.message, self.rank, self.op, self.seq, self.__dict__))
+
+
+def _rebuild(
+    cls: type[CommError],
+    message: str,
+    rank: int | None,
+    op: str | None,
+    seq: int | None,
+    state: dict[str, object],
+) -> CommError:
+    err = cls.__new__(cls)
+    CommError.__init__(err, message, rank=rank, op=op, seq=seq)
+    err.__dict__.update(state)
+    return err
+
+
+class CommTimeout(CommError, TimeoutError):
+    """An op (or ``configure``) did not finish by its deadline.
+
+    The group it ran on is marked errored; every later op on it raises
+    :class:`CommAborted` until ``configure()`` is called.
+    """
+
+
+class CommAborted(CommError):
+    """The group was aborted, shut down, reconfigured or broken earlier.
+
+    Raised at once by every op issued on an errored group, and by ops that were
+    in flight when their group was torn down. ``__cause__`` holds the original
+    error when the abort followed a failure.
+    """
+
+
+class CommFailed(CommError):
+    """The native op failed before its deadline (a peer died, a connection closed).
+
+    The group is marked errored. ``__cause__`` holds the backend's own error.
+    """
+
+
+class NotConfigured(CommError):
+    """An op or query needs a configured group and there is none.
+
+    Call ``await group.configure(...)`` first (again, after ``shutdown()``).
+    """
+
+
+class WorkerDied(CommError):
+    """The subprocess worker that ran the group exited.
+
+    Attributes:
+        exitcode: the worker's exit code, or ``None``.
+        signal: the signal that killed it, or ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        exitcode: int | None = None,
+        signal: int | None = None,
+        rank: int | None = None,
+        op: str | None = None,
+        seq: int | None = None,
+    ) -> None:
+        self.exitcode = exitcode
+        self.signal = signal
+        super().__init__(message, rank=rank, op=op, seq=seq)
+
+
+class ProtocolError(CommError):
+    """A frame between parent and subprocess worker was malformed."""

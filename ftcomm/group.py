@@ -1,0 +1,551 @@
+"""The async :class:`Group`: configure, collectives, abort.
+
+Every collective validates its arguments, issues the native op on the calling
+thread at once (so issue order is call order on every rank) and returns a
+:class:`~ftcomm.Work`. Group state lives in one :class:`_Config` per
+``configure()``; tearing it down (abort, shutdown, configure again) never
+blocks: in-flight ops end with ``CommAborted`` and the native group goes to
+the reaper thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+from torch.distributed import ReduceOp
+
+from . import _validate as v
+from ._runtime.deadline import Timeout, resolve, to_seconds
+from ._runtime.loop import get_runtime
+from ._runtime.native import NativeOp
+from ._runtime.work import OpTable, Work
+from ._store import parse_store_addr
+from .backends import Backend, ConnectSpec, backend_class
+from .errors import CommAborted, CommError, CommFailed, CommTimeout, NotConfigured
+
+R = TypeVar("R")
+_SUM = ReduceOp.SUM
+
+
+@dataclass(eq=False)
+class _Config:
+    backend: Backend
+    table: OpTable
+    store_addr: str
+
+
+class Group:
+    """A fault-tolerant process group whose collectives are awaitable.
+
+    Args:
+        backend: ``"gloo"`` (CPU tensors, in process) or ``"dummy"`` (world
+            size 1, no communication). ``"nccl"`` and ``"xccl"`` are reserved.
+        subprocess: run the native group in a child process (not available
+            in this release).
+        timeout: default deadline of every op, in seconds or a timedelta.
+        configure_timeout: how long ``configure()`` may take (default: ``timeout``).
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: an unknown backend or a bad timeout.
+        NotImplementedError: ``"nccl"``, ``"xccl"`` or ``subprocess=True``.
+
+    Use ``async with Group(...) as group:`` to shut it down on exit.
+    """
+
+    def __init__(
+        self,
+        backend: str = "gloo",
+        *,
+        subprocess: bool = False,
+        timeout: Timeout = 60.0,
+        configure_timeout: Timeout | None = None,
+    ) -> None:
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+        if not isinstance(subprocess, bool):
+            raise TypeError(f"subprocess must be a bool, got {type(subprocess).__name__}")
+        self._timeout = to_seconds(timeout, "timeout")
+        self._configure_timeout = resolve(configure_timeout, self._timeout, "configure_timeout")
+        self._backend_cls = backend_class(backend)
+        if subprocess:
+            raise NotImplementedError("subprocess=True is not implemented in this release")
+        self.backend = backend
+        self._runtime = get_runtime()
+        self._config: _Config | None = None
+        self._attempt: object | None = None
+        self._issue_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        cfg = self._config
+        if cfg is None:
+            return f"<ftcomm.Group {self.backend} unconfigured>"
+        state = "errored" if cfg.table.error is not None else "ok"
+        return (
+            f"<ftcomm.Group {self.backend} rank={cfg.backend.rank}/{cfg.backend.world_size} "
+            f"store={cfg.store_addr} {state}>"
+        )
+
+    async def __aenter__(self) -> Group:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.shutdown()
+
+    # -- configuration -----------------------------------------------------
+    async def configure(
+        self,
+        store_addr: str,
+        rank: int,
+        world_size: int,
+        *,
+        replica_id: str = "0",
+        quorum_id: int | None = None,
+        group_rank: int | None = None,
+        group_world_size: int | None = None,
+        global_ranks: Sequence[int] | None = None,
+        timeout: Timeout | None = None,
+    ) -> None:
+        """(Re)build the native group; every rank calls it with the same store address.
+
+        Use a fresh store prefix each time (``host:port/prefix``; IPv6 as
+        ``[::1]:port/prefix``). A previous configuration is torn down first
+        without blocking: its in-flight ops end with ``CommAborted``.
+
+        Raises:
+            TypeError, ValueError: a bad argument (nothing is torn down then).
+            CommTimeout: the store or the peers did not answer within the
+                configure timeout.
+            CommFailed: the store or the native group construction failed.
+            CommAborted: ``shutdown()`` or another ``configure()`` superseded this one.
+        """
+        addr = parse_store_addr(store_addr)
+        world_size = v.check_int(world_size, "world_size", minimum=1)
+        rank = v.check_rank(rank, "rank", world_size)
+        if not isinstance(replica_id, str):
+            raise TypeError(f"replica_id must be a str, got {type(replica_id).__name__}")
+        if quorum_id is not None:
+            v.check_int(quorum_id, "quorum_id")
+        if group_world_size is not None:
+            v.check_int(group_world_size, "group_world_size", minimum=1)
+        if group_rank is not None:
+            v.check_int(group_rank, "group_rank", minimum=0)
+        ranks: tuple[int, ...] | None = None
+        if global_ranks is not None:
+            if isinstance(global_ranks, (str, bytes)) or not isinstance(global_ranks, Sequence):
+                raise TypeError(
+                    f"global_ranks must be a list of int, got {type(global_ranks).__name__}"
+                )
+            ranks = tuple(
+                v.check_int(r, f"global_ranks[{i}]", minimum=0) for i, r in enumerate(global_ranks)
+            )
+            if len(ranks) != world_size:
+                raise ValueError(
+                    f"global_ranks must hold world_size ({world_size}) ranks, got {len(ranks)}"
+                )
+        seconds = resolve(timeout, self._configure_timeout, "timeout")
+        if self.backend == "dummy" and world_size != 1:
+            raise ValueError(f"the dummy backend has world_size 1, got {world_size}")
+        spec = ConnectSpec(
+            addr,
+            rank,
+            world_size,
+            seconds,
+            replica_id,
+            quorum_id,
+            group_rank,
+            group_world_size,
+            ranks,
+        )
+
+        self._teardown(CommAborted("the group was reconfigured", rank=rank, op="configure"))
+        attempt = self._attempt = object()
+        cf = self._runtime.run_blocking(self._backend_cls.connect, spec)
+        started = time.monotonic()
+        wrapped = asyncio.wrap_future(cf)
+        try:
+            done, _ = await asyncio.wait({wrapped}, timeout=seconds)
+        finally:
+            if not wrapped.done():  # timed out or cancelled: dispose of it whenever it lands
+                cf.add_done_callback(self._dispose_orphan)
+        if not done:
+            raise CommTimeout(
+                f"configure did not finish within {seconds:g} s (store {addr})",
+                rank=rank,
+                op="configure",
+            )
+        try:
+            backend = wrapped.result()
+        except (TypeError, ValueError):
+            raise
+        except Exception as exc:
+            error_cls = CommTimeout if time.monotonic() - started >= seconds * 0.9 else CommFailed
+            raise error_cls(
+                f"configure failed (store {addr}): {exc}", rank=rank, op="configure"
+            ) from exc
+        if self._attempt is not attempt:
+            self._runtime.dispose(*backend.close())
+            raise CommAborted(
+                "configure was superseded by shutdown() or configure()", rank=rank, op="configure"
+            )
+        table = OpTable(self._runtime, rank, lambda _: self._runtime.dispose(*backend.close()))
+        self._config = _Config(backend, table, str(addr))
+
+    def _dispose_orphan(self, cf: Any) -> None:
+        if not cf.cancelled() and cf.exception() is None:
+            self._runtime.dispose(*cf.result().close())
+
+    def _teardown(self, error: CommError) -> None:
+        cfg, self._config = self._config, None
+        self._attempt = None
+        if cfg is not None:
+            cfg.table.break_(error)
+
+    async def abort(self) -> None:
+        """Abort the group: in-flight ops end with ``CommAborted``, later ops
+        raise it at once, ``errored()`` reports it, until ``configure()``.
+
+        Never blocks and is safe to call twice (or on an unconfigured group).
+        On Gloo the native op cannot be stopped in process: it ends at its own
+        deadline, on the reaper thread.
+        """
+        cfg = self._config
+        if cfg is not None:
+            cfg.table.break_(CommAborted("the group was aborted by abort()", rank=cfg.backend.rank))
+
+    async def shutdown(self) -> None:
+        """Tear the group down; in-flight ops end with ``CommAborted``.
+
+        Afterwards the group is unconfigured (ops raise ``NotConfigured``) and
+        may be configured again. Never blocks; safe to call twice.
+        """
+        cfg = self._config
+        rank = cfg.backend.rank if cfg is not None else None
+        self._teardown(CommAborted("the group was shut down", rank=rank))
+
+    def errored(self) -> CommError | None:
+        """The error that broke the current configuration, or ``None``."""
+        cfg = self._config
+        return cfg.table.error if cfg is not None else None
+
+    def set_timeout(self, timeout: Timeout) -> None:
+        """Set the default deadline of ops issued from now on.
+
+        Raises:
+            TypeError, ValueError: a bad timeout.
+        """
+        self._timeout = to_seconds(timeout, "timeout")
+
+    @property
+    def timeout(self) -> float:
+        """The default deadline of new ops, in seconds."""
+        return self._timeout
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the current configuration.
+
+        Raises:
+            NotConfigured: the group is not configured.
+        """
+        return self._configured("rank").backend.rank
+
+    def size(self) -> int:
+        """The world size of the current configuration.
+
+        Raises:
+            NotConfigured: the group is not configured.
+        """
+        return self._configured("size").backend.world_size
+
+    def num_active_work(self) -> int:
+        """How many ops of the current configuration are in flight."""
+        cfg = self._config
+        return len(cfg.table) if cfg is not None else 0
+
+    def _configured(self, op: str) -> _Config:
+        cfg = self._config
+        if cfg is None:
+            raise NotConfigured(
+                f"{op} needs a configured group: await group.configure(...) first", op=op
+            )
+        return cfg
+
+    def _issue(
+        self,
+        cfg: _Config,
+        op: str,
+        timeout: Timeout | None,
+        result: R,
+        start: Callable[[Backend, float], NativeOp],
+    ) -> Work[R]:
+        seconds = self._timeout if timeout is None else to_seconds(timeout)
+        table = cfg.table
+        with self._issue_lock:
+            error = table.error
+            if error is not None:
+                raise CommAborted(
+                    f"{op} refused: the group is errored ({error.message}); call configure()",
+                    rank=table.rank,
+                    op=op,
+                ) from error
+            deadline = time.monotonic() + seconds
+            try:
+                native = start(cfg.backend, seconds)
+            except RuntimeError as exc:  # rejected before anything was sent
+                raise ValueError(
+                    f"{op}: the {self.backend} backend rejected the arguments: {exc}"
+                ) from exc
+            work = Work(table, op, table.next_seq(), deadline, native, result)
+            table.track(work)
+        return work
+
+    # -- collectives -------------------------------------------------------
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp.RedOpType | str = _SUM,
+        *,
+        timeout: Timeout | None = None,
+    ) -> Work[torch.Tensor]:
+        """Reduce ``tensor`` in place across all ranks; ``await`` gives ``tensor``.
+
+        Raises:
+            TypeError, ValueError: bad arguments (the group stays usable).
+            NotConfigured: no configuration.
+            CommAborted: the group is errored.
+        """
+        cfg = self._configured("allreduce")
+        v.check_tensor(tensor, "tensor", cfg.backend.device_type)
+        rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
+        return self._issue(
+            cfg, "allreduce", timeout, tensor, lambda b, s: b.allreduce([tensor], rop, s)
+        )
+
+    def allreduce_coalesced(
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: ReduceOp.RedOpType | str = _SUM,
+        *,
+        timeout: Timeout | None = None,
+    ) -> Work[list[torch.Tensor]]:
+        """Reduce several tensors of one dtype in place as one op; ``await`` gives the list.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("allreduce_coalesced")
+        ts = v.check_tensor_list(tensors, "tensors", cfg.backend.device_type)
+        for i, t in enumerate(ts[1:], 1):
+            v.check_dtype(t, f"tensors[{i}]", ts[0], "tensors[0]")
+        rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
+        return self._issue(
+            cfg, "allreduce_coalesced", timeout, ts, lambda b, s: b.allreduce(ts, rop, s)
+        )
+
+    def allgather(
+        self,
+        tensor: torch.Tensor,
+        *,
+        out: Sequence[torch.Tensor] | None = None,
+        timeout: Timeout | None = None,
+    ) -> Work[list[torch.Tensor]]:
+        """Gather ``tensor`` from every rank into ``out`` (allocated if ``None``):
+        one tensor per rank, in rank order. ``await`` gives that list.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("allgather")
+        device, ws = cfg.backend.device_type, cfg.backend.world_size
+        v.check_tensor(tensor, "tensor", device)
+        if out is None:
+            outs = [torch.empty_like(tensor) for _ in range(ws)]
+        else:
+            outs = v.check_tensor_list(out, "out", device, length=ws)
+            for i, o in enumerate(outs):
+                v.check_like(o, f"out[{i}]", tensor, "tensor")
+        return self._issue(
+            cfg, "allgather", timeout, outs, lambda b, s: b.allgather(outs, tensor, s)
+        )
+
+    def allgather_into_tensor_coalesced(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        *,
+        timeout: Timeout | None = None,
+    ) -> Work[list[torch.Tensor]]:
+        """For each pair, gather every rank's ``inputs[i]`` into ``outputs[i]``
+        (``world_size`` times as many elements, rank-major). ``await`` gives ``outputs``.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("allgather_into_tensor_coalesced")
+        device, ws = cfg.backend.device_type, cfg.backend.world_size
+        outs = v.check_tensor_list(outputs, "outputs", device)
+        ins = v.check_tensor_list(inputs, "inputs", device, length=len(outs))
+        for i, (o, t) in enumerate(zip(outs, ins, strict=True)):
+            v.check_dtype(o, f"outputs[{i}]", t, f"inputs[{i}]")
+            v.check_numel(o, f"outputs[{i}]", t.numel() * ws, f"world_size x inputs[{i}].numel()")
+        return self._issue(
+            cfg,
+            "allgather_into_tensor_coalesced",
+            timeout,
+            outs,
+            lambda b, s: b.allgather_into_tensor(outs, ins, s),
+        )
+
+    def broadcast(
+        self, tensor: torch.Tensor, root: int = 0, *, timeout: Timeout | None = None
+    ) -> Work[torch.Tensor]:
+        """Copy ``root``'s ``tensor`` into every rank's ``tensor``; ``await`` gives it.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("broadcast")
+        v.check_tensor(tensor, "tensor", cfg.backend.device_type)
+        root = v.check_rank(root, "root", cfg.backend.world_size)
+        return self._issue(
+            cfg, "broadcast", timeout, tensor, lambda b, s: b.broadcast(tensor, root, s)
+        )
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        inputs: Sequence[torch.Tensor],
+        op: ReduceOp.RedOpType | str = _SUM,
+        *,
+        timeout: Timeout | None = None,
+    ) -> Work[torch.Tensor]:
+        """Reduce ``inputs[r]`` across ranks into rank ``r``'s ``output``
+        (``inputs`` holds one tensor per rank, each shaped like ``output``).
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("reduce_scatter")
+        device, ws = cfg.backend.device_type, cfg.backend.world_size
+        v.check_tensor(output, "output", device)
+        ins = v.check_tensor_list(inputs, "inputs", device, length=ws)
+        for i, t in enumerate(ins):
+            v.check_like(t, f"inputs[{i}]", output, "output")
+        rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
+        return self._issue(
+            cfg,
+            "reduce_scatter",
+            timeout,
+            output,
+            lambda b, s: b.reduce_scatter(output, ins, rop, s),
+        )
+
+    def reduce_scatter_tensor_coalesced(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        op: ReduceOp.RedOpType | str = _SUM,
+        *,
+        timeout: Timeout | None = None,
+    ) -> Work[list[torch.Tensor]]:
+        """For each pair, reduce ``inputs[i]`` (``world_size`` chunks, rank-major)
+        across ranks and keep this rank's chunk in ``outputs[i]``.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("reduce_scatter_tensor_coalesced")
+        device, ws = cfg.backend.device_type, cfg.backend.world_size
+        outs = v.check_tensor_list(outputs, "outputs", device)
+        ins = v.check_tensor_list(inputs, "inputs", device, length=len(outs))
+        for i, (o, t) in enumerate(zip(outs, ins, strict=True)):
+            v.check_dtype(t, f"inputs[{i}]", o, f"outputs[{i}]")
+            v.check_numel(t, f"inputs[{i}]", o.numel() * ws, f"world_size x outputs[{i}].numel()")
+        rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
+        return self._issue(
+            cfg,
+            "reduce_scatter_tensor_coalesced",
+            timeout,
+            outs,
+            lambda b, s: b.reduce_scatter_tensor(outs, ins, rop, s),
+        )
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        *,
+        timeout: Timeout | None = None,
+    ) -> Work[torch.Tensor]:
+        """Send slice ``r`` of ``tensor`` (along dim 0) to rank ``r`` and receive
+        rank ``r``'s slice into slice ``r`` of ``output``. Split sizes default to
+        equal slices. ``await`` gives ``output``.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("alltoall_base")
+        device, ws = cfg.backend.device_type, cfg.backend.world_size
+        v.check_tensor(output, "output", device)
+        v.check_tensor(tensor, "tensor", device)
+        v.check_dtype(output, "output", tensor, "tensor")
+        for name, t in (("output", output), ("tensor", tensor)):
+            if t.dim() == 0:
+                raise ValueError(f"{name} must have at least one dimension")
+        if output.shape[1:] != tensor.shape[1:]:
+            raise ValueError("output and tensor must have the same shape past dim 0")
+        outs = v.check_splits(
+            output_split_sizes, "output_split_sizes", ws, output.shape[0], "output"
+        )
+        ins = v.check_splits(input_split_sizes, "input_split_sizes", ws, tensor.shape[0], "tensor")
+        if not outs and not ins and output.shape[0] != tensor.shape[0]:
+            raise ValueError("output and tensor must have the same shape[0] with equal splits")
+        return self._issue(
+            cfg,
+            "alltoall_base",
+            timeout,
+            output,
+            lambda b, s: b.alltoall_base(output, tensor, outs, ins, s),
+        )
+
+    def barrier(self, *, timeout: Timeout | None = None) -> Work[None]:
+        """Wait until every rank has reached the barrier.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("barrier")
+        return self._issue(cfg, "barrier", timeout, None, lambda b, s: b.barrier(s))
+
+    def send(
+        self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: Timeout | None = None
+    ) -> Work[None]:
+        """Send ``tensor`` to rank ``dst``; the matching ``recv`` uses the same ``tag``.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("send")
+        v.check_tensor(tensor, "tensor", cfg.backend.device_type)
+        dst = v.check_rank(dst, "dst", cfg.backend.world_size, not_self=cfg.backend.rank)
+        tag = v.check_int(tag, "tag", minimum=0)
+        return self._issue(cfg, "send", timeout, None, lambda b, s: b.send(tensor, dst, tag, s))
+
+    def recv(
+        self, tensor: torch.Tensor, src: int, tag: int = 0, *, timeout: Timeout | None = None
+    ) -> Work[torch.Tensor]:
+        """Receive into ``tensor`` from rank ``src``; ``await`` gives ``tensor``.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("recv")
+        v.check_tensor(tensor, "tensor", cfg.backend.device_type)
+        src = v.check_rank(src, "src", cfg.backend.world_size, not_self=cfg.backend.rank)
+        tag = v.check_int(tag, "tag", minimum=0)
+        return self._issue(cfg, "recv", timeout, tensor, lambda b, s: b.recv(tensor, src, tag, s))

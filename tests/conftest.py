@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable, Iterator
+from multiprocessing import resource_tracker
+
+import pytest
+from torch._C._distributed_c10d import TCPStore
+
+from ftcomm._runtime.loop import get_runtime, new_event_loop
+
+os.environ.setdefault("FTCOMM_DEBUG", "1")
+# multiprocessing's long-lived helper process: start it now, so that it belongs
+# to the baseline of every leak check.
+resource_tracker.ensure_running()
+# torch keeps a process-wide pipe pair once the first TCPStore server has run.
+TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Every async test runs on both event loops."""
+    return {
+        "asyncio": lambda: new_event_loop("asyncio"),
+        "uvloop": lambda: new_event_loop("uvloop"),
+    }
+
+
+def _children() -> set[int]:
+    me = os.getpid()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.add(int(entry))
+    return found
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _threads() -> set[int]:
+    return {t.ident or 0 for t in threading.enumerate() if not t.name.startswith("ftcomm-")}
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Every test leaves no thread, child process, fd or owner-loop stall behind."""
+    rt = get_runtime()
+    threads, fds, children = _threads(), _fds(), _children()
+    stalls = len(rt.watchdog.stalls) if rt.watchdog else 0
+    yield
+    assert rt.workers.wait_idle(15.0), "an ftcomm worker thread is still blocked"
+    assert rt.reaper.wait_idle(15.0), "the reaper is still holding native groups"
+    for thread in threading.enumerate():
+        if thread.ident not in threads and not thread.name.startswith("ftcomm-"):
+            thread.join(5.0)  # a thread that is finishing gets a bounded moment
+    assert not (_threads() - threads), f"threads left behind: {threading.enumerate()}"
+    assert not (_children() - children), f"child processes left behind: {_children() - children}"
+    leaked = _fds() - fds
+    assert not leaked, (
+        f"fds left behind: {[os.path.realpath(f'/proc/self/fd/{fd}') for fd in leaked]}"
+    )
+    if rt.watchdog is not None:
+        assert len(rt.watchdog.stalls) == stalls, rt.watchdog.stalls[-1].stack

@@ -1,0 +1,190 @@
+"""Run an async function on N ranks in real (spawned) processes.
+
+A small harness for ftcomm's own multi-rank tests: a fresh TCPStore per world,
+a wall-clock bound on the whole world (a hang fails the test, not the suite),
+each rank's return value or exception with its traceback, and every process
+joined or killed before it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import pickle
+import time
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from torch._C._distributed_c10d import TCPStore
+
+LOOPS = ("asyncio", "uvloop")
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    port: int
+    world_id: str
+    loop: str
+    _store: Any = field(default=None, repr=False)
+
+    def addr(self, name: str = "g0") -> str:
+        """A store address unique to this world: ``127.0.0.1:port/<world>/<name>``."""
+        return f"127.0.0.1:{self.port}/{self.world_id}/{name}"
+
+    @property
+    def store(self) -> Any:
+        """A plain store client, for signalling between ranks in a test."""
+        if self._store is None:
+            self._store = TCPStore(
+                "127.0.0.1",
+                self.port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=30),
+            )
+        return self._store
+
+    def signal(self, key: str) -> None:
+        self.store.set(f"{self.world_id}/sig/{key}", b"1")
+
+    async def wait_for(self, key: str, timeout: float = 30.0) -> None:
+        """Wait until some rank has called ``signal(key)``."""
+        full = f"{self.world_id}/sig/{key}"
+        deadline = time.monotonic() + timeout
+        while not self.store.check([full]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no rank signalled {key!r} within {timeout} s")
+            await asyncio.sleep(0.005)
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    error: BaseException | None
+    text: str
+
+
+RankFn = Callable[[RankContext], Awaitable[Any]]
+
+
+def _rank_main(fn: RankFn, ctx: RankContext, conn: Any) -> None:
+    try:
+        if ctx.loop == "uvloop":
+            import uvloop
+
+            value = uvloop.run(fn(ctx))
+        else:
+            value = asyncio.run(fn(ctx))
+        from ftcomm._runtime.loop import get_runtime
+
+        rt = get_runtime()
+        stalls = [s.stack for s in rt.watchdog.stalls] if rt.watchdog else []
+        if stalls:
+            raise AssertionError(f"owner loop stalled {len(stalls)} time(s):\n{stalls[0]}")
+        payload: tuple[str, Any] = ("ok", value)
+    except BaseException as exc:
+        text = "".join(traceback.format_exception(exc))
+        try:
+            pickle.dumps(exc)
+            payload = ("err", RankFailure(ctx.rank, exc, text))
+        except Exception:
+            payload = ("err", RankFailure(ctx.rank, None, text))
+    # Plain pickle: tensors travel by value, not as shared-memory handles that
+    # die with this process.
+    conn.send_bytes(pickle.dumps(payload))
+    conn.close()
+
+
+class WorldError(AssertionError):
+    pass
+
+
+def run_world(
+    fn: RankFn,
+    world_size: int,
+    *,
+    loop: str = "asyncio",
+    timeout: float = 60.0,
+    expect_exit: dict[int, int] | None = None,
+) -> list[Any]:
+    """Run ``fn(ctx)`` on ``world_size`` ranks; return their values in rank order.
+
+    A rank that raised makes this raise :class:`WorldError` with every rank's
+    traceback, unless the rank is listed in ``expect_exit`` (rank -> expected
+    exit code, negative for a signal), in which case its value is ``None``.
+    """
+    expect_exit = expect_exit or {}
+    ctx_mp = mp.get_context("spawn")
+    master = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    world_id = uuid.uuid4().hex[:12]
+    procs: list[Any] = []
+    conns: list[Any] = []
+    env_before = os.environ.get("FTCOMM_LOOP")
+    os.environ["FTCOMM_LOOP"] = loop
+    os.environ.setdefault("FTCOMM_DEBUG", "1")
+    try:
+        for rank in range(world_size):
+            parent, child = ctx_mp.Pipe(duplex=False)
+            ctx = RankContext(rank, world_size, master.port, world_id, loop)
+            proc = ctx_mp.Process(target=_rank_main, args=(fn, ctx, child), name=f"rank{rank}")
+            proc.start()
+            child.close()
+            procs.append(proc)
+            conns.append(parent)
+    finally:
+        if env_before is None:
+            os.environ.pop("FTCOMM_LOOP", None)
+        else:
+            os.environ["FTCOMM_LOOP"] = env_before
+    results: list[Any] = [None] * world_size
+    failures: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        for rank, (proc, conn) in enumerate(zip(procs, conns, strict=True)):
+            remaining = max(0.0, deadline - time.monotonic())
+            if conn.poll(remaining):
+                try:
+                    status, value = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    status, value = "eof", None
+            else:
+                status, value = "eof" if not proc.is_alive() else "hung", None
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+                failures.append(f"rank {rank} did not finish within {timeout} s (killed)")
+                continue
+            if rank in expect_exit:
+                if proc.exitcode != expect_exit[rank]:
+                    failures.append(
+                        f"rank {rank} exit code {proc.exitcode}, expected {expect_exit[rank]}"
+                    )
+                continue
+            if status == "ok":
+                results[rank] = value
+            elif status == "err":
+                failures.append(f"rank {rank} raised:\n{value.text}")
+            else:
+                failures.append(f"rank {rank} died with exit code {proc.exitcode}")
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+            proc.close()
+        for conn in conns:
+            conn.close()
+        del master
+    if failures:
+        raise WorldError("\n\n".join(failures))
+    return results
