@@ -74,8 +74,7 @@ def _rebuild(
     seq: int | None,
     state: dict[str, object],
 ) -> CommError:
-    err = cls.__new__(cls)
-    CommError.__init__(err, message, rank=rank, op=op, seq=seq)
+    err = cls(message, rank=rank, op=op, seq=seq)
     err.__dict__.update(state)
     return err
 

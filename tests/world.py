@@ -71,17 +71,17 @@ class RankFailure:
     text: str
 
 
-RankFn = Callable[[RankContext], Awaitable[Any]]
+RankFn = Callable[..., Awaitable[Any]]
 
 
-def _rank_main(fn: RankFn, ctx: RankContext, conn: Any) -> None:
+def _rank_main(fn: RankFn, ctx: RankContext, args: tuple[Any, ...], conn: Any) -> None:
     try:
         if ctx.loop == "uvloop":
             import uvloop
 
-            value = uvloop.run(fn(ctx))
+            value = uvloop.run(fn(ctx, *args))
         else:
-            value = asyncio.run(fn(ctx))
+            value = asyncio.run(fn(ctx, *args))
         from ftcomm._runtime.loop import get_runtime
 
         rt = get_runtime()
@@ -113,8 +113,9 @@ def run_world(
     loop: str = "asyncio",
     timeout: float = 60.0,
     expect_exit: dict[int, int] | None = None,
+    args: tuple[Any, ...] = (),
 ) -> list[Any]:
-    """Run ``fn(ctx)`` on ``world_size`` ranks; return their values in rank order.
+    """Run ``fn(ctx, *args)`` on ``world_size`` ranks; return their values in rank order.
 
     A rank that raised makes this raise :class:`WorldError` with every rank's
     traceback, unless the rank is listed in ``expect_exit`` (rank -> expected
@@ -135,7 +136,9 @@ def run_world(
         for rank in range(world_size):
             parent, child = ctx_mp.Pipe(duplex=False)
             ctx = RankContext(rank, world_size, master.port, world_id, loop)
-            proc = ctx_mp.Process(target=_rank_main, args=(fn, ctx, child), name=f"rank{rank}")
+            proc = ctx_mp.Process(
+                target=_rank_main, args=(fn, ctx, args, child), name=f"rank{rank}"
+            )
             proc.start()
             child.close()
             procs.append(proc)

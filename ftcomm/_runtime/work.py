@@ -83,6 +83,9 @@ class OpTable:
                 return
             self.error = error
             pending = list(self._inflight.values())
+        self._after_break(error, pending)
+
+    def _after_break(self, error: CommError, pending: list[Work[Any]]) -> None:
         for work in pending:
             work._end_after_break(error)
         self.runtime.call_soon(self._disarm)
@@ -263,7 +266,9 @@ class Work(Generic[R]):
     def _ctx(self) -> dict[str, Any]:
         return {"rank": self._table.rank, "op": self.op, "seq": self.seq}
 
-    def _settle(self, error: BaseException | None) -> bool:
+    def _settle(self, error: BaseException | None, *, breaks: bool = False) -> bool:
+        """End this op once; with ``breaks``, also break the table *before*
+        any awaiter wakes, so an awaiter always sees ``errored()`` set."""
         table = self._table
         with table._lock:
             if self._state != _PENDING:
@@ -273,6 +278,12 @@ class Work(Generic[R]):
             table._inflight.pop(self.seq, None)
             waiters, self._waiters = self._waiters, None
             native, self._native = self._native, None
+            broke: CommError | None = None
+            if breaks and table.error is None and isinstance(error, CommError):
+                table.error = broke = error
+                pending = list(table._inflight.values())
+        if broke is not None:
+            table._after_break(broke, pending)
         if error is not None and native is not None and not native.poll():
             table.runtime.dispose(native)  # it may block whoever drops it last
         for loop, fut in waiters or ():
@@ -292,14 +303,10 @@ class Work(Generic[R]):
         else:
             error = CommFailed(f"{self.op} failed: {native_error}", **self._ctx())
         error.__cause__ = native_error
-        if self._settle(error):
-            self._table.break_(error)
+        self._settle(error, breaks=True)
 
     def _abort(self, error: CommError) -> bool:
-        if self._settle(error):
-            self._table.break_(error)
-            return True
-        return False
+        return self._settle(error, breaks=True)
 
     def _expire(self) -> None:
         """The deadline passed (owner loop)."""
