@@ -309,7 +309,7 @@ class Group:
                     f"{op}: the {self.backend} backend rejected the arguments: {exc}"
                 ) from exc
             work = Work(table, op, table.next_seq(), deadline, native, result)
-            table.track(work)
+            table.track(work, seconds)
         return work
 
     # -- collectives -------------------------------------------------------

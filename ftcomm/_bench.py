@@ -1,0 +1,536 @@
+"""``python -m ftcomm bench``: ftcomm against raw c10d Gloo, measured in one run.
+
+Two ranks run on loopback as two spawned processes. The parent owns the
+``TCPStore``; the children connect to it as clients. Every child builds one
+runner per *case* (an implementation: raw Gloo, ftcomm, torchft when it is
+installed), then measures every *workload* (an op at one size) in rounds,
+alternating the order of the cases from round to round, with a store barrier
+before every phase, so that drift on these noisy 2-core machines hits all the
+cases alike. Rank 0 sends its per-op latencies to the parent, which prints one
+table of medians, tails and ratios against raw Gloo.
+
+Adding a row: add a :class:`Case` to :data:`CASES` (its ``open`` builds a
+:class:`Runner` on every rank). Adding an op: add a :class:`Workload` in
+:func:`workloads` and the op's name to every runner's ``ops``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+
+WORLD_SIZE = 2
+HOST = "127.0.0.1"
+_STORE_TIMEOUT = timedelta(seconds=60)
+_OP_TIMEOUT = 60.0
+_LOOP_ENV = "FTCOMM_LOOP"
+
+Seconds = list[float]
+
+
+# -- what is measured ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """One op at one size, timed per op.
+
+    ``iters`` and ``warmup`` count ops per case per round; ``bandwidth``
+    reports GB/s (bytes / p50) instead of the tail.
+    """
+
+    label: str
+    op: str
+    numel: int
+    iters: int
+    warmup: int
+    bandwidth: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * 4  # fp32
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a child needs to run its part (pickled to it)."""
+
+    loop: str
+    rounds: int
+    cases: tuple[str, ...]
+    workloads: tuple[Workload, ...]
+
+
+@dataclass
+class Report:
+    """Rank 0's latencies (seconds per op), keyed by (workload label, case)."""
+
+    latencies: dict[tuple[str, str], Seconds] = field(default_factory=dict)
+
+
+# -- runners: how one implementation issues and times ops ------------------------------
+class Runner:
+    """An implementation, set up on this rank, ready to time ops."""
+
+    async def time_ops(self, op: str, tensor: torch.Tensor, iters: int) -> Seconds:
+        """Issue ``op`` on ``tensor`` ``iters`` times, one after another; each op's seconds."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Release the implementation's group (every rank, after the last barrier)."""
+
+
+def _pick(ops: Mapping[str, Any], op: str, impl: str) -> Any:
+    try:
+        return ops[op]
+    except KeyError:
+        raise ValueError(f"the {impl} case has no {op!r} op") from None
+
+
+class BlockingRunner(Runner):
+    """Ops that block the caller until they end (``pg.allreduce([t]).wait()``)."""
+
+    def __init__(
+        self,
+        impl: str,
+        ops: Mapping[str, Callable[[torch.Tensor], object]],
+        close: Callable[[], object] | None = None,
+    ) -> None:
+        self.impl = impl
+        self.ops = ops
+        self._close = close
+
+    async def time_ops(self, op: str, tensor: torch.Tensor, iters: int) -> Seconds:
+        fn: Callable[[torch.Tensor], object] = _pick(self.ops, op, self.impl)
+        clock = time.perf_counter
+        out = [0.0] * iters
+        for i in range(iters):
+            start = clock()
+            fn(tensor)
+            out[i] = clock() - start
+        return out
+
+    async def close(self) -> None:
+        if self._close is not None:
+            self._close()
+
+
+class AwaitingRunner(Runner):
+    """Ops awaited on the running event loop (``await group.allreduce(t)``)."""
+
+    def __init__(
+        self,
+        impl: str,
+        ops: Mapping[str, Callable[[torch.Tensor], Awaitable[object]]],
+        close: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
+        self.impl = impl
+        self.ops = ops
+        self._close = close
+
+    async def time_ops(self, op: str, tensor: torch.Tensor, iters: int) -> Seconds:
+        fn: Callable[[torch.Tensor], Awaitable[object]] = _pick(self.ops, op, self.impl)
+        clock = time.perf_counter
+        out = [0.0] * iters
+        for i in range(iters):
+            start = clock()
+            await fn(tensor)
+            out[i] = clock() - start
+        return out
+
+    async def close(self) -> None:
+        if self._close is not None:
+            await self._close()
+
+
+@dataclass(frozen=True)
+class ChildEnv:
+    """What a case may use to set itself up on one rank."""
+
+    rank: int
+    port: int
+    store: Store  # a client of the parent's store, shared by the cases
+
+    def store_addr(self, prefix: str) -> str:
+        return f"{HOST}:{self.port}/{prefix}"
+
+
+# -- the cases --------------------------------------------------------------------------
+async def _open_raw(env: ChildEnv) -> Runner:
+    pg_gloo: Any = dist.ProcessGroupGloo
+    opts = pg_gloo._Options()
+    opts._timeout = timedelta(seconds=_OP_TIMEOUT)
+    opts._devices = [pg_gloo.create_device(hostname=HOST)]
+    pg: Any = pg_gloo(PrefixStore("raw", env.store), env.rank, WORLD_SIZE, opts)
+
+    def allreduce(t: torch.Tensor) -> None:
+        pg.allreduce([t]).wait()
+
+    return BlockingRunner("raw", {"allreduce": allreduce})
+
+
+async def _open_ftcomm(env: ChildEnv) -> Runner:
+    import ftcomm
+
+    group = ftcomm.Group("gloo", timeout=_OP_TIMEOUT)
+    await group.configure(env.store_addr("ftcomm-bench"), env.rank, WORLD_SIZE)
+    return AwaitingRunner("ftcomm", {"allreduce": group.allreduce}, group.shutdown)
+
+
+def _torchft_missing() -> str | None:
+    try:
+        importlib.import_module("torchft.process_group")
+    except Exception as exc:  # not installed, or broken: either way, no rows
+        return f"import torchft failed ({type(exc).__name__}: {exc})"
+    return None
+
+
+async def _open_torchft(env: ChildEnv) -> Runner:
+    from torch.distributed import AllreduceOptions
+
+    pgs: Any = importlib.import_module("torchft.process_group")
+    pg: Any = pgs.ProcessGroupGloo(timeout=timedelta(seconds=_OP_TIMEOUT))
+    pg.configure(env.store_addr("torchft-bench"), "0", env.rank, WORLD_SIZE)
+
+    def allreduce(t: torch.Tensor) -> None:
+        pg.allreduce([t], AllreduceOptions()).wait()
+
+    return BlockingRunner("torchft", {"allreduce": allreduce}, getattr(pg, "shutdown", None))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One implementation (one row per workload).
+
+    ``missing`` returns why it cannot run in this environment (its rows are
+    then skipped with that note), or ``None``. ``open`` runs on every rank, in
+    the order of :data:`CASES`, inside the children's event loop.
+    """
+
+    impl: str
+    open: Callable[[ChildEnv], Awaitable[Runner]]
+    missing: Callable[[], str | None] = lambda: None
+
+
+BASELINE = "raw"
+CASES: list[Case] = [
+    Case(BASELINE, _open_raw),
+    Case("ftcomm", _open_ftcomm),
+    Case("torchft", _open_torchft, _torchft_missing),
+]
+
+
+def workloads(args: argparse.Namespace) -> tuple[Workload, ...]:
+    """The ops to time, with per-round counts derived from the totals asked for."""
+
+    rounds: int = args.rounds
+
+    def per_round(total: int) -> int:
+        return max(1, math.ceil(total / rounds))
+
+    big_mib: int = args.big_mib
+    big = big_mib * (1 << 20) // 4
+    return (
+        Workload("allreduce 1xfp32", "allreduce", 1, per_round(args.iters), args.warmup),
+        Workload(
+            f"allreduce {big_mib}MiB fp32",
+            "allreduce",
+            big,
+            per_round(args.big_iters),
+            args.big_warmup,
+            bandwidth=True,
+        ),
+    )
+
+
+# -- child side ------------------------------------------------------------------------
+class _Barrier:
+    """A store barrier between phases, independent of every case's group."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = PrefixStore("bench-barrier", store)
+        self._n = 0
+
+    def __call__(self) -> None:
+        self._n += 1
+        key = f"b{self._n}"
+        if self._store.add(key, 1) == WORLD_SIZE:
+            self._store.set(f"{key}/open", "1")
+        self._store.wait([f"{key}/open"])
+
+
+async def _self_check(runner: Runner, impl: str) -> None:
+    """An allreduce of ones must give the world size: a broken case must not look fast."""
+    t = torch.ones(4, dtype=torch.float32)
+    await runner.time_ops("allreduce", t, 1)
+    if not bool(torch.all(t == WORLD_SIZE)):
+        raise RuntimeError(f"{impl}: allreduce of ones gave {t.tolist()}, not {WORLD_SIZE}")
+
+
+async def _measure(rank: int, port: int, plan: Plan, store: Store) -> Report:
+    env = ChildEnv(rank, port, store)
+    barrier = _Barrier(store)
+    by_name = {case.impl: case for case in CASES}
+    runners: dict[str, Runner] = {}
+    report = Report()
+    try:
+        for impl in plan.cases:
+            runners[impl] = await by_name[impl].open(env)
+            await _self_check(runners[impl], impl)
+        for rnd in range(plan.rounds):
+            order = list(plan.cases) if rnd % 2 == 0 else list(reversed(plan.cases))
+            for w in plan.workloads:
+                tensor = torch.zeros(w.numel, dtype=torch.float32)  # stays 0: no inf/denormals
+                for impl in order:
+                    barrier()
+                    runner = runners[impl]
+                    if w.warmup:
+                        await runner.time_ops(w.op, tensor, w.warmup)
+                    lat = await runner.time_ops(w.op, tensor, w.iters)
+                    report.latencies.setdefault((w.label, impl), []).extend(lat)
+        barrier()  # nobody tears down while a peer is still in an op
+    finally:
+        for runner in runners.values():
+            await runner.close()
+    return report
+
+
+def _child(rank: int, port: int, plan: Plan, conn: Connection) -> None:
+    """A rank's process: measure, send rank 0's report, exit (at once on failure)."""
+    try:
+        os.environ[_LOOP_ENV] = plan.loop  # ftcomm's owner loop matches the caller's
+        store = TCPStore(
+            host_name=HOST,
+            port=port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=_STORE_TIMEOUT,
+        )
+        coro = _measure(rank, port, plan, store)
+        if plan.loop == "uvloop":
+            import uvloop
+
+            report = uvloop.run(coro)
+        else:
+            report = asyncio.run(coro)
+        conn.send(report if rank == 0 else None)
+        conn.close()
+    except BaseException:
+        # A native op may still be in flight: a normal exit could block on the
+        # group's destructor until its timeout. Leave now; the parent sees the code.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+# -- parent side -----------------------------------------------------------------------
+class BenchFailed(Exception):
+    """A child failed or the run took too long."""
+
+
+def _run_children(plan: Plan, timeout: float) -> Report:
+    ctx = multiprocessing.get_context("spawn")
+    store = TCPStore(host_name=HOST, port=0, is_master=True, wait_for_workers=False)
+    procs: list[multiprocessing.process.BaseProcess] = []
+    conns: dict[Connection, int] = {}
+    try:
+        for rank in range(WORLD_SIZE):
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            child = ctx.Process(
+                target=_child,
+                args=(rank, store.port, plan, send_end),
+                name=f"ftcomm-bench-rank{rank}",
+            )
+            procs.append(child)
+            conns[recv_end] = rank
+            child.start()
+            send_end.close()  # the child holds the only write end: its exit gives EOF
+        return _collect(procs, conns, time.monotonic() + timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            proc.close()
+        for conn in conns:
+            conn.close()
+        del store  # the master store (and its port) goes with its last reference
+
+
+def _collect(
+    procs: Sequence[multiprocessing.process.BaseProcess],
+    conns: dict[Connection, int],
+    deadline: float,
+) -> Report:
+    open_conns = dict(conns)
+    replies: dict[int, object] = {}
+    while True:
+        for rank, proc in enumerate(procs):
+            if proc.exitcode not in (None, 0):
+                raise BenchFailed(f"rank {rank} exited with code {proc.exitcode}")
+        alive = [proc for proc in procs if proc.exitcode is None]
+        if not alive and not open_conns:
+            break
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BenchFailed("the ranks did not finish in time (see --timeout)")
+        ready = multiprocessing.connection.wait(
+            [*open_conns, *(proc.sentinel for proc in alive)], remaining
+        )
+        for obj in ready:
+            if not isinstance(obj, Connection):
+                continue  # a sentinel: the exit code is read at the top
+            rank = open_conns.pop(obj)
+            with contextlib.suppress(EOFError):  # no reply: reported below
+                replies[rank] = obj.recv()
+    for rank in range(len(procs)):
+        if rank not in replies:
+            raise BenchFailed(f"rank {rank} exited without a reply")
+    report = replies[0]
+    if not isinstance(report, Report):
+        raise BenchFailed(f"rank 0 sent {type(report).__name__}, not a Report")
+    return report
+
+
+# -- the table --------------------------------------------------------------------------
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100), interpolated linearly between ranks."""
+    if not values:
+        raise ValueError("no values")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def format_table(plan: Plan, report: Report, notes: Sequence[str]) -> str:
+    head = f"{'op':<24} {'impl':<8} {'p50_us':>9} {'p99_us':>9} {'GB/s':>7}   ratio_p50(vs raw)"
+    lines = [
+        f"ftcomm bench: {WORLD_SIZE} ranks, gloo, loopback, loop={plan.loop}, "
+        f"torch {torch.__version__}",
+        head,
+    ]
+    for w in plan.workloads:
+        base = report.latencies.get((w.label, BASELINE))
+        base_p50 = percentile(base, 50) if base else None
+        for impl in plan.cases:
+            lat = report.latencies.get((w.label, impl))
+            if not lat:
+                continue
+            p50, p99 = percentile(lat, 50), percentile(lat, 99)
+            gbs = f"{w.nbytes / p50 / 1e9:7.2f}" if w.bandwidth else ""
+            ratio = ""
+            if impl != BASELINE and base_p50 is not None:
+                ratio = (
+                    f"(bw ratio {base_p50 / p50:.2f}x)" if w.bandwidth else f"{p50 / base_p50:.2f}x"
+                )
+            row = f"{w.label:<24} {impl:<8} {p50 * 1e6:9.1f} {p99 * 1e6:9.1f} {gbs:>7}   {ratio}"
+            lines.append(row.rstrip())
+    lines.append(
+        f"({plan.rounds} rounds, cases alternating; per case: "
+        + ", ".join(f"{w.label}: {w.iters * plan.rounds} ops" for w in plan.workloads)
+        + "; rank 0's times)"
+    )
+    lines.extend(f"note: {note}" for note in notes)
+    return "\n".join(lines)
+
+
+# -- CLI --------------------------------------------------------------------------------
+def _default_loop() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ftcomm bench",
+        description="Time ftcomm's collectives against raw torch.distributed Gloo "
+        "(and torchft when installed): 2 ranks on loopback, one run, ratios.",
+    )
+    p.add_argument("--iters", type=_positive, default=3000, help="1-float ops per case (3000)")
+    p.add_argument("--big-iters", type=_positive, default=24, help="big ops per case (24)")
+    p.add_argument("--big-mib", type=_positive, default=16, help="big tensor size in MiB (16)")
+    p.add_argument("--rounds", type=_positive, default=4, help="interleaved rounds (4)")
+    p.add_argument(
+        "--warmup", type=_non_negative, default=100, help="1-float warm-up ops per round (100)"
+    )
+    p.add_argument(
+        "--big-warmup", type=_non_negative, default=1, help="big warm-up ops per round (1)"
+    )
+    p.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default=None,
+        help="event loop of the ranks and of ftcomm's owner loop (default: uvloop if installed)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="give up after this many seconds (300)"
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the bench; print the table. Returns the exit code."""
+    args = parser().parse_args(argv)
+    loop: str = args.loop or _default_loop()
+    if loop == "uvloop" and _default_loop() != "uvloop":
+        print("ftcomm bench: --loop uvloop but uvloop is not installed", file=sys.stderr)
+        return 2
+    notes: list[str] = []
+    cases: list[str] = []
+    for case in CASES:
+        why = case.missing()
+        if why is None:
+            cases.append(case.impl)
+        else:
+            notes.append(f"{case.impl} rows skipped: {why}")
+    plan = Plan(loop, args.rounds, tuple(cases), workloads(args))
+    started = time.monotonic()
+    try:
+        report = _run_children(plan, args.timeout)
+    except BenchFailed as exc:
+        print(f"ftcomm bench failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    notes.append(f"took {time.monotonic() - started:.1f} s")
+    print(format_table(plan, report, notes), flush=True)
+    return 0

@@ -1,0 +1,290 @@
+"""The runtime's own rules, with a scripted native op instead of a network.
+
+Only the native op is faked (``ScriptedOp``); the OpTable, Work, deadline
+sweeper, owner loop and threads under test are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+import tracemalloc
+from collections.abc import Iterator
+
+import pytest
+
+import ftcomm
+from ftcomm._runtime.deadline import to_seconds
+from ftcomm._runtime.loop import Runtime, get_runtime
+from ftcomm._runtime.native import Done
+from ftcomm._runtime.threads import WorkerPool
+from ftcomm._runtime.work import OpTable, Work
+
+
+class ScriptedOp:
+    """A native op that ends when the test says so."""
+
+    def __init__(self, done: bool = False) -> None:
+        self._done = done
+        self._error: BaseException | None = None
+        self._callbacks: list[Done] = []
+
+    def poll(self) -> bool:
+        return self._done
+
+    def outcome(self) -> BaseException | None:
+        return self._error
+
+    def on_done(self, callback: Done) -> None:
+        if self._done:
+            callback(self._error)
+        else:
+            self._callbacks.append(callback)
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self._error, self._done = error, True
+        for cb in self._callbacks:
+            cb(error)
+
+
+@pytest.fixture
+def table() -> Iterator[OpTable]:
+    broken: list[ftcomm.CommError] = []
+    t = OpTable(get_runtime(), rank=0, on_break=broken.append)
+    yield t
+    t.break_(ftcomm.CommAborted("test over"))
+
+
+def issue(
+    table: OpTable, op: ScriptedOp, timeout: float, result: object = "result"
+) -> Work[object]:
+    work: Work[object] = Work(
+        table, "allreduce", table.next_seq(), time.monotonic() + timeout, op, result
+    )
+    table.track(work, timeout)
+    return work
+
+
+@pytest.mark.asyncio
+async def test_completed_op_gives_its_result(table: OpTable) -> None:
+    op = ScriptedOp()
+    work = issue(table, op, 5.0)
+    asyncio.get_running_loop().call_later(0.01, op.finish)  # ends after the spin
+    assert await work == "result"
+    assert table.error is None
+    assert len(table) == 0
+
+
+@pytest.mark.asyncio
+async def test_deadline_raises_comm_timeout_and_breaks_the_table(table: OpTable) -> None:
+    hung, other = ScriptedOp(), ScriptedOp()
+    work = issue(table, hung, 0.2)
+    bystander = issue(table, other, 30.0)
+    started = time.monotonic()
+    with pytest.raises(ftcomm.CommTimeout, match=r"allreduce .*seq=1") as info:
+        await work
+    elapsed = time.monotonic() - started
+    assert 0.19 <= elapsed < 0.2 + 0.5
+    assert isinstance(info.value, TimeoutError)
+    assert table.error is info.value
+    with pytest.raises(ftcomm.CommAborted):
+        await bystander
+    hung.finish()  # a late completion changes nothing
+    assert work.exception() is info.value
+
+
+@pytest.mark.asyncio
+async def test_unobserved_success_survives_a_break(table: OpTable) -> None:
+    finished = ScriptedOp(done=True)
+    work = issue(table, finished, 30.0)
+    table.break_(ftcomm.CommAborted("abort"))
+    assert await work == "result"
+
+
+@pytest.mark.asyncio
+async def test_native_failure_before_deadline_is_comm_failed(table: OpTable) -> None:
+    op = ScriptedOp()
+    work = issue(table, op, 30.0)
+    asyncio.get_running_loop().call_later(
+        0.01, op.finish, RuntimeError("Connection closed by peer")
+    )
+    with pytest.raises(ftcomm.CommFailed, match="Connection closed by peer") as info:
+        await work
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert table.error is info.value
+
+
+@pytest.mark.asyncio
+async def test_cancelling_the_awaiting_task_aborts_and_reraises(table: OpTable) -> None:
+    work = issue(table, ScriptedOp(), 30.0)
+    task = asyncio.ensure_future(_await(work))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert isinstance(table.error, ftcomm.CommAborted)
+    assert "cancelled" in str(table.error)
+
+
+async def _await(work: Work[object]) -> object:
+    return await work
+
+
+@pytest.mark.asyncio
+async def test_cancel_after_completion_does_not_abort(table: OpTable) -> None:
+    op = ScriptedOp()
+    work = issue(table, op, 30.0)
+    task = asyncio.ensure_future(_await(work))
+    await asyncio.sleep(0.01)
+    op.finish()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert table.error is None
+    assert await work == "result"
+
+
+@pytest.mark.asyncio
+async def test_work_cancel(table: OpTable) -> None:
+    work = issue(table, ScriptedOp(), 30.0)
+    assert work.cancel() is True
+    assert work.cancel() is False
+    with pytest.raises(ftcomm.CommAborted, match=r"Work\.cancel"):
+        await work
+
+
+def test_exactly_one_settler_wins_a_race(table: OpTable) -> None:
+    for _ in range(200):
+        op = ScriptedOp()
+        work = issue(table, op, 30.0)
+        barrier = threading.Barrier(4)
+        wins: list[bool] = []
+
+        def settle(
+            i: int, work: Work[object], barrier: threading.Barrier, wins: list[bool]
+        ) -> None:
+            barrier.wait()
+            wins.append(work._settle(None if i % 2 else RuntimeError("x")))
+
+        threads = [threading.Thread(target=settle, args=(i, work, barrier, wins)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert wins.count(True) == 1
+        assert len(table) == 0
+
+
+@pytest.mark.asyncio
+async def test_timers_and_memory_stay_flat_over_100k_ops(table: OpTable) -> None:
+    """One deadline timer per table, whatever the op count; no growth."""
+    owner = get_runtime().loop
+
+    def scheduled() -> int:
+        return len(getattr(owner, "_scheduled", ()))
+
+    tracemalloc.start()
+    try:
+        for i in range(100_000):
+            assert await issue(table, ScriptedOp(done=True), 60.0) == "result"
+            if i == 10_000:
+                gc.collect()
+                base_mem, _ = tracemalloc.get_traced_memory()
+                base_timers = scheduled()
+        gc.collect()
+        end_mem, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(table) == 0
+    assert scheduled() <= base_timers + 1
+    assert end_mem - base_mem < 256 * 1024, f"grew by {end_mem - base_mem} bytes"
+    # The owner loop holds at most one timer for this table.
+    armed = asyncio.run_coroutine_threadsafe(_timer_armed(table), owner).result(5)
+    assert armed in (True, False)
+
+
+async def _timer_armed(table: OpTable) -> bool:
+    return table.timer_armed
+
+
+def test_watchdog_reports_a_callback_that_holds_the_loop() -> None:
+    rt = Runtime("asyncio")
+    try:
+        rt.set_debug(0.05)
+        assert rt.watchdog is not None
+        done = threading.Event()
+        rt.call_soon(lambda: (time.sleep(0.3), done.set()))
+        assert done.wait(5)
+        assert rt.watchdog.stalls, "a 0.3 s callback went unnoticed"
+        assert "time.sleep" in rt.watchdog.stalls[0].stack or "sleep" in rt.watchdog.stalls[0].stack
+    finally:
+        rt.close()
+
+
+def test_call_from_the_loop_thread_is_refused() -> None:
+    rt = get_runtime()
+
+    async def inner() -> str:
+        async def noop() -> None:
+            return None
+
+        try:
+            rt.call(noop())
+        except RuntimeError as exc:
+            return str(exc)
+        return "no error"
+
+    assert "deadlock" in rt.call(inner(), timeout=5)
+
+
+def test_worker_pool_runs_blocking_calls_side_by_side() -> None:
+    pool = WorkerPool("test-pool", max_workers=2)
+    try:
+        a, b = threading.Event(), threading.Event()
+        # Each call waits for the other: they deadlock if queued on one thread.
+        fa = pool.submit(lambda: (a.set(), b.wait(5))[1])
+        fb = pool.submit(lambda: (b.set(), a.wait(5))[1])
+        assert fa.result(5) is True
+        assert fb.result(5) is True
+        assert pool.wait_idle(5)
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        (float("nan"), ValueError),
+        (-1, ValueError),
+        (float("inf"), ValueError),
+        ("1", TypeError),
+        (True, TypeError),
+        (None, TypeError),
+    ],
+)
+def test_bad_timeouts_are_rejected(value: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="timeout"):
+        to_seconds(value)
+
+
+@pytest.mark.asyncio
+async def test_a_timer_that_fires_early_is_armed_again(table: OpTable) -> None:
+    """uvloop may run a timer up to 1 ms early; the deadline must still hold."""
+    rt = get_runtime()
+    work = issue(table, ScriptedOp(), 0.3)
+
+    async def fire_early() -> bool:
+        await asyncio.sleep(0)  # after track()'s call_soon(_rearm) has run
+        if table._timer is None:
+            return False
+        table._timer.cancel()  # the real handle "fires" now, 0.3 s early
+        table._on_timer()
+        return table.timer_armed
+
+    assert await asyncio.wrap_future(rt.submit(fire_early()))
+    started = time.monotonic()
+    with pytest.raises(ftcomm.CommTimeout):
+        await work
+    assert time.monotonic() - started < 0.3 + 0.5
