@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import inspect
+import pickle
+
+import pytest
+
+import ftcomm
+
+
+def test_every_public_name_is_exported_and_documented() -> None:
+    for name in ftcomm.__all__:
+        obj = getattr(ftcomm, name)
+        assert inspect.getdoc(obj), f"ftcomm.{name} has no docstring"
+
+
+def test_group_methods_say_what_they_raise() -> None:
+    for name, member in inspect.getmembers(ftcomm.Group):
+        if name.startswith("_") or not callable(member):
+            continue
+        doc = inspect.getdoc(member) or ""
+        if name in {"errored", "set_timeout", "num_active_work", "abort", "shutdown"}:
+            assert doc, name
+            continue
+        assert "Raises" in doc, f"Group.{name} does not list what it raises"
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        ftcomm.CommError,
+        ftcomm.CommTimeout,
+        ftcomm.CommAborted,
+        ftcomm.CommFailed,
+        ftcomm.NotConfigured,
+        ftcomm.ProtocolError,
+    ],
+)
+def test_errors_carry_context_and_pickle(cls: type[ftcomm.CommError]) -> None:
+    err = cls("it broke", rank=2, op="allreduce", seq=7)
+    assert isinstance(err, RuntimeError)
+    assert str(err) == "it broke [rank=2 op=allreduce seq=7]"
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is cls
+    assert (back.message, back.rank, back.op, back.seq) == ("it broke", 2, "allreduce", 7)
+
+
+def test_worker_died_keeps_its_exit_status() -> None:
+    err = ftcomm.WorkerDied("worker exited", exitcode=None, signal=9, rank=0)
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.signal, back.exitcode, back.rank) == (9, None, 0)
+
+
+def test_comm_timeout_is_a_timeout_error() -> None:
+    assert issubclass(ftcomm.CommTimeout, TimeoutError)
+    assert not issubclass(ftcomm.CommAborted, TimeoutError)
