@@ -8,9 +8,27 @@ group and the caller's tensors as they were.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch.distributed import ReduceOp
+
+INT32_MAX = 2**31 - 1
+"""Ranks, world sizes and tags cross into C++ as 32-bit ints."""
+
+_BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
+_COMPLEX_OK = frozenset({ReduceOp.SUM, ReduceOp.AVG})
+
+
+class TensorRules(Protocol):
+    """What a backend accepts: a device type (``"*"`` for any) and dtypes (None: any)."""
+
+    @property
+    def device_type(self) -> str: ...
+
+    @property
+    def dtypes(self) -> frozenset[torch.dtype] | None: ...
+
 
 _REDUCE_OPS_BY_NAME: dict[str, ReduceOp.RedOpType] = {
     "sum": ReduceOp.SUM,
@@ -24,11 +42,15 @@ _REDUCE_OPS_BY_NAME: dict[str, ReduceOp.RedOpType] = {
 }
 
 
-def check_int(value: object, name: str, *, minimum: int | None = None) -> int:
+def check_int(
+    value: object, name: str, *, minimum: int | None = None, maximum: int | None = INT32_MAX
+) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value
 
 
@@ -41,24 +63,33 @@ def check_rank(value: object, name: str, world_size: int, *, not_self: int | Non
     return rank
 
 
-def check_tensor(value: object, name: str, device_type: str) -> torch.Tensor:
+def check_tensor(value: object, name: str, rules: TensorRules) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.layout != torch.strided:
-        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
+    if value.is_nested or value.layout != torch.strided:
+        kind = "nested" if value.is_nested else str(value.layout)
+        raise ValueError(f"{name} must be a dense (strided) tensor, got a {kind} tensor")
+    device_type = rules.device_type
     if device_type != "*" and value.device.type != device_type:
         raise ValueError(f"{name} must be on {device_type}, got a tensor on {value.device}")
+    if rules.dtypes is not None and value.dtype not in rules.dtypes:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in rules.dtypes))
+        raise ValueError(
+            f"{name} has dtype {value.dtype}, which this backend cannot send ({names})"
+        )
     if not value.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+    if value.is_conj() or value.is_neg():
+        raise ValueError(f"{name} is a lazy conjugate/negative view: call .resolve_conj() first")
     return value
 
 
 def check_tensor_list(
-    value: object, name: str, device_type: str, *, length: int | None = None
+    value: object, name: str, rules: TensorRules, *, length: int | None = None
 ) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor) or not isinstance(value, Sequence):
         raise TypeError(f"{name} must be a list of torch.Tensor, got {type(value).__name__}")
-    tensors = [check_tensor(t, f"{name}[{i}]", device_type) for i, t in enumerate(value)]
+    tensors = [check_tensor(t, f"{name}[{i}]", rules) for i, t in enumerate(value)]
     if not tensors:
         raise ValueError(f"{name} must not be empty")
     if length is not None and len(tensors) != length:
@@ -80,15 +111,27 @@ def check_dtype(t: torch.Tensor, name: str, ref: torch.Tensor, ref_name: str) ->
         raise ValueError(f"{name} must have the dtype of {ref_name} ({ref.dtype}), got {t.dtype}")
 
 
-def check_numel(t: torch.Tensor, name: str, expected: int, why: str) -> None:
-    if t.numel() != expected:
-        raise ValueError(f"{name} must have {expected} elements ({why}), got {t.numel()}")
+def check_stacked(
+    big: torch.Tensor, big_name: str, small: torch.Tensor, small_name: str, n: int
+) -> None:
+    """``big`` is ``n`` copies of ``small`` stacked along dim 0."""
+    check_dtype(big, big_name, small, small_name)
+    if small.dim() == 0:
+        raise ValueError(f"{small_name} must have at least one dimension")
+    want = (n * small.shape[0], *small.shape[1:])
+    if tuple(big.shape) != want:
+        raise ValueError(
+            f"{big_name} must have shape {want} (world_size x {small_name}.shape[0] rows), "
+            f"got {tuple(big.shape)}"
+        )
 
 
 def check_reduce_op(
     value: object, supported: frozenset[ReduceOp.RedOpType], backend: str, name: str = "op"
 ) -> ReduceOp.RedOpType:
     """A ``ReduceOp`` member or its lower-case name (``"sum"``, ``"max"`` …)."""
+    if value is ReduceOp:
+        raise TypeError(f"{name} must be a ReduceOp member such as ReduceOp.SUM, got the class")
     if isinstance(value, str):
         op = _REDUCE_OPS_BY_NAME.get(value.lower())
         if op is None:
@@ -96,8 +139,12 @@ def check_reduce_op(
             raise ValueError(f"{name} must be one of {names}, got {value!r}")
     elif isinstance(value, ReduceOp.RedOpType):
         op = value
-    elif isinstance(value, ReduceOp):
-        raise TypeError(f"{name} must be a ReduceOp member such as ReduceOp.SUM, got ReduceOp()")
+    elif isinstance(value, ReduceOp):  # ReduceOp(ReduceOp.MAX) compares equal to MAX
+        wrapped: object = value
+        found = next((m for m in _REDUCE_OPS_BY_NAME.values() if wrapped == m), None)
+        if found is None:
+            raise ValueError(f"{name} {value!r} is not supported (premul_sum and custom ops)")
+        op = found
     else:
         raise TypeError(
             f"{name} must be a torch.distributed.ReduceOp or str, got {type(value).__name__}"
@@ -105,6 +152,14 @@ def check_reduce_op(
     if op not in supported:
         raise ValueError(f"{name} {op} is not supported by the {backend} backend")
     return op
+
+
+def check_reduce_dtype(op: ReduceOp.RedOpType, t: torch.Tensor, name: str) -> None:
+    """torch's own rules: bitwise ops need integers, complex only sums."""
+    if op in _BITWISE and (t.is_floating_point() or t.is_complex()):
+        raise ValueError(f"op {op} needs integer or bool tensors, {name} is {t.dtype}")
+    if t.is_complex() and op not in _COMPLEX_OK:
+        raise ValueError(f"op {op} is not defined on complex tensors ({name} is {t.dtype})")
 
 
 def check_splits(

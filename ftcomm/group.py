@@ -137,11 +137,15 @@ class Group:
         if not isinstance(replica_id, str):
             raise TypeError(f"replica_id must be a str, got {type(replica_id).__name__}")
         if quorum_id is not None:
-            v.check_int(quorum_id, "quorum_id")
+            v.check_int(quorum_id, "quorum_id", maximum=None)
         if group_world_size is not None:
             v.check_int(group_world_size, "group_world_size", minimum=1)
         if group_rank is not None:
             v.check_int(group_rank, "group_rank", minimum=0)
+            if group_world_size is not None and group_rank >= group_world_size:
+                raise ValueError(
+                    f"group_rank must be < group_world_size ({group_world_size}), got {group_rank}"
+                )
         ranks: tuple[int, ...] | None = None
         if global_ranks is not None:
             if isinstance(global_ranks, (str, bytes)) or not isinstance(global_ranks, Sequence):
@@ -151,6 +155,8 @@ class Group:
             ranks = tuple(
                 v.check_int(r, f"global_ranks[{i}]", minimum=0) for i, r in enumerate(global_ranks)
             )
+            if len(set(ranks)) != len(ranks):
+                raise ValueError(f"global_ranks must not repeat a rank, got {list(ranks)}")
             if len(ranks) != world_size:
                 raise ValueError(
                     f"global_ranks must hold world_size ({world_size}) ranks, got {len(ranks)}"
@@ -179,6 +185,7 @@ class Group:
             done, _ = await asyncio.wait({wrapped}, timeout=seconds)
         finally:
             if not wrapped.done():  # timed out or cancelled: dispose of it whenever it lands
+                wrapped.cancel()  # nobody will read it (a running call is not stopped)
                 cf.add_done_callback(self._dispose_orphan)
         if not done:
             raise CommTimeout(
@@ -328,8 +335,9 @@ class Group:
             CommAborted: the group is errored.
         """
         cfg = self._configured("allreduce")
-        v.check_tensor(tensor, "tensor", cfg.backend.device_type)
+        v.check_tensor(tensor, "tensor", cfg.backend)
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
+        v.check_reduce_dtype(rop, tensor, "tensor")
         return self._issue(
             cfg, "allreduce", timeout, tensor, lambda b, s: b.allreduce([tensor], rop, s)
         )
@@ -346,10 +354,11 @@ class Group:
         Raises: as :meth:`allreduce`.
         """
         cfg = self._configured("allreduce_coalesced")
-        ts = v.check_tensor_list(tensors, "tensors", cfg.backend.device_type)
+        ts = v.check_tensor_list(tensors, "tensors", cfg.backend)
         for i, t in enumerate(ts[1:], 1):
             v.check_dtype(t, f"tensors[{i}]", ts[0], "tensors[0]")
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
+        v.check_reduce_dtype(rop, ts[0], "tensors[0]")
         return self._issue(
             cfg, "allreduce_coalesced", timeout, ts, lambda b, s: b.allreduce(ts, rop, s)
         )
@@ -367,12 +376,12 @@ class Group:
         Raises: as :meth:`allreduce`.
         """
         cfg = self._configured("allgather")
-        device, ws = cfg.backend.device_type, cfg.backend.world_size
-        v.check_tensor(tensor, "tensor", device)
+        rules, ws = cfg.backend, cfg.backend.world_size
+        v.check_tensor(tensor, "tensor", rules)
         if out is None:
             outs = [torch.empty_like(tensor) for _ in range(ws)]
         else:
-            outs = v.check_tensor_list(out, "out", device, length=ws)
+            outs = v.check_tensor_list(out, "out", rules, length=ws)
             for i, o in enumerate(outs):
                 v.check_like(o, f"out[{i}]", tensor, "tensor")
         return self._issue(
@@ -392,12 +401,11 @@ class Group:
         Raises: as :meth:`allreduce`.
         """
         cfg = self._configured("allgather_into_tensor_coalesced")
-        device, ws = cfg.backend.device_type, cfg.backend.world_size
-        outs = v.check_tensor_list(outputs, "outputs", device)
-        ins = v.check_tensor_list(inputs, "inputs", device, length=len(outs))
+        rules, ws = cfg.backend, cfg.backend.world_size
+        outs = v.check_tensor_list(outputs, "outputs", rules)
+        ins = v.check_tensor_list(inputs, "inputs", rules, length=len(outs))
         for i, (o, t) in enumerate(zip(outs, ins, strict=True)):
-            v.check_dtype(o, f"outputs[{i}]", t, f"inputs[{i}]")
-            v.check_numel(o, f"outputs[{i}]", t.numel() * ws, f"world_size x inputs[{i}].numel()")
+            v.check_stacked(o, f"outputs[{i}]", t, f"inputs[{i}]", ws)
         return self._issue(
             cfg,
             "allgather_into_tensor_coalesced",
@@ -414,7 +422,7 @@ class Group:
         Raises: as :meth:`allreduce`.
         """
         cfg = self._configured("broadcast")
-        v.check_tensor(tensor, "tensor", cfg.backend.device_type)
+        v.check_tensor(tensor, "tensor", cfg.backend)
         root = v.check_rank(root, "root", cfg.backend.world_size)
         return self._issue(
             cfg, "broadcast", timeout, tensor, lambda b, s: b.broadcast(tensor, root, s)
@@ -434,12 +442,13 @@ class Group:
         Raises: as :meth:`allreduce`.
         """
         cfg = self._configured("reduce_scatter")
-        device, ws = cfg.backend.device_type, cfg.backend.world_size
-        v.check_tensor(output, "output", device)
-        ins = v.check_tensor_list(inputs, "inputs", device, length=ws)
+        rules, ws = cfg.backend, cfg.backend.world_size
+        v.check_tensor(output, "output", rules)
+        ins = v.check_tensor_list(inputs, "inputs", rules, length=ws)
         for i, t in enumerate(ins):
             v.check_like(t, f"inputs[{i}]", output, "output")
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
+        v.check_reduce_dtype(rop, output, "output")
         return self._issue(
             cfg,
             "reduce_scatter",
@@ -462,13 +471,13 @@ class Group:
         Raises: as :meth:`allreduce`.
         """
         cfg = self._configured("reduce_scatter_tensor_coalesced")
-        device, ws = cfg.backend.device_type, cfg.backend.world_size
-        outs = v.check_tensor_list(outputs, "outputs", device)
-        ins = v.check_tensor_list(inputs, "inputs", device, length=len(outs))
+        rules, ws = cfg.backend, cfg.backend.world_size
+        outs = v.check_tensor_list(outputs, "outputs", rules)
+        ins = v.check_tensor_list(inputs, "inputs", rules, length=len(outs))
         for i, (o, t) in enumerate(zip(outs, ins, strict=True)):
-            v.check_dtype(t, f"inputs[{i}]", o, f"outputs[{i}]")
-            v.check_numel(t, f"inputs[{i}]", o.numel() * ws, f"world_size x outputs[{i}].numel()")
+            v.check_stacked(t, f"inputs[{i}]", o, f"outputs[{i}]", ws)
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
+        v.check_reduce_dtype(rop, outs[0], "outputs[0]")
         return self._issue(
             cfg,
             "reduce_scatter_tensor_coalesced",
@@ -493,9 +502,9 @@ class Group:
         Raises: as :meth:`allreduce`.
         """
         cfg = self._configured("alltoall_base")
-        device, ws = cfg.backend.device_type, cfg.backend.world_size
-        v.check_tensor(output, "output", device)
-        v.check_tensor(tensor, "tensor", device)
+        rules, ws = cfg.backend, cfg.backend.world_size
+        v.check_tensor(output, "output", rules)
+        v.check_tensor(tensor, "tensor", rules)
         v.check_dtype(output, "output", tensor, "tensor")
         for name, t in (("output", output), ("tensor", tensor)):
             if t.dim() == 0:
@@ -532,7 +541,7 @@ class Group:
         Raises: as :meth:`allreduce`.
         """
         cfg = self._configured("send")
-        v.check_tensor(tensor, "tensor", cfg.backend.device_type)
+        v.check_tensor(tensor, "tensor", cfg.backend)
         dst = v.check_rank(dst, "dst", cfg.backend.world_size, not_self=cfg.backend.rank)
         tag = v.check_int(tag, "tag", minimum=0)
         return self._issue(cfg, "send", timeout, None, lambda b, s: b.send(tensor, dst, tag, s))
@@ -545,7 +554,7 @@ class Group:
         Raises: as :meth:`allreduce`.
         """
         cfg = self._configured("recv")
-        v.check_tensor(tensor, "tensor", cfg.backend.device_type)
+        v.check_tensor(tensor, "tensor", cfg.backend)
         src = v.check_rank(src, "src", cfg.backend.world_size, not_self=cfg.backend.rank)
         tag = v.check_int(tag, "tag", minimum=0)
         return self._issue(cfg, "recv", timeout, tensor, lambda b, s: b.recv(tensor, src, tag, s))

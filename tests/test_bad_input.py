@@ -13,7 +13,7 @@ result. The case tables run one test per case on the dummy backend, and all
 cases in turn on one Gloo group (world size 1, or 2 ranks in this process for
 point-to-point) against a real TCPStore.
 
-Tests marked ``xfail(strict=True)`` describe how the library SHOULD behave
+The ``test_gap_*`` tests began as strict xfails describing how the library SHOULD behave
 where it does not yet; each reason names the place to fix.
 """
 
@@ -388,9 +388,10 @@ COLLECTIVE_CASES = [
     ),
     # allgather_into_tensor_coalesced
     bad(
-        "allgather_into_tensor_coalesced-numel",
+        "allgather_into_tensor_coalesced-shape",
         ValueError,
-        r"^outputs\[0\] must have 2 elements \(world_size x inputs\[0\]\.numel\(\)\), got 3",
+        r"^outputs\[0\] must have shape \(2,\) \(world_size x inputs\[0\]\.shape\[0\] rows\), "
+        r"got \(3,\)",
         lambda g, k: g.allgather_into_tensor_coalesced([k(torch.zeros(3))], [k(f32(1, 2))]),
     ),
     bad(
@@ -454,9 +455,10 @@ COLLECTIVE_CASES = [
     ),
     # reduce_scatter_tensor_coalesced
     bad(
-        "reduce_scatter_tensor_coalesced-numel",
+        "reduce_scatter_tensor_coalesced-shape",
         ValueError,
-        r"^inputs\[0\] must have 2 elements \(world_size x outputs\[0\]\.numel\(\)\), got 3",
+        r"^inputs\[0\] must have shape \(2,\) \(world_size x outputs\[0\]\.shape\[0\] rows\), "
+        r"got \(3,\)",
         lambda g, k: g.reduce_scatter_tensor_coalesced([k(torch.zeros(2))], [k(f32(1, 2, 3))]),
     ),
     bad(
@@ -1160,12 +1162,6 @@ async def test_unreachable_store_fails_on_time_then_configures(addr: str) -> Non
         await assert_usable(g)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="group.py Group.configure: after the wait times out, the asyncio future from "
-    "asyncio.wrap_future(cf) is abandoned; when the orphaned connect fails later its "
-    "exception is never retrieved and asyncio logs 'Future exception was never retrieved'",
-)
 @pytest.mark.asyncio
 async def test_unreachable_store_orphan_is_quiet(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, logger="asyncio")
@@ -1211,7 +1207,7 @@ async def test_ipv6_store_configures_and_allreduces(request: pytest.FixtureReque
         server.close()
 
 
-# -- library gaps: how it SHOULD behave (xfail until fixed) ------------------
+# -- formerly known gaps, fixed in the library: kept as regression tests -----
 # Where the wrong outcome today is an exception that holds native objects in its
 # traceback (a store client, an issued Gloo work), the test keeps only its text,
 # so a known gap does not also show up as an fd leak in conftest's check.
@@ -1230,11 +1226,6 @@ async def afailure_of(aw: Awaitable[object]) -> tuple[object, str | None]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_validate.check_reduce_op / group.py: BAND/BOR/BXOR on a floating tensor is not "
-    "rejected; Gloo fails the op (CommFailed) and the group is broken",
-)
 @pytest.mark.asyncio
 async def test_gap_bitwise_op_on_float(gloo: ftcomm.Group) -> None:
     t = f32(1, 2)
@@ -1244,11 +1235,6 @@ async def test_gap_bitwise_op_on_float(gloo: ftcomm.Group) -> None:
     await assert_usable(gloo)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_validate / group.py: MAX/MIN/PRODUCT on a complex tensor is not rejected; "
-    "Gloo fails the op (CommFailed) and the group is broken",
-)
 @pytest.mark.asyncio
 async def test_gap_max_on_complex(gloo: ftcomm.Group) -> None:
     t = torch.tensor([1 + 1j, 2 - 1j], dtype=torch.complex64)
@@ -1257,11 +1243,6 @@ async def test_gap_max_on_complex(gloo: ftcomm.Group) -> None:
     await assert_usable(gloo)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="backends/gloo.py + _validate.check_tensor: dtypes Gloo cannot reduce (uint16, "
-    "float8) are not rejected up front; the op fails with CommFailed and breaks the group",
-)
 @pytest.mark.asyncio
 async def test_gap_unsupported_dtype(gloo: ftcomm.Group) -> None:
     for dtype in (torch.uint16, torch.float8_e4m3fn):
@@ -1271,11 +1252,6 @@ async def test_gap_unsupported_dtype(gloo: ftcomm.Group) -> None:
         await assert_usable(gloo)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_validate.check_tensor: a tensor with an unresolved conjugate bit is accepted; "
-    "Gloo fails it (view_as_real) with CommFailed and the group is broken",
-)
 @pytest.mark.asyncio
 async def test_gap_conjugate_view(gloo: ftcomm.Group) -> None:
     t = torch.tensor([1 + 1j, 2 - 1j], dtype=torch.complex64).conj()
@@ -1290,11 +1266,6 @@ async def test_gap_conjugate_view(gloo: ftcomm.Group) -> None:
     await assert_usable(gloo)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_validate.check_tensor: a nested tensor (its layout is strided) passes; Gloo's "
-    "RuntimeError is re-raised as a ValueError that names the backend, not the argument",
-)
 @pytest.mark.asyncio
 async def test_gap_nested_tensor(gloo: ftcomm.Group) -> None:
     with warnings.catch_warnings():
@@ -1306,12 +1277,6 @@ async def test_gap_nested_tensor(gloo: ftcomm.Group) -> None:
     await assert_usable(gloo)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_runtime/deadline.to_seconds accepts any finite timeout, but backends/gloo._td "
-    "(timedelta) overflows past ~8.6e13 s: the op raises OverflowError instead of running "
-    "or raising ValueError naming timeout",
-)
 @pytest.mark.asyncio
 async def test_gap_huge_op_timeout(gloo: ftcomm.Group) -> None:
     t = f32(1, 2)
@@ -1323,12 +1288,6 @@ async def test_gap_huge_op_timeout(gloo: ftcomm.Group) -> None:
     await assert_usable(gloo)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_runtime/deadline.to_seconds / _store.connect_store: configure(timeout=1e15) "
-    "overflows timedelta on the worker thread and surfaces as CommFailed, after the old "
-    "configuration was torn down",
-)
 @pytest.mark.asyncio
 async def test_gap_huge_configure_timeout(gloo: ftcomm.Group, addr: str) -> None:
     _, err = await afailure_of(gloo.configure(f"{addr}/huge", 0, 1, timeout=1e15))
@@ -1338,12 +1297,6 @@ async def test_gap_huge_configure_timeout(gloo: ftcomm.Group, addr: str) -> None
     await assert_usable(gloo)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="group.py allgather_into_tensor_coalesced checks numel only; Gloo needs the shape "
-    "(world_size*in.shape[0], *in.shape[1:]). A bad shape in pair i>0 raises a backend "
-    "ValueError that does not name outputs[i], after pairs < i were issued and written",
-)
 @pytest.mark.asyncio
 async def test_gap_allgather_into_tensor_coalesced_shape(gloo: ftcomm.Group) -> None:
     outs = [torch.zeros(4), torch.zeros(2, 2)]
@@ -1360,12 +1313,6 @@ async def test_gap_allgather_into_tensor_coalesced_shape(gloo: ftcomm.Group) -> 
     await assert_usable(gloo)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="group.py reduce_scatter_tensor_coalesced checks numel only; Gloo needs "
-    "in.shape[0] == world_size*out.shape[0]. A bad pair i>0 raises a backend ValueError "
-    "('Check failed: ...') that does not name inputs[i], after pairs < i were issued",
-)
 @pytest.mark.asyncio
 async def test_gap_reduce_scatter_tensor_coalesced_shape(gloo: ftcomm.Group) -> None:
     outs = [torch.zeros(4), torch.zeros(4)]
@@ -1381,11 +1328,6 @@ async def test_gap_reduce_scatter_tensor_coalesced_shape(gloo: ftcomm.Group) -> 
     await assert_usable(gloo)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="group.py send/recv: tag is checked >= 0 only; a tag >= 2**31 reaches pybind and "
-    "raises its TypeError ('incompatible function arguments'), not ValueError naming tag",
-)
 @pytest.mark.asyncio
 async def test_gap_tag_too_large(pair: tuple[ftcomm.Group, ftcomm.Group]) -> None:
     g0, g1 = pair
@@ -1395,12 +1337,6 @@ async def test_gap_tag_too_large(pair: tuple[ftcomm.Group, ftcomm.Group]) -> Non
     await assert_pair_usable(g0, g1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="group.py configure: world_size >= 2**31 passes validation, the old "
-    "configuration is torn down, then ProcessGroupGloo's pybind constructor raises a "
-    "TypeError that does not name world_size",
-)
 @pytest.mark.asyncio
 async def test_gap_world_size_too_large(gloo: ftcomm.Group, addr: str) -> None:
     _, err = await afailure_of(gloo.configure(f"{addr}/big", 0, 2**31, timeout=2.0))
@@ -1411,10 +1347,6 @@ async def test_gap_world_size_too_large(gloo: ftcomm.Group, addr: str) -> None:
     await assert_usable(gloo)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="group.py configure: group_rank is not checked against group_world_size",
-)
 @pytest.mark.asyncio
 async def test_gap_group_rank_ge_group_world_size(dummy: ftcomm.Group) -> None:
     with pytest.raises(ValueError, match=r"^group_rank "):
@@ -1422,10 +1354,6 @@ async def test_gap_group_rank_ge_group_world_size(dummy: ftcomm.Group) -> None:
     await assert_usable(dummy)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="group.py configure: global_ranks may name the same rank twice",
-)
 @pytest.mark.asyncio
 async def test_gap_global_ranks_duplicates(
     pair: tuple[ftcomm.Group, ftcomm.Group], addr: str

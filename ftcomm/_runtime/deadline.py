@@ -13,13 +13,16 @@ from datetime import timedelta
 Timeout = float | int | timedelta
 """What every ``timeout=`` argument accepts."""
 
+MAX_TIMEOUT = 1e9
+"""About 31 years: the largest timeout every backend can represent."""
+
 
 def to_seconds(value: object, name: str = "timeout") -> float:
     """Return ``value`` as seconds, or raise naming ``name``.
 
     Raises:
         TypeError: ``value`` is not an int, float or timedelta (``bool`` included).
-        ValueError: ``value`` is NaN, infinite or negative.
+        ValueError: ``value`` is NaN, infinite, negative or above :data:`MAX_TIMEOUT`.
     """
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
@@ -36,6 +39,8 @@ def to_seconds(value: object, name: str = "timeout") -> float:
         raise ValueError(f"{name} must be finite, got {seconds}")
     if seconds < 0:
         raise ValueError(f"{name} must be >= 0 seconds, got {seconds}")
+    if seconds > MAX_TIMEOUT:
+        raise ValueError(f"{name} must be <= {MAX_TIMEOUT:g} seconds, got {seconds:g}")
     return seconds
 
 

@@ -35,11 +35,17 @@ class NativeOp(Protocol):
         ...
 
 
+def _bare(exc: BaseException | None) -> BaseException | None:
+    # Drop the traceback: its frames hold the native works (and through them
+    # the group's sockets) for as long as anyone holds the error.
+    return None if exc is None else exc.with_traceback(None)
+
+
 def _future_error(fut: torch.futures.Future[Any]) -> BaseException | None:
     try:
         fut.value()
     except Exception as exc:  # the native op's failure, passed on as a value
-        return exc
+        return _bare(exc)
     return None
 
 
@@ -58,7 +64,7 @@ class WorkOp:
         try:
             self._work.wait()  # returns at once: the work is complete
         except Exception as exc:
-            return exc
+            return _bare(exc)
         return None
 
     def on_done(self, callback: Done) -> None:
@@ -106,10 +112,10 @@ class ThreadOp:
         return self._future.done()
 
     def outcome(self) -> BaseException | None:
-        return self._future.exception()
+        return _bare(self._future.exception())
 
     def on_done(self, callback: Done) -> None:
-        self._future.add_done_callback(lambda fut: callback(fut.exception()))
+        self._future.add_done_callback(lambda fut: callback(_bare(fut.exception())))
 
 
 class DoneOp:

@@ -42,7 +42,9 @@ class Backend(abc.ABC):
 
     name: ClassVar[str]
     device_type: ClassVar[str]
-    """The device type of the tensors this backend accepts."""
+    """The device type of the tensors this backend accepts (``"*"``: any)."""
+    dtypes: ClassVar[frozenset[torch.dtype] | None] = None
+    """The dtypes it can send (``None``: any)."""
     reduce_ops: ClassVar[frozenset[ReduceOp.RedOpType]]
 
     def __init__(self, rank: int, world_size: int) -> None:

@@ -72,6 +72,21 @@ def _waited(works: list[dist.Work], timeout: float) -> NativeOp:
 class GlooBackend(Backend):
     name: ClassVar[str] = "gloo"
     device_type: ClassVar[str] = "cpu"
+    dtypes: ClassVar[frozenset[torch.dtype] | None] = frozenset(
+        {
+            torch.float32,
+            torch.float64,
+            torch.float16,
+            torch.bfloat16,
+            torch.int8,
+            torch.uint8,
+            torch.int32,
+            torch.int64,
+            torch.bool,
+            torch.complex64,
+            torch.complex128,
+        }
+    )
     reduce_ops: ClassVar[frozenset[ReduceOp.RedOpType]] = frozenset(
         {
             ReduceOp.SUM,
