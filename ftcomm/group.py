@@ -178,8 +178,10 @@ class Group:
 
         self._teardown(CommAborted("the group was reconfigured", rank=rank, op="configure"))
         attempt = self._attempt = object()
-        cf = self._runtime.run_blocking(self._backend_cls.connect, spec)
         started = time.monotonic()
+        # c10d's store client may retry once more after the timeout: allow it.
+        until = started + 2 * seconds + 2.0
+        cf = self._runtime.run_blocking(self._backend_cls.connect, spec, until=until)
         wrapped = asyncio.wrap_future(cf)
         try:
             done, _ = await asyncio.wait({wrapped}, timeout=seconds)
@@ -207,7 +209,11 @@ class Group:
             raise CommAborted(
                 "configure was superseded by shutdown() or configure()", rank=rank, op="configure"
             )
-        table = OpTable(self._runtime, rank, lambda _: self._runtime.dispose(*backend.close()))
+        table = OpTable(
+            self._runtime,
+            rank,
+            lambda _, until: self._runtime.dispose(*backend.close(), until=until),
+        )
         self._config = _Config(backend, table, str(addr))
 
     def _dispose_orphan(self, cf: Any) -> None:

@@ -189,13 +189,21 @@ class Runtime:
             raise TimeoutError(f"owner loop call did not finish in {timeout} s") from None
 
     # -- blocking work -----------------------------------------------------
-    def run_blocking(self, fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
-        """Run a call that may block on a worker thread, never on the loop."""
-        return self.workers.submit(fn, *args)
+    def run_blocking(
+        self, fn: Callable[..., T], *args: object, until: float | None = None
+    ) -> concurrent.futures.Future[T]:
+        """Run a call that may block on a worker thread, never on the loop.
 
-    def dispose(self, *objs: object) -> None:
-        """Hand native objects to the reaper, which drops them off the loop."""
-        self.reaper.dispose(*objs)
+        ``until``: the ``time.monotonic()`` by which the call ends at the latest.
+        """
+        return self.workers.submit(fn, *args, until=until)
+
+    def dispose(self, *objs: object, until: float | None = None) -> None:
+        """Hand native objects to the reaper, which drops them off the loop.
+
+        ``until``: the deadline of the last native op they hold, if any.
+        """
+        self.reaper.dispose(*objs, until=until)
 
     # -- debug -------------------------------------------------------------
     def set_debug(self, threshold: float | None) -> None:
@@ -208,8 +216,19 @@ class Runtime:
                 raise ValueError(f"threshold must be > 0 seconds, got {threshold}")
             self.watchdog = Watchdog(self, threshold)
 
-    def close(self, timeout: float = 2.0) -> None:
-        """Stop the loop and the idle threads (at interpreter exit)."""
+    def close(self, timeout: float = 2.0, exit_grace: float | None = None) -> None:
+        """Stop the loop and the idle threads (at interpreter exit).
+
+        First waits up to ``exit_grace`` seconds (``FTCOMM_EXIT_GRACE``, default
+        5) for blocking calls and drops that end within that time: a native
+        call returning into Python while the interpreter finalizes aborts the
+        process. Calls that end later are abandoned with the process.
+        """
+        if exit_grace is None:
+            exit_grace = float(os.environ.get("FTCOMM_EXIT_GRACE", "5"))
+        started = time.monotonic()
+        self.workers.wait_short(exit_grace)
+        self.reaper.wait_short(max(0.0, exit_grace - (time.monotonic() - started)))
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.loop.is_running():

@@ -9,12 +9,20 @@ interpreter exit:
 * :class:`Reaper` drops references to native objects. Dropping the last
   reference to a Gloo group with an op in flight blocks the dropping thread
   until that op's own timeout; the reaper is that thread.
+
+Each blocking item may say by when (``time.monotonic()``) it will end, at the
+latest. At interpreter exit the runtime waits a few seconds for the items that
+end soon (a native call that returns into Python *during* finalization aborts
+the process: "terminate called without an active exception"), and abandons the
+ones that end long after the process is gone.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -22,6 +30,41 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _STOP = object()
+
+
+class _Pending:
+    """Items in progress, each with the time by which it ends (None: soon)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self._items: dict[int, float | None] = {}
+        self._ids = itertools.count()
+
+    def add(self, until: float | None) -> int:
+        with self.cond:
+            token = next(self._ids)
+            self._items[token] = until
+            return token
+
+    def remove(self, token: int) -> None:
+        with self.cond:
+            del self._items[token]
+            self.cond.notify_all()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: not self._items, timeout)
+
+    def wait_short(self, cap: float) -> bool:
+        """Wait (at most ``cap`` s) for the items that end within ``cap`` s."""
+        limit = time.monotonic() + cap
+        with self.cond:
+            return self.cond.wait_for(
+                lambda: all(u is not None and u > limit for u in self._items.values()), cap
+            )
 
 
 class WorkerPool:
@@ -34,20 +77,22 @@ class WorkerPool:
         self._max = max_workers
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._done = threading.Condition(self._lock)
         self._threads: list[threading.Thread] = []
         self._idle = 0  # started workers that are free and not reserved
         self._waiting = 0  # queued calls that no worker was reserved for
-        self._busy = 0
+        self._pending = _Pending()
         self._closed = False
 
-    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
-        """Run ``fn(*args)`` on a worker thread; its outcome lands in the future."""
+    def submit(self, fn: Callable[..., T], *args: object, until: float | None = None) -> Future[T]:
+        """Run ``fn(*args)`` on a worker thread; its outcome lands in the future.
+
+        ``until``: the ``time.monotonic()`` by which the call ends at the latest.
+        """
         fut: Future[T] = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self._name} is closed")
-            self._busy += 1
+            token = self._pending.add(until)
             if self._idle > 0:
                 self._idle -= 1  # reserve a free worker for this call
             elif len(self._threads) < self._max:
@@ -58,13 +103,13 @@ class WorkerPool:
                 thread.start()
             else:  # every worker is busy: the first to finish takes this call
                 self._waiting += 1
-            self._queue.put((fut, fn, args))
+            self._queue.put((token, fut, fn, args))
         return fut
 
     @property
     def busy(self) -> int:
         """How many submitted calls have not finished yet."""
-        return self._busy
+        return len(self._pending)
 
     @property
     def thread_count(self) -> int:
@@ -72,25 +117,28 @@ class WorkerPool:
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until no submitted call is running or queued; False on timeout."""
-        with self._done:
-            return self._done.wait_for(lambda: self._busy == 0, timeout)
+        return self._pending.wait_idle(timeout)
+
+    def wait_short(self, cap: float) -> bool:
+        """Block (at most ``cap`` s) until the calls that end within ``cap`` s have."""
+        return self._pending.wait_short(cap)
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is _STOP:
                 return
+            token = item[0]
             try:
-                _run_one(*item)
+                _run_one(*item[1:])
             finally:
                 del item  # drop the call's references before waiting again
-                with self._done:
-                    self._busy -= 1
+                with self._lock:
                     if self._waiting:
                         self._waiting -= 1
                     else:
                         self._idle += 1
-                    self._done.notify_all()
+                self._pending.remove(token)
 
     def close(self, timeout: float = 1.0) -> None:
         """Stop idle workers; workers blocked in a native call are left to finish."""
@@ -119,40 +167,42 @@ class Reaper:
 
     def __init__(self, name: str = "ftcomm-reaper") -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._pending = 0
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._pending = _Pending()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def dispose(self, *objs: object) -> None:
-        """Take ownership of ``objs`` and drop them on the reaper thread."""
-        if not objs:
-            return
-        with self._lock:
-            self._pending += 1
-        self._queue.put(list(objs))
+    def dispose(self, *objs: object, until: float | None = None) -> None:
+        """Take ownership of ``objs`` and drop them on the reaper thread.
+
+        ``until``: by when dropping them ends at the latest (the deadline of the
+        last native op they hold); ``None`` when nothing is in flight.
+        """
+        if objs:
+            self._queue.put((self._pending.add(until), list(objs)))
 
     @property
     def pending(self) -> int:
         """Batches handed over and not yet dropped."""
-        return self._pending
+        return len(self._pending)
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until every handed-over batch is dropped; False on timeout."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+        return self._pending.wait_idle(timeout)
+
+    def wait_short(self, cap: float) -> bool:
+        """Block (at most ``cap`` s) until the batches that drop within ``cap`` s have."""
+        return self._pending.wait_short(cap)
 
     def _run(self) -> None:
         while True:
-            batch = self._queue.get()
-            if batch is _STOP:
+            item = self._queue.get()
+            if item is _STOP:
                 return
+            token, batch = item
+            del item
             batch.clear()  # may block until a native op's own timeout
             del batch
-            with self._idle:
-                self._pending -= 1
-                self._idle.notify_all()
+            self._pending.remove(token)
 
     def close(self, timeout: float = 1.0) -> None:
         self._queue.put(_STOP)

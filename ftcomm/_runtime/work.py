@@ -49,7 +49,9 @@ _sched_yield = getattr(os, "sched_yield", lambda: None)
 class OpTable:
     """The ops in flight on one group configuration: their deadlines and their end."""
 
-    def __init__(self, runtime: Runtime, rank: int, on_break: Callable[[CommError], None]) -> None:
+    def __init__(
+        self, runtime: Runtime, rank: int, on_break: Callable[[CommError, float], None]
+    ) -> None:
         self.runtime = runtime
         self.rank = rank
         self.error: CommError | None = None
@@ -94,7 +96,8 @@ class OpTable:
         for work in pending:
             work._end_after_break(error)
         self.runtime.call_soon(self._disarm)
-        self._on_break(error)
+        # The native group holds these ops until their own (native) deadlines.
+        self._on_break(error, max((w.deadline for w in pending), default=time.monotonic()))
 
     # -- owner loop only ---------------------------------------------------
     def _rearm(self) -> None:
@@ -300,7 +303,8 @@ class Work(Generic[R]):
         if broke is not None:
             table._after_break(broke, pending)
         if error is not None and native is not None and not native.poll():
-            table.runtime.dispose(native)  # it may block whoever drops it last
+            # it may block whoever drops it last, until its native deadline
+            table.runtime.dispose(native, until=self.deadline)
         for loop, fut in waiters or ():
             # A closed loop raises RuntimeError: nobody is waiting there any more.
             with contextlib.suppress(RuntimeError):

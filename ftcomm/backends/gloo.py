@@ -66,7 +66,7 @@ def _wait_all(works: list[dist.Work], deadline: float) -> None:
 def _waited(works: list[dist.Work], timeout: float) -> NativeOp:
     """An op over works that only progress inside ``wait()``."""
     deadline = time.monotonic() + timeout
-    return ThreadOp(get_runtime().run_blocking(_wait_all, works, deadline))
+    return ThreadOp(get_runtime().run_blocking(_wait_all, works, deadline, until=deadline))
 
 
 class GlooBackend(Backend):
