@@ -2,8 +2,9 @@
 
 A small harness for ftcomm's own multi-rank tests: a fresh TCPStore per world,
 a wall-clock bound on the whole world (a hang fails the test, not the suite),
-each rank's return value or exception with its traceback, and every process
-joined or killed before it returns.
+each rank's return value or exception with its traceback, a leak check inside
+every rank (fds, threads, blocked ftcomm workers, owner-loop stalls), and every
+process joined or killed before it returns.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import pickle
+import threading
 import time
 import traceback
 import uuid
@@ -74,20 +76,55 @@ class RankFailure:
 RankFn = Callable[..., Awaitable[Any]]
 
 
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _threads() -> set[int]:
+    return {t.ident or 0 for t in threading.enumerate() if not t.name.startswith("ftcomm-")}
+
+
+def _leaks(rt: Any, fds: set[str], threads: set[int]) -> str | None:
+    """What the rank left behind, once ftcomm's blocking work has ended."""
+    # A finished call leaves the pool's books just after its future completes.
+    rt.workers.wait_idle(5.0)
+    rt.reaper.wait_short(10.0)
+    if rt.workers.busy:
+        return f"{rt.workers.busy} ftcomm worker call(s) still blocked"
+    if rt.reaper.pending:
+        # A native group with an op in flight until its own (long) timeout:
+        # in-process Gloo cannot be stopped earlier, by design. Its sockets
+        # are the reaper's until then, so there is nothing to compare.
+        return None
+    new_fds = _fds() - fds
+    if new_fds:
+        paths = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in new_fds]
+        return f"fds left open: {paths}"
+    new_threads = _threads() - threads
+    if new_threads:
+        return f"threads left running: {threading.enumerate()}"
+    return None
+
+
 def _rank_main(fn: RankFn, ctx: RankContext, args: tuple[Any, ...], conn: Any) -> None:
     try:
+        from ftcomm._runtime.loop import get_runtime
+
+        rt = get_runtime()
+        fds, threads = _fds(), _threads()
         if ctx.loop == "uvloop":
             import uvloop
 
             value = uvloop.run(fn(ctx, *args))
         else:
             value = asyncio.run(fn(ctx, *args))
-        from ftcomm._runtime.loop import get_runtime
-
-        rt = get_runtime()
+        ctx._store = None  # the harness's own signalling client
         stalls = [s.stack for s in rt.watchdog.stalls] if rt.watchdog else []
         if stalls:
             raise AssertionError(f"owner loop stalled {len(stalls)} time(s):\n{stalls[0]}")
+        leaked = _leaks(rt, fds, threads)
+        if leaked:
+            raise AssertionError(f"rank {ctx.rank} left behind: {leaked}")
         payload: tuple[str, Any] = ("ok", value)
     except BaseException as exc:
         text = "".join(traceback.format_exception(exc))
