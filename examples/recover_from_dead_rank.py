@@ -1,36 +1,50 @@
-"""Recover from a dead rank: three ranks train, one is SIGKILLed, two carry on.
+"""Recover from a failed rank: three ranks train, rank 2 fails, two carry on.
+
+Two ways a peer can fail, one scenario each (``--fault``; both by default):
+
+* ``kill``: rank 2 is SIGKILLed (a dead peer). Its sockets close, so the
+  survivors' allreduce fails at once with a typed ftcomm error.
+* ``stop``: rank 2 is SIGSTOPped (a hung peer). Its sockets stay open, so
+  nothing fails until the deadline: the survivors' allreduce raises
+  ``ftcomm.CommTimeout`` at ``STEP_TIMEOUT``. Only then does the parent SIGKILL
+  the stopped rank, so that nothing is left behind.
 
 The parent process plays the supervisor (what an elastic agent or a lighthouse
-does in a real job): it hosts the TCPStore, spawns three ranks, SIGKILLs rank 2
-when it reaches ``KILL_STEP``, and tells the survivors the new membership (store
-prefix, new rank, world size) over a per-rank pipe.
+does in a real job): it hosts the TCPStore, spawns three ranks, signals rank 2
+when it reaches ``FAULT_STEP``, and, once rank 2 is gone, tells the survivors
+the new membership (store prefix, new rank, world size) over a per-rank pipe.
 
 Each rank trains ``Linear(4, 1)`` with data-parallel SGD on its own shard of a
 synthetic regression set: after ``backward()`` it sums ``[grads..., loss]``
 across ranks with one ``allreduce`` that has a ``STEP_TIMEOUT`` deadline, divides
-by the world size and steps. When rank 2 dies, the survivors' allreduce raises a
-typed ftcomm error within the deadline; they wait for the new membership,
-configure a fresh group on a new store prefix, take the model state (parameters
-and step) from the new rank 0 and redo the failed step.
+by the world size and steps. When rank 2 fails, the survivors' allreduce raises
+a typed ftcomm error; they wait for the new membership, configure a fresh group
+on a new store prefix, take the model state (parameters and step) from the new
+rank 0 and redo the failed step.
 
-Run ``python examples/recover_from_dead_rank.py``; it exits 0 only if the run
-recovered (rank 2 died by SIGKILL, ranks 0 and 1 finished with the same
-parameters and a lower loss).
+Run ``python examples/recover_from_dead_rank.py [--fault {kill,stop}]``; each
+scenario has its own store and processes, and the demo exits 0 only if every
+scenario it ran recovered (rank 2 ended by SIGKILL, stopped first under
+``stop``; ranks 0 and 1 saw the expected error in time, and finished with the
+same parameters and a lower loss).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import multiprocessing as mp
+import os
 import re
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Literal, TypedDict
+from typing import Literal, TypedDict, cast
 
 import torch
 from torch._C._distributed_c10d import TCPStore  # torch.distributed.TCPStore, typed
@@ -38,15 +52,24 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import ftcomm
 
+Fault = Literal["kill", "stop"]
+FAULTS: tuple[Fault, ...] = ("kill", "stop")  # the order in which a plain run plays them
+FAULT_SIGNAL: dict[Fault, signal.Signals] = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+FAULT_PLOT: dict[Fault, str] = {
+    "kill": "SIGKILLed (a dead peer: its sockets close)",
+    "stop": "SIGSTOPped (a hung peer: its sockets stay open)",
+}
+
 WORLD = 3
 VICTIM = 2
 STEPS = 30
-KILL_STEP = 10
+FAULT_STEP = 10
 STEP_TIMEOUT = 2.0  # deadline of every collective, seconds
-ERROR_BOUND = STEP_TIMEOUT + 1.0  # the failed step must end within this
-CONFIGURE_TIMEOUT = 30.0  # the first configure waits for three cold interpreters
-MEMBERSHIP_TIMEOUT = 20.0  # how long a survivor waits for the supervisor's verdict
-DEMO_TIMEOUT = 55.0  # the parent kills everything after this
+ERROR_BOUND = STEP_TIMEOUT + 1.0  # kill: the failed step must end within this
+TIMEOUT_WINDOW = (STEP_TIMEOUT - 0.05, STEP_TIMEOUT + 1.0)  # stop: CommTimeout lands in here
+CONFIGURE_TIMEOUT = 20.0  # the first configure waits for three cold interpreters
+MEMBERSHIP_TIMEOUT = 10.0  # how long a survivor waits for the supervisor's verdict
+SCENARIO_TIMEOUT = 25.0  # the parent kills everything after this; two fit in a minute
 LR = 0.1
 SAMPLES_PER_RANK = 64
 SEED = 0
@@ -62,8 +85,8 @@ class StepFailed(TypedDict):
     kind: Literal["failed"]
     rank: int
     step: int
-    error: str
-    latency: float
+    error: str  # the class name, from ftcomm.errors
+    latency: float  # seconds from issuing the allreduce to its error
 
 
 class Finished(TypedDict):
@@ -100,6 +123,17 @@ def say(t0: float, who: str, text: str) -> None:
     sys.stdout.flush()
 
 
+def judge(fault: Fault, error: str, latency: float) -> tuple[bool, str]:
+    """Whether a survivor's failed step ended as ``fault`` should end it, and the rule."""
+    if fault == "kill":  # any ftcomm error, soon
+        cls = getattr(ftcomm.errors, error, None)
+        typed = isinstance(cls, type) and issubclass(cls, ftcomm.CommError)
+        return typed and latency <= ERROR_BOUND, f"a CommError within {ERROR_BOUND:g} s"
+    low, high = TIMEOUT_WINDOW  # a CommTimeout, at the deadline
+    ok = error == "CommTimeout" and low <= latency < high
+    return ok, f"a CommTimeout after {low:g}-{high:g} s"
+
+
 # -- ranks ---------------------------------------------------------------------
 def make_shard(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of one fixed dataset: y = x @ w + b + noise."""
@@ -127,7 +161,7 @@ async def take_state_from_root(group: ftcomm.Group, model: torch.nn.Module, step
     return int(state[-1].item())
 
 
-async def train(rank: int, port: int, t0: float, conn: Connection) -> None:
+async def train(fault: Fault, rank: int, port: int, t0: float, conn: Connection) -> None:
     who = f"rank {rank}"
     x, y = make_shard(rank)
     torch.manual_seed(SEED)  # the same initial weights on every rank
@@ -138,38 +172,36 @@ async def train(rank: int, port: int, t0: float, conn: Connection) -> None:
         say(t0, who, f"configured as rank {group.rank}/{group.size()} on /run/q0; training")
         step, first_loss, loss_now = 0, float("nan"), float("nan")
         while step < STEPS:
-            started = time.monotonic()
             model.zero_grad(set_to_none=True)
             loss = torch.nn.functional.mse_loss(model(x), y)
             torch.autograd.backward(loss)
-            if rank == VICTIM and step == KILL_STEP:
-                say(t0, who, f"step {step}: reporting to the parent, which will SIGKILL me")
+            if rank == VICTIM and step == FAULT_STEP:
+                sig = FAULT_SIGNAL[fault].name
+                say(t0, who, f"step {step}: reporting to the parent, which will {sig} me")
                 conn.send(VictimReady(kind="victim-ready", rank=rank, step=step))
-                # SIGKILL lands while we wait here; wake only if the parent is gone.
-                await asyncio.to_thread(conn.poll, DEMO_TIMEOUT)
-                raise RuntimeError("the parent did not kill me")
+                # The signal lands while we wait here (under stop, a SIGKILL
+                # follows later); wake only if the parent is gone.
+                await asyncio.to_thread(conn.poll, SCENARIO_TIMEOUT)
+                raise RuntimeError(f"the parent did not {sig} me")
             # One buffer per step, new each time: a failed op may still write into it.
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             buf = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1)])
+            issued = time.monotonic()
             try:
                 await group.allreduce(buf, timeout=STEP_TIMEOUT)
             except ftcomm.CommError as exc:
-                latency = time.monotonic() - started
-                verdict = "within" if latency <= ERROR_BOUND else "OVER"
+                failed_at = time.monotonic()
+                latency = failed_at - issued
+                name = type(exc).__name__
+                ok, rule = judge(fault, name, latency)
                 say(
                     t0,
                     who,
-                    f"step {step}: allreduce raised {type(exc).__name__} after {latency:.2f} s "
-                    f"({verdict} the {ERROR_BOUND:g} s bound): {brief(exc)}",
+                    f"step {step}: allreduce raised {name} after {latency:.2f} s "
+                    f"({'as expected' if ok else 'UNEXPECTED'}: {rule}): {brief(exc)}",
                 )
                 conn.send(
-                    StepFailed(
-                        kind="failed",
-                        rank=rank,
-                        step=step,
-                        error=type(exc).__name__,
-                        latency=latency,
-                    )
+                    StepFailed(kind="failed", rank=rank, step=step, error=name, latency=latency)
                 )
                 member = await asyncio.to_thread(recv_membership, conn)
                 prefix = f"/run/q{member['epoch']}"
@@ -179,7 +211,7 @@ async def train(rank: int, port: int, t0: float, conn: Connection) -> None:
                     t0,
                     who,
                     f"reconfigured as rank {group.rank}/{group.size()} on {prefix} in "
-                    f"{time.monotonic() - started - latency:.2f} s; redoing step {step}",
+                    f"{time.monotonic() - failed_at:.2f} s; redoing step {step}",
                 )
                 continue
             world = group.size()
@@ -211,39 +243,71 @@ async def train(rank: int, port: int, t0: float, conn: Connection) -> None:
         )
 
 
-def rank_main(rank: int, port: int, t0: float, conn: Connection) -> None:
+def rank_main(fault: Fault, rank: int, port: int, t0: float, conn: Connection) -> None:
     torch.set_num_threads(1)  # three ranks on two cores
-    asyncio.run(train(rank, port, t0, conn))
+    asyncio.run(train(fault, rank, port, t0, conn))
 
 
 # -- supervisor ----------------------------------------------------------------
-# One pipe per rank, not a shared multiprocessing.Queue: a Queue's writers share
-# a lock, and a rank SIGKILLed while holding it would hang every other writer.
-def supervise(
-    t0: float, procs: dict[int, BaseProcess], conns: dict[int, Connection]
-) -> tuple[list[Report], bool]:
-    """Run the job to its end: kill the victim on cue, publish membership on a death.
+@dataclass
+class Scenario:
+    """One run of the job with one fault: what the parent saw."""
 
-    Returns what the ranks reported, and whether every rank exited (closed its
-    pipe) before the demo deadline.
+    fault: Fault
+    t0: float = field(default_factory=time.monotonic)
+    seen: list[Report] = field(default_factory=list)
+    stopped: bool = False  # the victim was seen stopped (state T) after SIGSTOP
+    all_exited: bool = False  # every rank closed its pipe before the deadline
+    exits: dict[int, int | None] = field(default_factory=dict)
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of a process ("T": stopped), or "?" (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]  # the name may hold ") "
+    except (OSError, IndexError):
+        return "?"
+
+
+def wait_stopped(pid: int, timeout: float = 1.0) -> bool:
+    """Wait until the process ``pid`` is stopped by a signal; False after ``timeout``."""
+    until = time.monotonic() + timeout
+    while process_state(pid) != "T":
+        if time.monotonic() >= until:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+# One pipe per rank, not a shared multiprocessing.Queue: a Queue's writers share
+# a lock, and a rank SIGKILLed or SIGSTOPped while holding it would hang every
+# other writer.
+def supervise(run: Scenario, procs: dict[int, BaseProcess], conns: dict[int, Connection]) -> None:
+    """Run the job to its end: signal the victim on cue, publish membership on a death.
+
+    Under ``stop`` the victim is SIGKILLed once every other live rank has
+    reported a failed step: they have timed out on it. Fills ``run.seen``,
+    ``run.stopped`` and ``run.all_exited``.
     """
-    seen: list[Report] = []
-    finished: set[int] = set()
+    t0 = run.t0
+    failed: set[int] = set()
+    hung: int | None = None  # the stopped rank, until it is killed
     rank_of: dict[object, int] = {conn: rank for rank, conn in conns.items()}
     open_conns = dict(conns)
     epoch = 0
     while open_conns:
-        remaining = t0 + DEMO_TIMEOUT - time.monotonic()
+        remaining = t0 + SCENARIO_TIMEOUT - time.monotonic()
         if remaining <= 0:
-            say(t0, "parent", f"the demo did not finish within {DEMO_TIMEOUT:g} s")
-            return seen, False
+            say(t0, "parent", f"the scenario did not finish within {SCENARIO_TIMEOUT:g} s")
+            return
         for conn in wait(list(open_conns.values()), timeout=remaining):
             rank = rank_of[conn]
             try:
                 report: Report = open_conns[rank].recv()
             except EOFError:  # the rank is gone: finished, crashed or killed
                 del open_conns[rank]
-                if rank in finished:
+                if any(e["kind"] == "done" and e["rank"] == rank for e in run.seen):
                     continue
                 procs[rank].join(2.0)
                 code = procs[rank].exitcode
@@ -260,13 +324,36 @@ def supervise(
                     with contextlib.suppress(OSError):  # it died too: its EOF comes next
                         open_conns[old_rank].send(member)
                 continue
-            seen.append(report)
-            if report["kind"] == "done":
-                finished.add(rank)
-            elif report["kind"] == "victim-ready":
-                say(t0, "parent", f"rank {rank} is at step {report['step']}: SIGKILL")
-                procs[rank].kill()
-    return seen, True
+            run.seen.append(report)
+            if report["kind"] == "victim-ready":
+                proc = procs[rank]
+                if run.fault == "kill":
+                    say(t0, "parent", f"rank {rank} is at step {report['step']}: SIGKILL")
+                    proc.kill()
+                else:
+                    assert proc.pid is not None  # started
+                    os.kill(proc.pid, signal.SIGSTOP)
+                    hung, run.stopped = rank, wait_stopped(proc.pid)
+                    state = "it is stopped" if run.stopped else "it is NOT seen stopped"
+                    say(
+                        t0,
+                        "parent",
+                        f"rank {rank} is at step {report['step']}: SIGSTOP; {state}, "
+                        "its sockets stay open",
+                    )
+            elif report["kind"] == "failed":
+                failed.add(rank)
+                waiting = [r for r in open_conns if r != hung and r not in failed]
+                if hung is not None and not waiting:
+                    say(
+                        t0,
+                        "parent",
+                        f"ranks {sorted(failed)} timed out on rank {hung}: "
+                        "SIGKILL the stopped rank",
+                    )
+                    procs[hung].kill()
+                    hung = None
+    run.all_exited = True
 
 
 def describe_exit(code: int | None) -> str:
@@ -277,31 +364,37 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def check(t0: float, exits: dict[int, int | None], seen: list[Report]) -> bool:
-    """Print the summary; True only if the job recovered from the dead rank."""
+def check(run: Scenario) -> bool:
+    """Print the summary; True only if the job recovered from the failed rank."""
+    exits, seen = run.exits, run.seen
     survivors = [r for r in range(WORLD) if r != VICTIM]
     failed = {e["rank"]: e for e in seen if e["kind"] == "failed"}
     done = {e["rank"]: e for e in seen if e["kind"] == "done"}
-    cued = any(e["kind"] == "victim-ready" and e["step"] == KILL_STEP for e in seen)
-    checks: list[tuple[str, bool]] = [
-        (
-            f"rank {VICTIM} {describe_exit(exits[VICTIM])} "
-            + (f"at step {KILL_STEP}" if cued else "(never reached the kill step)"),
-            cued and exits[VICTIM] == -signal.SIGKILL,
-        )
-    ]
+    cued = any(e["kind"] == "victim-ready" and e["step"] == FAULT_STEP for e in seen)
+    killed = exits[VICTIM] == -signal.SIGKILL
+    if not cued:
+        victim = f"rank {VICTIM} {describe_exit(exits[VICTIM])} (never reached step {FAULT_STEP})"
+    elif run.fault == "kill":
+        victim = f"rank {VICTIM} {describe_exit(exits[VICTIM])} at step {FAULT_STEP}"
+    else:
+        how = "stopped" if run.stopped else "NOT seen stopped"
+        victim = f"rank {VICTIM} {how} at step {FAULT_STEP}, then {describe_exit(exits[VICTIM])}"
+    stopped_if_due = run.stopped or run.fault == "kill"
+    checks: list[tuple[str, bool]] = [(victim, cued and stopped_if_due and killed)]
     for r in survivors:
         checks.append((f"rank {r} {describe_exit(exits[r])}", exits[r] == 0))
         f = failed.get(r)
-        checks.append(
-            (
-                f"rank {r} step {f['step']}: {f['error']} after {f['latency']:.2f} s "
-                f"(bound {ERROR_BOUND:g} s)"
-                if f
-                else f"rank {r} saw no communication error",
-                f is not None and f["step"] == KILL_STEP and f["latency"] <= ERROR_BOUND,
+        if f is None:
+            checks.append((f"rank {r} saw no communication error", False))
+        else:
+            ok, rule = judge(run.fault, f["error"], f["latency"])
+            checks.append(
+                (
+                    f"rank {r} step {f['step']}: {f['error']} after {f['latency']:.2f} s "
+                    f"(want {rule})",
+                    ok and f["step"] == FAULT_STEP,
+                )
             )
-        )
         d = done.get(r)
         checks.append(
             (
@@ -317,7 +410,7 @@ def check(t0: float, exits: dict[int, int | None], seen: list[Report]) -> bool:
     if finals:
         first, last = finals[0]["first_loss"], finals[0]["final_loss"]
         checks.append((f"loss went down: {first:.4f} -> {last:.6f}", last < first))
-    say(t0, "parent", "summary:")
+    say(run.t0, "parent", "summary:")
     for text, ok in checks:
         print(f"    {'ok  ' if ok else 'FAIL'} {text}", flush=True)
     if finals:
@@ -326,8 +419,9 @@ def check(t0: float, exits: dict[int, int | None], seen: list[Report]) -> bool:
     return all(ok for _, ok in checks)
 
 
-def main() -> int:
-    t0 = time.monotonic()
+def run_scenario(fault: Fault) -> bool:
+    """Play one scenario with its own store and ranks; True if it recovered."""
+    run = Scenario(fault)
     ctx = mp.get_context("spawn")
     store = TCPStore(
         host_name="127.0.0.1",
@@ -338,36 +432,70 @@ def main() -> int:
     )
     procs: dict[int, BaseProcess] = {}
     conns: dict[int, Connection] = {}
-    exits: dict[int, int | None] = {}
     grace = 0.0  # on an error or a timeout, kill at once
     try:
-        say(t0, "parent", f"store on 127.0.0.1:{store.port}; spawning {WORLD} ranks")
+        say(run.t0, "parent", f"store on 127.0.0.1:{store.port}; spawning {WORLD} ranks")
         for rank in range(WORLD):
             conns[rank], child_end = ctx.Pipe()
             proc = ctx.Process(
-                target=rank_main, args=(rank, store.port, t0, child_end), name=f"rank{rank}"
+                target=rank_main,
+                args=(fault, rank, store.port, run.t0, child_end),
+                name=f"rank{rank}",
             )
             proc.start()
             procs[rank] = proc
             child_end.close()  # the rank holds the only other end: its exit reads as EOF
-        seen, all_exited = supervise(t0, procs, conns)
-        if all_exited:
+        supervise(run, procs, conns)
+        if run.all_exited:
             grace = 10.0  # every rank has closed its pipe: let it finish exiting
     finally:
         for rank, p in procs.items():
             p.join(grace)
             if p.exitcode is None:
-                p.kill()
+                p.kill()  # SIGKILL ends a stopped process too
                 p.join(5)
-            exits[rank] = p.exitcode
+            run.exits[rank] = p.exitcode
             p.close()
         for conn in conns.values():
             conn.close()
         del store  # the last reference: the store server shuts down
-    recovered = check(t0, exits, seen)
+    recovered = check(run)
     verdict = "RECOVERED" if recovered else "DID NOT RECOVER"
-    say(t0, "parent", f"{verdict} from the loss of rank {VICTIM} in {time.monotonic() - t0:.1f} s")
-    return 0 if recovered else 1
+    say(
+        run.t0,
+        "parent",
+        f"{verdict} from the {FAULT_SIGNAL[fault].name} of rank {VICTIM} "
+        f"in {time.monotonic() - run.t0:.1f} s",
+    )
+    return recovered
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument(
+        "--fault",
+        choices=FAULTS,
+        help="how rank 2 fails: kill (SIGKILL) or stop (SIGSTOP); default: kill, then stop",
+    )
+    fault = cast("Fault | None", parser.parse_args(argv).fault)
+    faults = FAULTS if fault is None else (fault,)
+    started = time.monotonic()
+    results: dict[Fault, bool] = {}
+    for i, f in enumerate(faults):
+        if i:
+            print(flush=True)
+        print(
+            f"=== --fault {f}: rank {VICTIM} is {FAULT_PLOT[f]} at step {FAULT_STEP}",
+            flush=True,
+        )
+        results[f] = run_scenario(f)
+    code = 0 if all(results.values()) else 1
+    if len(faults) > 1:
+        parts = ", ".join(
+            f"{f}: {'RECOVERED' if ok else 'DID NOT RECOVER'}" for f, ok in results.items()
+        )
+        print(f"\n=== {parts}; exit {code} ({time.monotonic() - started:.1f} s in all)", flush=True)
+    return code
 
 
 if __name__ == "__main__":
