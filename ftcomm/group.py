@@ -125,7 +125,8 @@ class Group:
         without blocking: its in-flight ops end with ``CommAborted``.
 
         Raises:
-            TypeError, ValueError: a bad argument (nothing is torn down then).
+            TypeError, ValueError: a bad argument (checked before anything is
+                torn down: the previous configuration stays as it was).
             CommTimeout: the store or the peers did not answer within the
                 configure timeout.
             CommFailed: the store or the native group construction failed.
@@ -181,15 +182,15 @@ class Group:
         started = time.monotonic()
         # c10d's store client may retry once more after the timeout: allow it.
         until = started + 2 * seconds + 2.0
-        cf = self._runtime.run_blocking(self._backend_cls.connect, spec, until=until)
+        cf = self._runtime.run_control(self._backend_cls.connect, spec, until=until)
         wrapped = asyncio.wrap_future(cf)
         try:
             done, _ = await asyncio.wait({wrapped}, timeout=seconds)
-        finally:
-            if not wrapped.done():  # timed out or cancelled: dispose of it whenever it lands
-                wrapped.cancel()  # nobody will read it (a running call is not stopped)
-                cf.add_done_callback(self._dispose_orphan)
+        except BaseException:  # cancelled, possibly in the very iteration the group landed
+            self._orphan(wrapped, cf)
+            raise
         if not done:
+            self._orphan(wrapped, cf)
             raise CommTimeout(
                 f"configure did not finish within {seconds:g} s (store {addr})",
                 rank=rank,
@@ -197,9 +198,7 @@ class Group:
             )
         try:
             backend = wrapped.result()
-        except (TypeError, ValueError):
-            raise
-        except Exception as exc:
+        except Exception as exc:  # arguments were checked above: this is the store or a peer
             error_cls = CommTimeout if time.monotonic() - started >= seconds * 0.9 else CommFailed
             raise error_cls(
                 f"configure failed (store {addr}): {exc}", rank=rank, op="configure"
@@ -215,6 +214,11 @@ class Group:
             lambda _, until: self._runtime.dispose(*backend.close(), until=until),
         )
         self._config = _Config(backend, table, str(addr))
+
+    def _orphan(self, wrapped: asyncio.Future[Backend], cf: Any) -> None:
+        """Nobody will read this connect: dispose of its group whenever it lands."""
+        wrapped.cancel()  # a call already running is not stopped; its result is unread
+        cf.add_done_callback(self._dispose_orphan)  # runs at once if it has landed
 
     def _dispose_orphan(self, cf: Any) -> None:
         if not cf.cancelled() and cf.exception() is None:
@@ -284,9 +288,9 @@ class Group:
         return self._configured("size").backend.world_size
 
     def num_active_work(self) -> int:
-        """How many ops of the current configuration are in flight."""
+        """How many ops of the current configuration have not ended yet."""
         cfg = self._config
-        return len(cfg.table) if cfg is not None else 0
+        return cfg.table.active() if cfg is not None else 0
 
     def _configured(self, op: str) -> _Config:
         cfg = self._config
@@ -318,6 +322,13 @@ class Group:
             try:
                 native = start(cfg.backend, seconds)
             except RuntimeError as exc:  # rejected before anything was sent
+                error = table.error
+                if error is not None:  # the group broke (and closed) meanwhile
+                    raise CommAborted(
+                        f"{op} refused: the group broke while it was issued ({error.message})",
+                        rank=table.rank,
+                        op=op,
+                    ) from error
                 raise ValueError(
                     f"{op}: the {self.backend} backend rejected the arguments: {exc}"
                 ) from exc

@@ -61,6 +61,7 @@ def no_leaks() -> Iterator[None]:
     stalls = len(rt.watchdog.stalls) if rt.watchdog else 0
     yield
     assert rt.workers.wait_idle(15.0), "an ftcomm worker thread is still blocked"
+    assert rt.control.wait_idle(15.0), "an ftcomm configure thread is still blocked"
     assert rt.reaper.wait_idle(15.0), "the reaper is still holding native groups"
     for thread in threading.enumerate():
         if thread.ident not in threads and not thread.name.startswith("ftcomm-"):

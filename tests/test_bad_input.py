@@ -1169,13 +1169,10 @@ async def test_unreachable_store_orphan_is_quiet(caplog: pytest.LogCaptureFixtur
     async with ftcomm.Group("gloo") as g:
         with pytest.raises(ftcomm.CommError):
             await g.configure(f"127.0.0.1:{port}/nobody", 0, 1, timeout=0.3)
-        workers = get_runtime().workers
-        for _ in range(200):  # let the orphaned connect fail (c10d retries ~1.3 s)
-            if not workers.busy:
-                break
-            await asyncio.sleep(0.05)
-        for _ in range(5):  # let its outcome reach this loop
-            await asyncio.sleep(0.01)
+        # The orphaned connect fails later (c10d retries ~1.3 s); wait for it.
+        assert await asyncio.to_thread(get_runtime().control.wait_idle, 15.0)
+        for _ in range(5):  # its outcome's callbacks run on this loop: let them
+            await asyncio.sleep(0)
         gc.collect()
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 

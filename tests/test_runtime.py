@@ -287,3 +287,95 @@ async def test_a_timer_that_fires_early_is_armed_again(table: OpTable) -> None:
     with pytest.raises(ftcomm.CommTimeout):
         await work
     assert time.monotonic() - started < 0.3 + 0.5
+
+
+@pytest.mark.asyncio
+async def test_an_op_issued_as_the_table_breaks_ends_at_once(table: OpTable) -> None:
+    """The table broke on another thread while this op was being issued."""
+    work: Work[object] = Work(
+        table, "allreduce", table.next_seq(), time.monotonic() + 30, ScriptedOp(), 1
+    )
+    table.break_(ftcomm.CommAborted("broke meanwhile"))
+    table.track(work, 30.0)
+    with pytest.raises(ftcomm.CommAborted, match="broke meanwhile"):
+        await work
+    assert len(table) == 0
+
+
+class SettledWhilePolled(ScriptedOp):
+    """The op is settled by another thread right as it is polled."""
+
+    work: Work[object] | None = None
+
+    def poll(self) -> bool:
+        assert self.work is not None
+        settler = threading.Thread(target=self.work._complete, args=(None,))
+        settler.start()
+        settler.join()
+        return True
+
+
+def test_done_survives_a_settle_during_its_poll(table: OpTable) -> None:
+    op = SettledWhilePolled()
+    work = issue(table, op, 30.0)
+    op.work = work
+    assert work.done() is True
+    assert work.exception() is None
+
+
+def test_an_idle_table_lets_its_timer_go(table: OpTable) -> None:
+    """A group dropped without shutdown() must not be kept alive by its timer."""
+    rt = get_runtime()
+
+    async def run_one() -> object:
+        return await issue(table, ScriptedOp(done=True), 0.05)
+
+    assert rt.call(run_one(), timeout=5) == "result"
+    deadline = time.monotonic() + 5.0
+    while table.timer_armed or table._armed_at is not None:
+        assert time.monotonic() < deadline, "the sentinel timer never let go"
+        time.sleep(0.01)  # polling a condition the owner loop changes, bounded
+    # ... and the next op arms it again and is still watched.
+    with pytest.raises(ftcomm.CommTimeout):
+        rt.call(_await(issue(table, ScriptedOp(), 0.05)), timeout=5)
+
+
+def test_hung_worker_calls_do_not_starve_configure() -> None:
+    """p2p waits fill the worker pool; configure's connect has its own threads."""
+    rt = get_runtime()
+    release = threading.Event()
+    blocked = [rt.run_blocking(release.wait, 10) for _ in range(rt.workers._max + 2)]
+    try:
+        assert rt.run_control(lambda: "connected").result(5) == "connected"
+    finally:
+        release.set()
+    assert all(f.result(5) for f in blocked)
+
+
+def test_reaper_batches_end_no_sooner_than_the_one_before() -> None:
+    rt = get_runtime()
+    release = threading.Event()
+
+    class Blocker:
+        def __del__(self) -> None:
+            release.wait(10)
+
+    rt.dispose(Blocker(), until=time.monotonic() + 30)
+    rt.dispose(object())  # queued behind the blocker: it cannot end "soon"
+    try:
+        started = time.monotonic()
+        assert rt.reaper.wait_short(1.0) is True
+        assert time.monotonic() - started < 0.5
+    finally:
+        release.set()
+    assert rt.reaper.wait_idle(5)
+
+
+def test_call_passes_on_a_timeout_error_raised_by_the_coroutine() -> None:
+    """concurrent.futures.TimeoutError is TimeoutError: do not take one for the other."""
+
+    async def raises() -> None:
+        raise ftcomm.CommTimeout("from the coroutine")
+
+    with pytest.raises(ftcomm.CommTimeout, match="from the coroutine"):
+        get_runtime().call(raises(), timeout=5)

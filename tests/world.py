@@ -88,9 +88,10 @@ def _leaks(rt: Any, fds: set[str], threads: set[int]) -> str | None:
     """What the rank left behind, once ftcomm's blocking work has ended."""
     # A finished call leaves the pool's books just after its future completes.
     rt.workers.wait_idle(5.0)
+    rt.control.wait_idle(5.0)
     rt.reaper.wait_short(10.0)
-    if rt.workers.busy:
-        return f"{rt.workers.busy} ftcomm worker call(s) still blocked"
+    if rt.workers.busy or rt.control.busy:
+        return f"{rt.workers.busy + rt.control.busy} ftcomm worker call(s) still blocked"
     if rt.reaper.pending:
         # A native group with an op in flight until its own (long) timeout:
         # in-process Gloo cannot be stopped earlier, by design. Its sockets

@@ -135,6 +135,10 @@ class Runtime:
         self.loop = new_event_loop(self.kind)
         self.thread_id: int | None = None
         self.workers = WorkerPool("ftcomm-worker", max_workers=16)
+        # Connects and group construction get their own threads: hung p2p
+        # waits filling `workers` must never stop the reconfigure that
+        # recovers from them.
+        self.control = WorkerPool("ftcomm-control", max_workers=4)
         self.reaper = Reaper()
         self.watchdog: Watchdog | None = None
         started = threading.Event()
@@ -185,6 +189,10 @@ class Runtime:
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
+            # The same class as TimeoutError (and CommTimeout) since 3.11:
+            # a coroutine that raised one has finished, so pass it on.
+            if fut.done():
+                raise
             fut.cancel()
             raise TimeoutError(f"owner loop call did not finish in {timeout} s") from None
 
@@ -197,6 +205,12 @@ class Runtime:
         ``until``: the ``time.monotonic()`` by which the call ends at the latest.
         """
         return self.workers.submit(fn, *args, until=until)
+
+    def run_control(
+        self, fn: Callable[..., T], *args: object, until: float | None = None
+    ) -> concurrent.futures.Future[T]:
+        """Like :meth:`run_blocking`, on the threads kept for configure."""
+        return self.control.submit(fn, *args, until=until)
 
     def dispose(self, *objs: object, until: float | None = None) -> None:
         """Hand native objects to the reaper, which drops them off the loop.
@@ -226,15 +240,16 @@ class Runtime:
         """
         if exit_grace is None:
             exit_grace = float(os.environ.get("FTCOMM_EXIT_GRACE", "5"))
-        started = time.monotonic()
-        self.workers.wait_short(exit_grace)
-        self.reaper.wait_short(max(0.0, exit_grace - (time.monotonic() - started)))
+        end = time.monotonic() + exit_grace
+        for pending in (self.control, self.workers, self.reaper):
+            pending.wait_short(max(0.0, end - time.monotonic()))
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
-        self.workers.close(timeout / 2)
+        self.workers.close(timeout / 4)
+        self.control.close(timeout / 4)
         self.reaper.close(0.1)
 
 

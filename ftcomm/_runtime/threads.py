@@ -168,6 +168,8 @@ class Reaper:
     def __init__(self, name: str = "ftcomm-reaper") -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending = _Pending()
+        self._lock = threading.Lock()
+        self._last_until: float | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -177,7 +179,15 @@ class Reaper:
         ``until``: by when dropping them ends at the latest (the deadline of the
         last native op they hold); ``None`` when nothing is in flight.
         """
-        if objs:
+        if not objs:
+            return
+        with self._lock:
+            # One thread, in order: a batch ends no sooner than the one before it.
+            if until is not None and self._last_until is not None:
+                until = max(until, self._last_until)
+            elif until is None:
+                until = self._last_until
+            self._last_until = until
             self._queue.put((self._pending.add(until), list(objs)))
 
     @property

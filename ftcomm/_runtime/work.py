@@ -42,8 +42,9 @@ SPIN_SECONDS = float(os.environ.get("FTCOMM_SPIN_US", "2000")) / 1e6
 """How long ``await work`` polls before it sleeps on the completion callback."""
 
 _EARLY = 0.005
-_sched_yield = getattr(os, "sched_yield", lambda: None)
 """A native error this close to the deadline counts as the deadline passing."""
+
+_sched_yield = getattr(os, "sched_yield", lambda: None)
 
 
 class OpTable:
@@ -62,9 +63,15 @@ class OpTable:
         self._armed_at: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._horizon = 0.0  # the latest op's timeout
+        self._issued = 0  # ops tracked so far: an idle sentinel disarms if unchanged
+        self._issued_at_arm = -1
 
     def __len__(self) -> int:
         return len(self._inflight)
+
+    def active(self) -> int:
+        """Ops not ended yet (ends the completed ones nobody has awaited)."""
+        return sum(1 for work in list(self._inflight.values()) if not work.done())
 
     @property
     def timer_armed(self) -> bool:
@@ -76,8 +83,20 @@ class OpTable:
         return self._seq
 
     def track(self, work: Work[Any], timeout: float) -> None:
-        """Register an issued op (caller's thread)."""
-        self._inflight[work.seq] = work
+        """Register an issued op (caller's thread).
+
+        The table may have broken while the op was being issued (a deadline,
+        a callback or ``abort()`` on another thread): the op then ends at once
+        with ``CommAborted``, as it would have had it been in flight.
+        """
+        with self._lock:
+            error = self.error
+            if error is None:
+                self._inflight[work.seq] = work
+                self._issued += 1
+        if error is not None:
+            work._end_after_break(error)
+            return
         self._horizon = timeout
         armed = self._armed_at  # read after the insert: see _rearm
         if armed is None or work.deadline < armed:
@@ -90,14 +109,14 @@ class OpTable:
                 return
             self.error = error
             pending = list(self._inflight.values())
-        self._after_break(error, pending)
+        self._after_break(error, pending, time.monotonic())
 
-    def _after_break(self, error: CommError, pending: list[Work[Any]]) -> None:
+    def _after_break(self, error: CommError, pending: list[Work[Any]], until: float) -> None:
+        """``until``: the latest deadline of a native op the group may still hold."""
         for work in pending:
             work._end_after_break(error)
         self.runtime.call_soon(self._disarm)
-        # The native group holds these ops until their own (native) deadlines.
-        self._on_break(error, max((w.deadline for w in pending), default=time.monotonic()))
+        self._on_break(error, max([until, *(w.deadline for w in pending)]))
 
     # -- owner loop only ---------------------------------------------------
     def _rearm(self) -> None:
@@ -110,10 +129,19 @@ class OpTable:
                 elif earliest is None or work.deadline < earliest:
                     earliest = work.deadline
             if earliest is None:
+                if self._timer is None and self._issued == self._issued_at_arm:
+                    # The sentinel fired on a table idle for a whole timeout:
+                    # let go (the next op wakes us), so that a group dropped
+                    # without shutdown() is not kept alive by our timer.
+                    self._armed_at = None
+                    if not self._inflight:
+                        return
+                    continue  # an op slipped in as we let go: watch it
                 # Nothing in flight: keep a sentinel timer one op-timeout
                 # ahead. An op issued from now on with that timeout ends after
                 # it, so its caller need not wake us; the sentinel finds it.
                 earliest = now + max(self._horizon, 0.001)
+                self._issued_at_arm = self._issued
             if self._timer is None or self._armed_at != earliest:
                 if self._timer is not None:
                     self._timer.cancel()
@@ -203,8 +231,9 @@ class Work(Generic[R]):
     # -- public ------------------------------------------------------------
     def done(self) -> bool:
         """Whether the op has ended (it may have failed)."""
-        if self._state == _PENDING and self._native is not None and self._native.poll():
-            self._complete(self._native.outcome())
+        native = self._native  # read once: another thread may settle and clear it
+        if self._state == _PENDING and native is not None and native.poll():
+            self._complete(native.outcome())
         return self._state != _PENDING
 
     def cancel(self) -> bool:
@@ -301,7 +330,7 @@ class Work(Generic[R]):
                 table.error = broke = error
                 pending = list(table._inflight.values())
         if broke is not None:
-            table._after_break(broke, pending)
+            table._after_break(broke, pending, self.deadline)
         if error is not None and native is not None and not native.poll():
             # it may block whoever drops it last, until its native deadline
             table.runtime.dispose(native, until=self.deadline)

@@ -1,0 +1,57 @@
+"""Group configuration lifecycles in one process (world size 1 on a real store)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch._C._distributed_c10d import TCPStore
+
+import ftcomm
+from ftcomm.backends.gloo import GlooBackend
+
+
+@pytest.fixture
+def store_port() -> Iterator[int]:
+    holder = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)]
+    yield holder[0].port
+    holder.clear()
+
+
+@pytest.mark.asyncio
+async def test_configure_cancelled_as_the_group_lands_disposes_it(
+    store_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[GlooBackend] = []
+    closed: list[GlooBackend] = []
+    landed = threading.Event()
+    connect, close = GlooBackend.connect.__func__, GlooBackend.close  # type: ignore[attr-defined]
+
+    def spy_connect(cls: Any, spec: Any) -> GlooBackend:
+        backend: GlooBackend = connect(cls, spec)
+        built.append(backend)
+        landed.set()
+        return backend
+
+    def spy_close(self: GlooBackend) -> list[object]:
+        closed.append(self)
+        return close(self)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(GlooBackend, "connect", classmethod(spy_connect))
+    monkeypatch.setattr(GlooBackend, "close", spy_close)
+    g = ftcomm.Group("gloo", timeout=10)
+    task = asyncio.ensure_future(g.configure(f"127.0.0.1:{store_port}/a", 0, 1))
+    await asyncio.sleep(0)  # configure has handed the connect to a thread
+    assert landed.wait(10)  # the loop is held: the group lands before it resumes
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert g.errored() is None
+    with pytest.raises(ftcomm.NotConfigured):
+        g.allreduce(torch.ones(1))
+    assert built
+    assert closed == built, "the group built for a cancelled configure() was not disposed"
