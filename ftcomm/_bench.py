@@ -485,10 +485,10 @@ def parser() -> argparse.ArgumentParser:
         description="Time ftcomm's collectives against raw torch.distributed Gloo "
         "(and torchft when installed): 2 ranks on loopback, one run, ratios.",
     )
-    p.add_argument("--iters", type=_positive, default=3000, help="1-float ops per case (3000)")
-    p.add_argument("--big-iters", type=_positive, default=24, help="big ops per case (24)")
+    p.add_argument("--iters", type=_positive, default=4000, help="1-float ops per case (4000)")
+    p.add_argument("--big-iters", type=_positive, default=32, help="big ops per case (32)")
     p.add_argument("--big-mib", type=_positive, default=16, help="big tensor size in MiB (16)")
-    p.add_argument("--rounds", type=_positive, default=4, help="interleaved rounds (4)")
+    p.add_argument("--rounds", type=_positive, default=8, help="interleaved rounds (8)")
     p.add_argument(
         "--warmup", type=_non_negative, default=100, help="1-float warm-up ops per round (100)"
     )

@@ -99,12 +99,34 @@ class GlooBackend(Backend):
         }
     )
 
-    def __init__(
-        self, pg: dist.ProcessGroupGloo, store: object, rank: int, world_size: int
-    ) -> None:
+    def __init__(self, pg: Any, store: object, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)
-        self._pg: dist.ProcessGroupGloo | None = pg
+        # Any: torch's stubs for ProcessGroupGloo lack most backend methods.
+        self._pg: Any = pg
         self._store: object | None = store
+        self._options: dict[tuple[object, ...], Any] = {}
+
+    def _opts(self, kind: type, timeout: float, reduce_op: object = None, root: int = 0) -> Any:
+        """An options object, built once per (kind, timeout, op, root) and reused.
+
+        c10d copies what it needs out of the options when it issues the op and
+        ftcomm never changes one after building it, so reusing them is safe; it
+        saves building a pybind object and a timedelta on every small op.
+        """
+        key = (kind, timeout, reduce_op, root)
+        opts = self._options.get(key)
+        if opts is None:
+            if len(self._options) >= 64:  # many distinct per-op timeouts: start over
+                self._options.clear()
+            opts = kind()
+            opts.timeout = _td(timeout)
+            if reduce_op is not None:
+                opts.reduceOp = reduce_op
+            if kind is BroadcastOptions:
+                opts.rootRank = root
+                opts.rootTensor = 0
+            self._options[key] = opts
+        return opts
 
     @classmethod
     def connect(cls, spec: ConnectSpec) -> GlooBackend:
@@ -135,37 +157,28 @@ class GlooBackend(Backend):
         self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType, timeout: float
     ) -> NativeOp:
         if len(tensors) == 1:
-            opts = AllreduceOptions()
-            opts.reduceOp = op  # type: ignore[assignment]  # stubs: RedOpType is accepted
-            opts.timeout = _td(timeout)
+            opts = self._opts(AllreduceOptions, timeout, op)
             return WorkOp(self.pg.allreduce(list(tensors), opts))
-        copts = AllreduceCoalescedOptions()
-        copts.reduceOp = op  # type: ignore[assignment]  # stubs: RedOpType is accepted
-        copts.timeout = _td(timeout)
+        copts = self._opts(AllreduceCoalescedOptions, timeout, op)
         return WorkOp(self.pg.allreduce_coalesced(list(tensors), copts))
 
     def allgather(
         self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, timeout: float
     ) -> NativeOp:
-        opts = AllgatherOptions()
-        opts.timeout = _td(timeout)
+        opts = self._opts(AllgatherOptions, timeout)
         return WorkOp(self.pg.allgather([list(outputs)], [tensor], opts))
 
     def allgather_into_tensor(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], timeout: float
     ) -> NativeOp:
-        opts = AllgatherOptions()
-        opts.timeout = _td(timeout)
+        opts = self._opts(AllgatherOptions, timeout)
         pg = self.pg
         return WorksOp(
             [pg._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         )
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout: float) -> NativeOp:
-        opts = BroadcastOptions()
-        opts.rootRank = root
-        opts.rootTensor = 0
-        opts.timeout = _td(timeout)
+        opts = self._opts(BroadcastOptions, timeout, root=root)
         return WorkOp(self.pg.broadcast([tensor], opts))
 
     def reduce_scatter(
@@ -175,9 +188,7 @@ class GlooBackend(Backend):
         op: ReduceOp.RedOpType,
         timeout: float,
     ) -> NativeOp:
-        opts = ReduceScatterOptions()
-        opts.reduceOp = op  # type: ignore[assignment]  # stubs: RedOpType is accepted
-        opts.timeout = _td(timeout)
+        opts = self._opts(ReduceScatterOptions, timeout, op)
         return _waited([self.pg.reduce_scatter([output], [list(inputs)], opts)], timeout)
 
     def reduce_scatter_tensor(
@@ -187,9 +198,7 @@ class GlooBackend(Backend):
         op: ReduceOp.RedOpType,
         timeout: float,
     ) -> NativeOp:
-        opts = ReduceScatterOptions()
-        opts.reduceOp = op  # type: ignore[assignment]  # stubs: RedOpType is accepted
-        opts.timeout = _td(timeout)
+        opts = self._opts(ReduceScatterOptions, timeout, op)
         pg = self.pg
         return _waited(
             [pg._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)],
@@ -204,14 +213,12 @@ class GlooBackend(Backend):
         input_split_sizes: list[int],
         timeout: float,
     ) -> NativeOp:
-        opts = AllToAllOptions()
-        opts.timeout = _td(timeout)
+        opts = self._opts(AllToAllOptions, timeout)
         work = self.pg.alltoall_base(output, tensor, output_split_sizes, input_split_sizes, opts)
         return WorkOp(work)
 
     def barrier(self, timeout: float) -> NativeOp:
-        opts = BarrierOptions()
-        opts.timeout = _td(timeout)
+        opts = self._opts(BarrierOptions, timeout)
         return WorkOp(self.pg.barrier(opts))
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float) -> NativeOp:
