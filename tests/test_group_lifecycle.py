@@ -55,3 +55,48 @@ async def test_configure_cancelled_as_the_group_lands_disposes_it(
         g.allreduce(torch.ones(1))
     assert built
     assert closed == built, "the group built for a cancelled configure() was not disposed"
+
+
+def test_one_group_from_two_threads_with_two_event_loops(store_port: int) -> None:
+    """Callers on other threads and other loops share one group (world size 1)."""
+    from ftcomm._runtime.loop import new_event_loop
+
+    g = ftcomm.Group("gloo", timeout=10)
+    setup = new_event_loop("asyncio")
+    try:
+        setup.run_until_complete(g.configure(f"127.0.0.1:{store_port}/threads", 0, 1))
+    finally:
+        setup.close()
+    results: dict[str, float] = {}
+    errors: list[BaseException] = []
+
+    def caller(kind: str) -> None:
+        async def many() -> float:
+            total = 0.0
+            for i in range(200):
+                t = torch.full((4,), float(i))
+                total += float((await g.allreduce(t)).sum())
+            return total
+
+        loop = new_event_loop(kind)
+        try:
+            results[kind] = loop.run_until_complete(many())
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            loop.close()
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in ("asyncio", "uvloop")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert results == {"asyncio": 4.0 * sum(range(200)), "uvloop": 4.0 * sum(range(200))}
+    assert g.errored() is None
+    assert g.num_active_work() == 0
+    teardown = new_event_loop("asyncio")
+    try:
+        teardown.run_until_complete(g.shutdown())
+    finally:
+        teardown.close()

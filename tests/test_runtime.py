@@ -379,3 +379,17 @@ def test_call_passes_on_a_timeout_error_raised_by_the_coroutine() -> None:
 
     with pytest.raises(ftcomm.CommTimeout, match="from the coroutine"):
         get_runtime().call(raises(), timeout=5)
+
+
+@pytest.mark.asyncio
+async def test_a_slow_op_finished_on_another_thread_wakes_its_awaiter(table: OpTable) -> None:
+    """Past the spin, the awaiter sleeps; the backend's thread must wake it."""
+    op = ScriptedOp()
+    work = issue(table, op, 30.0)
+    finisher = threading.Timer(0.05, op.finish)  # like Gloo's worker thread
+    finisher.start()
+    try:
+        assert await work == "result"
+    finally:
+        finisher.join()
+    assert table.error is None
