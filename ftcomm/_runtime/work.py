@@ -65,6 +65,7 @@ class OpTable:
         self._horizon = 0.0  # the latest op's timeout
         self._issued = 0  # ops tracked so far: an idle sentinel disarms if unchanged
         self._issued_at_arm = -1
+        self._wake_pending = False
 
     def __len__(self) -> int:
         return len(self._inflight)
@@ -99,8 +100,11 @@ class OpTable:
             return
         self._horizon = timeout
         armed = self._armed_at  # read after the insert: see _rearm
-        if armed is None or work.deadline < armed:
-            self.runtime.call_soon(self._rearm)
+        if (armed is None or work.deadline < armed) and not self._wake_pending:
+            # One wake-up in the owner's queue at a time: callers issuing
+            # faster than the owner runs must not pile up handles.
+            self._wake_pending = True
+            self.runtime.call_soon(self._on_wake)
 
     def break_(self, error: CommError) -> None:
         """Mark the table errored (first error wins) and end every op in flight."""
@@ -153,6 +157,12 @@ class OpTable:
             if all(w.deadline >= earliest for w in list(self._inflight.values())):
                 return
         self._disarm()
+
+    def _on_wake(self) -> None:
+        # Cleared before the scan: a caller that still saw it set had inserted
+        # its op before, so the scan finds the op; a later one wakes us again.
+        self._wake_pending = False
+        self._rearm()
 
     def _on_timer(self) -> None:
         # The handle has fired: forget it, or _rearm would take it for armed.
