@@ -269,13 +269,12 @@ class Work(Generic[R]):
         return self._error
 
     def __await__(self) -> Generator[Any, None, R]:
-        return self._wait().__await__()
-
-    # -- awaiting ----------------------------------------------------------
-    async def _wait(self) -> R:
+        # A plain generator, not a coroutine chain: the spin below resumes
+        # once per loop iteration, and every layer it passes costs time
+        # measured in the small-op bench.
         if self._state == _PENDING:
             try:
-                await self._until_ended()
+                yield from self._until_ended()
             except asyncio.CancelledError:
                 if not self.done():
                     self._abort(
@@ -286,7 +285,8 @@ class Work(Generic[R]):
             raise self._error
         return self._result
 
-    async def _until_ended(self) -> None:
+    # -- awaiting ----------------------------------------------------------
+    def _until_ended(self) -> Generator[Any, None, None]:
         native = self._native
         if native is None:
             return
@@ -296,13 +296,13 @@ class Work(Generic[R]):
                 self._complete(native.outcome())
                 return
             if time.perf_counter() >= spin_until:
-                await self._sleep_until_ended(native)
+                yield from self._sleep_until_ended(native).__await__()
                 return
             # Give this core to a runnable thread first (the backend's own
             # worker, usually): on 2 cores a spin that only yields to the event
             # loop starves it and turns p90 from 0.2 ms into 4 ms.
             _sched_yield()
-            await asyncio.sleep(0)
+            yield  # what asyncio.sleep(0) does: run the loop once, then resume
 
     async def _sleep_until_ended(self, native: NativeOp) -> None:
         loop = asyncio.get_running_loop()
