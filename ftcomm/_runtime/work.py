@@ -12,9 +12,11 @@ Rules this module keeps:
    its own timeout, and the owner loop keeps **one** timer per table, armed at
    the earliest deadline in flight, or, with nothing in flight, one op-timeout
    ahead as a sentinel. A caller wakes the owner loop only when its op's
-   deadline comes before the armed time, so a steady stream of ops costs the
-   owner loop one wake-up per timeout, and the timer count stays at one per
-   group however many ops run.
+   deadline comes before the armed time (and at most one wake-up is queued),
+   so a steady stream of ops costs the owner loop one wake-up per timeout and
+   the timer count stays at one per group however many ops run. A sentinel
+   that finds its table idle for a whole timeout lets go, so the owner loop
+   never keeps a dropped group alive.
 4. Awaiting polls the native op for a short spin (raw speed for small ops),
    yielding the core between polls, then sleeps until the native completion
    or the sweeper wakes it.
