@@ -22,6 +22,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from . import _validate as v
+from ._runtime import faults
 from ._runtime.deadline import Timeout, resolve, to_seconds
 from ._runtime.loop import get_runtime
 from ._runtime.native import NativeOp
@@ -82,6 +83,7 @@ class Group:
         self._config: _Config | None = None
         self._attempt: object | None = None
         self._issue_lock = threading.Lock()
+        self._issued = 0  # ops this group has issued, across configurations
 
     def __repr__(self) -> str:
         cfg = self._config
@@ -320,7 +322,12 @@ class Group:
                 ) from error
             deadline = time.monotonic() + seconds
             try:
-                native = start(cfg.backend, seconds)
+                inject = faults.injector
+                if inject is None:
+                    native = start(cfg.backend, seconds)
+                else:
+                    native = inject(op, self._issued, lambda: start(cfg.backend, seconds))
+                self._issued += 1
             except RuntimeError as exc:  # rejected before anything was sent
                 error = table.error
                 if error is not None:  # the group broke (and closed) meanwhile

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from world import LOOPS, RankContext, run_world
 
 import ftcomm
+from ftcomm.testing import LOOPS, RankContext, run_world
 
 
 async def every_collective(ctx: RankContext) -> dict[str, Any]:

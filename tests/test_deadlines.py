@@ -17,9 +17,9 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from world import LOOPS, RankContext, run_world
 
 import ftcomm
+from ftcomm.testing import LOOPS, RankContext, run_world
 
 DEADLINE = 0.5
 

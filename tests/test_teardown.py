@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import torch
-from world import LOOPS, RankContext, run_world
 
 import ftcomm
+from ftcomm.testing import LOOPS, RankContext, run_world
 
 
 async def teardown_in_flight(ctx: RankContext, how: str) -> dict[str, Any]:

@@ -6,7 +6,8 @@ import asyncio
 import os
 
 import pytest
-from world import RankContext, WorldError, run_world
+
+from ftcomm.testing import RankContext, WorldError, run_world
 
 _held: list[int] = []
 

@@ -1,10 +1,10 @@
-"""Run an async function on N ranks in real (spawned) processes.
+"""Worlds: an async function run on N ranks, each a real (spawned) process.
 
-A small harness for ftcomm's own multi-rank tests: a fresh TCPStore per world,
-a wall-clock bound on the whole world (a hang fails the test, not the suite),
-each rank's return value or exception with its traceback, a leak check inside
-every rank (fds, threads, blocked ftcomm workers, owner-loop stalls), and every
-process joined or killed before it returns.
+A fresh TCPStore per world on loopback, a wall-clock bound on the whole world
+(a hang fails the test, not the suite), each rank's return value or exception
+with its traceback, a leak check inside every rank (fds, threads, blocked
+ftcomm workers, owner-loop stalls), an optional :class:`FaultPlan` applied
+inside the ranks, and every process joined or killed before it returns.
 """
 
 from __future__ import annotations
@@ -13,18 +13,24 @@ import asyncio
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import threading
 import time
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from torch._C._distributed_c10d import TCPStore
 
+from ._faults import FaultPlan, Kind, install
+
+_DOOMED_GRACE = 2.0
+
 LOOPS = ("asyncio", "uvloop")
+"""The event loops a world's ranks can run on."""
 
 
 @dataclass
@@ -73,7 +79,8 @@ class RankFailure:
     text: str
 
 
-RankFn = Callable[..., Awaitable[Any]]
+RankFn = Callable[..., Coroutine[Any, Any, Any]]
+"""``async def fn(ctx: RankContext, *args) -> value`` (a module-level function)."""
 
 
 def _fds() -> set[str]:
@@ -107,16 +114,20 @@ def _leaks(rt: Any, fds: set[str], threads: set[int]) -> str | None:
     return None
 
 
-def _rank_main(fn: RankFn, ctx: RankContext, args: tuple[Any, ...], conn: Any) -> None:
+def _rank_main(
+    fn: RankFn, ctx: RankContext, args: tuple[Any, ...], plan: FaultPlan | None, conn: Any
+) -> None:
     try:
-        from ftcomm._runtime.loop import get_runtime
+        from .._runtime.loop import get_runtime
 
+        if plan is not None:
+            install(plan, ctx.rank)
         rt = get_runtime()
         fds, threads = _fds(), _threads()
         if ctx.loop == "uvloop":
             import uvloop
 
-            value = uvloop.run(fn(ctx, *args))
+            value: Any = uvloop.run(fn(ctx, *args))
         else:
             value = asyncio.run(fn(ctx, *args))
         ctx._store = None  # the harness's own signalling client
@@ -140,6 +151,15 @@ def _rank_main(fn: RankFn, ctx: RankContext, args: tuple[Any, ...], conn: Any) -
     conn.close()
 
 
+def _stopped(pid: int | None) -> bool:
+    """Whether the process is stopped (SIGSTOP), from /proc where there is one."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
 class WorldError(AssertionError):
     pass
 
@@ -152,14 +172,18 @@ def run_world(
     timeout: float = 60.0,
     expect_exit: dict[int, int] | None = None,
     args: tuple[Any, ...] = (),
+    plan: FaultPlan | None = None,
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` ranks; return their values in rank order.
 
     A rank that raised makes this raise :class:`WorldError` with every rank's
-    traceback, unless the rank is listed in ``expect_exit`` (rank -> expected
-    exit code, negative for a signal), in which case its value is ``None``.
+    traceback (and the plan), unless the rank is listed in ``expect_exit``
+    (rank -> expected exit code, negative for a signal): its value is then
+    ``None``. Ranks that ``plan`` kills or stops may die by SIGKILL; once every
+    other rank is done, the harness SIGKILLs those still stopped or hung.
     """
-    expect_exit = expect_exit or {}
+    expect_exit = dict(expect_exit or {})
+    doomed = plan.ranks_that(Kind.KILL, Kind.STOP) if plan is not None else set()
     ctx_mp = mp.get_context("spawn")
     master = TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
@@ -175,7 +199,7 @@ def run_world(
             parent, child = ctx_mp.Pipe(duplex=False)
             ctx = RankContext(rank, world_size, master.port, world_id, loop)
             proc = ctx_mp.Process(
-                target=_rank_main, args=(fn, ctx, args, child), name=f"rank{rank}"
+                target=_rank_main, args=(fn, ctx, args, plan, child), name=f"rank{rank}"
             )
             proc.start()
             child.close()
@@ -189,16 +213,31 @@ def run_world(
     results: list[Any] = [None] * world_size
     failures: list[str] = []
     deadline = time.monotonic() + timeout
+    # The ranks a plan may kill or stop come last: by then every other rank
+    # is done, and one that has not reported within a short grace is stopped
+    # or hung by design.
+    order = [r for r in range(world_size) if r not in doomed] + sorted(doomed)
     try:
-        for rank, (proc, conn) in enumerate(zip(procs, conns, strict=True)):
-            remaining = max(0.0, deadline - time.monotonic())
-            if conn.poll(remaining):
+        for rank in order:
+            proc, conn = procs[rank], conns[rank]
+            wait = max(0.0, deadline - time.monotonic())
+            if rank in doomed:
+                wait = 0.0 if _stopped(proc.pid) else min(wait, _DOOMED_GRACE)
+            status: str = "hung"
+            value: Any = None
+            if conn.poll(wait):
                 try:
                     status, value = pickle.loads(conn.recv_bytes())
                 except EOFError:
-                    status, value = "eof", None
-            else:
-                status, value = "eof" if not proc.is_alive() else "hung", None
+                    status = "eof"
+            elif not proc.is_alive():
+                status = "eof"
+            if rank in doomed and status in ("eof", "hung"):
+                proc.kill()
+                proc.join(5)
+                if proc.exitcode != -signal.SIGKILL:
+                    failures.append(f"rank {rank} (doomed by the plan) exit code {proc.exitcode}")
+                continue
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
@@ -227,5 +266,7 @@ def run_world(
             conn.close()
         del master
     if failures:
+        if plan is not None:
+            failures.append(f"plan: {plan}")
         raise WorldError("\n\n".join(failures))
     return results

@@ -1,0 +1,26 @@
+"""Test worlds and faults as data, for ftcomm's tests and yours.
+
+``run_world(fn, n)`` runs ``await fn(ctx)`` on ``n`` spawned ranks on loopback
+and returns their values; a :class:`FaultPlan` kills, stops, hangs, delays or
+fails chosen ops of chosen ranks without touching the code under test.
+"""
+
+from ._faults import Fault as Fault
+from ._faults import FaultPlan as FaultPlan
+from ._faults import Kind as Kind
+from ._world import LOOPS as LOOPS
+from ._world import RankContext as RankContext
+from ._world import RankFailure as RankFailure
+from ._world import WorldError as WorldError
+from ._world import run_world as run_world
+
+__all__ = [
+    "LOOPS",
+    "Fault",
+    "FaultPlan",
+    "Kind",
+    "RankContext",
+    "RankFailure",
+    "WorldError",
+    "run_world",
+]

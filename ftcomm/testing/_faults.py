@@ -1,0 +1,242 @@
+"""Faults as data: what goes wrong, on which rank, at which op.
+
+A :class:`FaultPlan` is a tuple of :class:`Fault` records. Each names a rank
+and the index of an op on that rank's :class:`~ftcomm.Group` (counted from 0,
+across configurations). The harness installs the rank's faults in its
+process before the code under test runs; the code under test is not edited.
+Seeded plans (:meth:`FaultPlan.random`) replay exactly from their seed.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import random
+import signal
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .._runtime import faults as _seam
+from .._runtime.loop import get_runtime
+from .._runtime.native import Done, NativeOp
+
+
+class Kind(str, enum.Enum):
+    KILL = "kill"
+    """SIGKILL the rank's process just before it issues the op."""
+    STOP = "stop"
+    """SIGSTOP the rank's process just before it issues the op (a hung host);
+    the harness SIGKILLs it once the other ranks are done."""
+    HANG = "hang"
+    """The op is never issued and never completes (a rank stuck in its own code);
+    the op's deadline then ends it on this rank."""
+    DELAY = "delay"
+    """The op is issued, and its completion reaches the caller ``seconds`` late."""
+    ERROR = "error"
+    """The op is issued, and then fails on this rank with ``message``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One fault: ``kind`` at op ``op`` of ``rank``."""
+
+    kind: Kind
+    rank: int
+    op: int
+    seconds: float = 0.0
+    message: str = "injected fault"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, Kind):
+            raise TypeError(f"kind must be a Kind, got {type(self.kind).__name__}")
+        for name in ("rank", "op"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.kind is Kind.DELAY and not self.seconds > 0:
+            raise ValueError(f"a delay needs seconds > 0, got {self.seconds!r}")
+
+    def __str__(self) -> str:
+        extra = f" {self.seconds:g}s" if self.kind is Kind.DELAY else ""
+        extra += f" {self.message!r}" if self.kind is Kind.ERROR else ""
+        return f"{self.kind.value}(rank {self.rank}, op {self.op}{extra})"
+
+    @classmethod
+    def kill(cls, rank: int, op: int) -> Fault:
+        return cls(Kind.KILL, rank, op)
+
+    @classmethod
+    def stop(cls, rank: int, op: int) -> Fault:
+        return cls(Kind.STOP, rank, op)
+
+    @classmethod
+    def hang(cls, rank: int, op: int) -> Fault:
+        return cls(Kind.HANG, rank, op)
+
+    @classmethod
+    def delay(cls, rank: int, op: int, seconds: float) -> Fault:
+        return cls(Kind.DELAY, rank, op, seconds=seconds)
+
+    @classmethod
+    def error(cls, rank: int, op: int, message: str = "injected fault") -> Fault:
+        return cls(Kind.ERROR, rank, op, message=message)
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """The faults of one world, and the seed that made them (if random)."""
+
+    faults: tuple[Fault, ...] = ()
+    seed: int | None = None
+    _by_key: dict[tuple[int, int], Fault] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_key: dict[tuple[int, int], Fault] = {}
+        for fault in self.faults:
+            if not isinstance(fault, Fault):
+                raise TypeError(f"faults must hold Fault records, got {type(fault).__name__}")
+            key = (fault.rank, fault.op)
+            if key in by_key:
+                raise ValueError(f"two faults at rank {fault.rank}, op {fault.op}")
+            by_key[key] = fault
+        object.__setattr__(self, "_by_key", by_key)
+
+    @classmethod
+    def of(cls, *faults: Fault) -> FaultPlan:
+        return cls(tuple(faults))
+
+    @classmethod
+    def random(
+        cls,
+        seed: int,
+        world_size: int,
+        ops: int,
+        *,
+        delay_rate: float = 0.05,
+        error_rate: float = 0.0,
+        max_delay: float = 0.05,
+        kills: int = 0,
+        spare: Iterable[int] = (0,),
+    ) -> FaultPlan:
+        """A plan drawn from ``seed``: the same seed gives the same plan.
+
+        Each of the first ``ops`` ops of each rank is delayed with probability
+        ``delay_rate`` (by up to ``max_delay`` s) or fails with probability
+        ``error_rate``; ``kills`` ranks (never one in ``spare``) are killed at
+        a random op.
+        """
+        rng = random.Random(seed)
+        faults: list[Fault] = []
+        killable = [r for r in range(world_size) if r not in set(spare)]
+        victims = rng.sample(killable, min(kills, len(killable)))
+        for rank in range(world_size):
+            kill_at = rng.randrange(1, max(2, ops)) if rank in victims else None
+            for op in range(ops):
+                if op == kill_at:
+                    faults.append(Fault.kill(rank, op))
+                    break
+                draw = rng.random()
+                if draw < delay_rate:
+                    faults.append(Fault.delay(rank, op, round(rng.uniform(0.001, max_delay), 4)))
+                elif draw < delay_rate + error_rate:
+                    faults.append(Fault.error(rank, op, f"injected error {rank}/{op}"))
+        return cls(tuple(faults), seed)
+
+    def for_rank(self, rank: int) -> dict[int, Fault]:
+        """This rank's faults by op index."""
+        return {op: f for (r, op), f in self._by_key.items() if r == rank}
+
+    def ranks_that(self, *kinds: Kind) -> set[int]:
+        return {f.rank for f in self.faults if f.kind in kinds}
+
+    def __str__(self) -> str:
+        head = f"FaultPlan(seed={self.seed})" if self.seed is not None else "FaultPlan"
+        return f"{head}: " + (", ".join(map(str, self.faults)) or "no faults")
+
+
+# -- inside a rank ---------------------------------------------------------------
+class _NeverOp:
+    """An op that never completes: only its deadline (or an abort) ends it."""
+
+    def poll(self) -> bool:
+        return False
+
+    def outcome(self) -> BaseException | None:
+        return None
+
+    def on_done(self, callback: Done) -> None:
+        pass
+
+
+class _LateOp:
+    """The real op, whose completion reaches the caller ``seconds`` late."""
+
+    def __init__(self, inner: NativeOp, seconds: float) -> None:
+        self._inner = inner
+        self._ready_at = time.monotonic() + seconds
+
+    def poll(self) -> bool:
+        return time.monotonic() >= self._ready_at and self._inner.poll()
+
+    def outcome(self) -> BaseException | None:
+        return self._inner.outcome()
+
+    def on_done(self, callback: Done) -> None:
+        def later(error: BaseException | None) -> None:
+            wait = self._ready_at - time.monotonic()
+            if wait <= 0:
+                callback(error)
+            else:  # a timer on the owner loop, not a thread per delayed op
+                rt = get_runtime()
+                rt.call_soon(lambda: rt.loop.call_later(wait, callback, error))
+
+        self._inner.on_done(later)
+
+
+class _FailedOp:
+    """The real op, reported as failed once it ends."""
+
+    def __init__(self, inner: NativeOp, message: str) -> None:
+        self._inner = inner
+        self._error = RuntimeError(message)
+
+    def poll(self) -> bool:
+        return self._inner.poll()
+
+    def outcome(self) -> BaseException | None:
+        return self._error
+
+    def on_done(self, callback: Done) -> None:
+        self._inner.on_done(lambda _: callback(self._error))
+
+
+class Injector:
+    """Applies one rank's faults to the ops its groups issue."""
+
+    def __init__(self, faults: dict[int, Fault]) -> None:
+        self.faults = faults
+        self.applied: list[Fault] = []
+
+    def __call__(self, op: str, index: int, issue: _seam.Issue) -> NativeOp:
+        fault = self.faults.get(index)
+        if fault is None:
+            return issue()
+        self.applied.append(fault)
+        if fault.kind is Kind.KILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind is Kind.STOP:
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return issue()  # if someone sends SIGCONT, carry on
+        if fault.kind is Kind.HANG:
+            return _NeverOp()
+        if fault.kind is Kind.DELAY:
+            return _LateOp(issue(), fault.seconds)
+        return _FailedOp(issue(), fault.message)
+
+
+def install(plan: FaultPlan, rank: int) -> Injector:
+    """Install ``rank``'s faults from ``plan`` in this process."""
+    injector = Injector(plan.for_rank(rank))
+    _seam.set_injector(injector)
+    return injector

@@ -1,0 +1,87 @@
+"""Faults as data: plans, and each kind applied inside a real world."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import ftcomm
+from ftcomm.testing import Fault, FaultPlan, Kind, RankContext, run_world
+
+
+def test_a_seeded_plan_replays_exactly() -> None:
+    a = FaultPlan.random(1234, 3, 200, delay_rate=0.1, error_rate=0.05, kills=1)
+    b = FaultPlan.random(1234, 3, 200, delay_rate=0.1, error_rate=0.05, kills=1)
+    c = FaultPlan.random(1235, 3, 200, delay_rate=0.1, error_rate=0.05, kills=1)
+    assert a == b
+    assert str(a) == str(b)
+    assert a != c
+    assert str(a).startswith("FaultPlan(seed=1234): ")
+    kinds = {f.kind for f in a.faults}
+    assert kinds == {Kind.DELAY, Kind.ERROR, Kind.KILL}
+    assert a.ranks_that(Kind.KILL) <= {1, 2}  # rank 0 is spared by default
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: Fault.delay(0, 1, 0), ValueError, "seconds > 0"),
+        (lambda: Fault.kill(-1, 0), ValueError, "rank must be"),
+        (lambda: Fault.kill(0, True), ValueError, "op must be"),
+        (lambda: FaultPlan.of(Fault.kill(0, 1), Fault.hang(0, 1)), ValueError, "two faults"),
+        (lambda: FaultPlan(("kill",)), TypeError, "Fault records"),  # type: ignore[arg-type]
+    ],
+)
+def test_bad_faults_are_rejected(make: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        make()
+
+
+async def delayed_then_failed(ctx: RankContext) -> dict[str, Any]:
+    g = ftcomm.Group("gloo", timeout=5)
+    await g.configure(ctx.addr(), ctx.rank, 2)
+    out: dict[str, Any] = {}
+    await g.allreduce(torch.ones(1))  # op 0
+    started = time.monotonic()
+    out["delayed"] = (await g.allreduce(torch.ones(1))).item()  # op 1: delayed on rank 0
+    out["delay"] = time.monotonic() - started
+    try:
+        await g.allreduce(torch.ones(1))  # op 2: fails on rank 1
+        out["op2"] = "ok"
+    except ftcomm.CommError as exc:
+        out["op2"] = f"{type(exc).__name__}: {exc}"
+    out["errored"] = g.errored() is not None
+    await g.shutdown()
+    return out
+
+
+def test_delay_and_error_faults_apply_to_their_rank_and_op() -> None:
+    plan = FaultPlan.of(Fault.delay(0, 1, 0.3), Fault.error(1, 2, "disk on fire"))
+    r0, r1 = run_world(delayed_then_failed, 2, plan=plan)
+    assert r0["delayed"] == r1["delayed"] == 2.0  # a delayed op still gives the right sum
+    assert r0["delay"] >= 0.3
+    assert r1["delay"] < 0.3
+    assert r0["op2"] == "ok"  # the native op did complete; only rank 1 was told otherwise
+    assert r0["errored"] is False
+    assert r1["op2"].startswith("CommFailed: allreduce failed: disk on fire")
+    assert r1["errored"] is True
+
+
+async def hung_op(ctx: RankContext) -> str:
+    g = ftcomm.Group("gloo", timeout=0.5)
+    await g.configure(ctx.addr(), ctx.rank, 2)
+    try:
+        await g.allreduce(torch.ones(1))  # op 0: never issued on rank 1
+    except ftcomm.CommTimeout:
+        return "timeout"
+    finally:
+        await g.shutdown()
+    return "ok"
+
+
+def test_a_hung_op_ends_at_its_deadline_on_every_rank() -> None:
+    # Rank 1 never issues op 0; both ranks time out at their deadline.
+    assert run_world(hung_op, 2, plan=FaultPlan.of(Fault.hang(1, 0))) == ["timeout", "timeout"]
