@@ -1,0 +1,100 @@
+"""pytest plugin (entry point ``pytest11: ftcomm``): worlds and fault plans as fixtures.
+
+Fixtures:
+    ftcomm_world: a :class:`World`; ``ftcomm_world.run(fn, n)`` runs
+        ``await fn(ctx)`` on ``n`` spawned ranks with the test's fault plan and
+        event loop, and returns the ranks' values.
+    fault_plan: the :class:`~ftcomm.testing.FaultPlan` a world applies; empty
+        unless the test overrides this fixture or marks itself with
+        ``@pytest.mark.ftcomm_faults(Fault.kill(2, 5), ...)``.
+    ftcomm_loop: the ranks' event loop. Every test that uses ``ftcomm_world``
+        runs once per loop: asyncio and uvloop, or those named by
+        ``@pytest.mark.ftcomm_loops(...)``.
+
+A failing test's report shows every plan its worlds ran with (and its seed),
+so a random plan can be replayed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ._faults import Fault, FaultPlan
+from ._world import LOOPS, run_world
+
+_PLANS = pytest.StashKey[list[FaultPlan]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "ftcomm_loops(*loops): run the test once per event loop of its ranks "
+        "(default: asyncio and uvloop)",
+    )
+    config.addinivalue_line(
+        "markers", "ftcomm_faults(*faults): the Fault records of the test's fault_plan"
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "ftcomm_loop" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("ftcomm_loops")
+        loops = tuple(marker.args) if marker is not None and marker.args else LOOPS
+        unknown = set(loops) - set(LOOPS)
+        if unknown:
+            raise pytest.UsageError(f"ftcomm_loops: unknown loops {sorted(unknown)}")
+        metafunc.parametrize("ftcomm_loop", loops)
+
+
+class World:
+    """Runs worlds for one test, with its loop and fault plan."""
+
+    def __init__(self, node: pytest.Item, loop: str, plan: FaultPlan) -> None:
+        self._node = node
+        self.loop = loop
+        self.plan = plan
+
+    def run(
+        self,
+        fn: Any,
+        world_size: int,
+        *,
+        args: tuple[Any, ...] = (),
+        plan: FaultPlan | None = None,
+        timeout: float = 60.0,
+    ) -> list[Any]:
+        """``run_world(fn, world_size)`` with this test's loop and plan.
+
+        ``fn`` must be a module-level ``async def fn(ctx: RankContext, *args)``.
+
+        Raises:
+            WorldError: a rank raised, died unexpectedly or the world hung.
+        """
+        plan = self.plan if plan is None else plan
+        self._node.stash.setdefault(_PLANS, []).append(plan)
+        return run_world(fn, world_size, loop=self.loop, args=args, plan=plan, timeout=timeout)
+
+
+@pytest.fixture
+def fault_plan(request: pytest.FixtureRequest) -> FaultPlan:
+    """The test's fault plan (from ``@pytest.mark.ftcomm_faults``, else empty)."""
+    marker = request.node.get_closest_marker("ftcomm_faults")
+    faults: tuple[Fault, ...] = tuple(marker.args) if marker is not None else ()
+    return FaultPlan(faults)
+
+
+@pytest.fixture
+def ftcomm_world(request: pytest.FixtureRequest, fault_plan: FaultPlan, ftcomm_loop: str) -> World:
+    """Run worlds of spawned ranks with the test's loop and fault plan."""
+    return World(request.node, ftcomm_loop, fault_plan)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    plans = item.stash.get(_PLANS, [])
+    if report.failed and plans:
+        report.sections.append(("ftcomm fault plans", "\n".join(map(str, plans))))
+    return report
