@@ -2,16 +2,21 @@ from __future__ import annotations
 
 import inspect
 import pickle
+from typing import Any
 
 import pytest
 
 import ftcomm
+import ftcomm.testing
 
 
-def test_every_public_name_is_exported_and_documented() -> None:
-    for name in ftcomm.__all__:
-        obj = getattr(ftcomm, name)
-        assert inspect.getdoc(obj), f"ftcomm.{name} has no docstring"
+@pytest.mark.parametrize("module", [ftcomm, ftcomm.testing], ids=lambda m: m.__name__)
+def test_every_public_name_is_exported_and_documented(module: Any) -> None:
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if isinstance(obj, tuple):  # constants such as LOOPS
+            continue
+        assert inspect.getdoc(obj), f"{module.__name__}.{name} has no docstring"
 
 
 def test_group_methods_say_what_they_raise() -> None:

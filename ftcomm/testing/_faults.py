@@ -23,6 +23,8 @@ from .._runtime.native import Done, NativeOp
 
 
 class Kind(str, enum.Enum):
+    """What a :class:`Fault` does to its op."""
+
     KILL = "kill"
     """SIGKILL the rank's process just before it issues the op."""
     STOP = "stop"

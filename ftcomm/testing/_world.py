@@ -35,6 +35,8 @@ LOOPS = ("asyncio", "uvloop")
 
 @dataclass
 class RankContext:
+    """What a rank's function gets: who it is, and where the world's store is."""
+
     rank: int
     world_size: int
     port: int
@@ -60,10 +62,15 @@ class RankContext:
         return self._store
 
     def signal(self, key: str) -> None:
+        """Tell every rank that ``key`` happened (see :meth:`wait_for`)."""
         self.store.set(f"{self.world_id}/sig/{key}", b"1")
 
     async def wait_for(self, key: str, timeout: float = 30.0) -> None:
-        """Wait until some rank has called ``signal(key)``."""
+        """Wait until some rank has called ``signal(key)``.
+
+        Raises:
+            TimeoutError: nobody did within ``timeout`` seconds.
+        """
         full = f"{self.world_id}/sig/{key}"
         deadline = time.monotonic() + timeout
         while not self.store.check([full]):
@@ -74,6 +81,8 @@ class RankContext:
 
 @dataclass
 class RankFailure:
+    """A rank's exception (``None`` if it did not pickle) and its traceback text."""
+
     rank: int
     error: BaseException | None
     text: str
@@ -161,7 +170,10 @@ def _stopped(pid: int | None) -> bool:
 
 
 class WorldError(AssertionError):
-    pass
+    """A world failed: a rank raised, died unexpectedly, hung, or leaked.
+
+    The message holds every failing rank's traceback and the fault plan.
+    """
 
 
 def run_world(
