@@ -7,6 +7,7 @@ redoes the step.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import ftcomm
-from ftcomm.testing import Fault, FaultPlan, RankContext, run_world
+from ftcomm.testing import Fault, FaultPlan, Kind, RankContext, run_world
 
 STEPS = 8
 FAULT_STEP = 4
@@ -92,3 +93,81 @@ def test_fifty_abort_configure_cycles_all_succeed_and_leak_nothing() -> None:
     # The harness's in-rank check fails the world on any fd, thread or blocked
     # worker left behind after the 50 cycles.
     assert run_world(abort_configure_cycles, 2, args=(50,), timeout=120) == [50, 50]
+
+
+RANDOM_OPS = 1000
+RANDOM_SEED = 20261129
+RANDOM_TIMEOUT = 1.0
+MEMBERSHIP_GRACE = 3.0
+
+
+async def _next_members(ctx: RankContext, epoch: int, members: list[int]) -> list[int]:
+    """Agree, through the store, on who carries on into ``epoch``.
+
+    Each survivor registers; the first to have seen every previous member
+    arrive, or to have waited the grace, writes the membership (compare-set:
+    the first writer wins) and everyone reads that one.
+    """
+    store = ctx.store
+    store.set(f"{ctx.world_id}/m{epoch}/{ctx.rank}", b"1")
+    key = f"{ctx.world_id}/m{epoch}/members"
+    deadline = time.monotonic() + MEMBERSHIP_GRACE
+    while not store.check([key]):
+        arrived = [r for r in members if store.check([f"{ctx.world_id}/m{epoch}/{r}"])]
+        if len(arrived) == len(members) or time.monotonic() > deadline:
+            store.compare_set(key, "", ",".join(map(str, arrived)))
+            break
+        await asyncio.sleep(0.01)
+    return [int(r) for r in store.get(key).decode().split(",")]
+
+
+async def random_faults(ctx: RankContext) -> dict[str, Any]:
+    """Allreduce under random faults; every result is checked, every error typed."""
+    g = ftcomm.Group("gloo", timeout=RANDOM_TIMEOUT, configure_timeout=20)
+    members = list(range(ctx.world_size))
+    epoch, step, attempted = 0, 0, 0
+    stats = {"ok": 0, "typed_errors": 0, "wrong": 0, "epochs": 0}
+    await g.configure(ctx.addr("e0"), ctx.rank, len(members))
+    while True:
+        value = float((ctx.rank + 1) * (epoch * 10_007 + step))
+        attempted += 1
+        want_stop = float(attempted >= RANDOM_OPS)
+        try:
+            got = await g.allreduce(torch.tensor([value, want_stop], dtype=torch.float64))
+        except ftcomm.CommError:
+            stats["typed_errors"] += 1
+            epoch, step = epoch + 1, 0
+            members = await _next_members(ctx, epoch, members)
+            stats["epochs"] = epoch
+            await g.configure(ctx.addr(f"e{epoch}"), members.index(ctx.rank), len(members))
+            continue
+        expected = float(sum((r + 1) * (epoch * 10_007 + step) for r in members))
+        if got[0].item() == expected:
+            stats["ok"] += 1
+        else:
+            stats["wrong"] += 1
+        step += 1
+        if got[1].item() > 0:  # someone has issued enough: all stop together
+            break
+    await g.shutdown()
+    return {**stats, "members": members, "attempted": attempted}
+
+
+def test_a_thousand_ops_under_a_seeded_random_plan() -> None:
+    """Delays, errors and one kill: zero wrong results, zero hangs, all errors typed."""
+    plan = FaultPlan.random(
+        RANDOM_SEED, 3, RANDOM_OPS, delay_rate=0.03, max_delay=0.02, error_rate=0.001, kills=1
+    )
+    assert {f.kind for f in plan.faults} == {Kind.DELAY, Kind.ERROR, Kind.KILL}
+    killed = plan.ranks_that(Kind.KILL)
+    assert len(killed) == 1
+    results = run_world(random_faults, 3, plan=plan, timeout=180)
+    survivors = [r for r in range(3) if r not in killed]
+    for rank in survivors:
+        r = results[rank]
+        assert r is not None, f"rank {rank} died: {plan}"
+        assert r["wrong"] == 0, (rank, r, str(plan))
+        assert r["ok"] + r["typed_errors"] == r["attempted"], (rank, r)
+        assert r["members"] == survivors, (rank, r)
+        assert r["typed_errors"] >= 1  # at least the kill was felt
+    assert max(results[r]["attempted"] for r in survivors) >= RANDOM_OPS
