@@ -85,3 +85,26 @@ async def hung_op(ctx: RankContext) -> str:
 def test_a_hung_op_ends_at_its_deadline_on_every_rank() -> None:
     # Rank 1 never issues op 0; both ranks time out at their deadline.
     assert run_world(hung_op, 2, plan=FaultPlan.of(Fault.hang(1, 0))) == ["timeout", "timeout"]
+
+
+async def store_breaks(ctx: RankContext) -> dict[str, Any]:
+    g = ftcomm.Group("gloo", timeout=5)
+    await g.configure(ctx.addr("a"), ctx.rank, 2)
+    sums = [(await g.allreduce(torch.ones(1))).item() for _ in range(3)]  # rank 0 breaks at op 1
+    started = time.monotonic()
+    try:
+        await g.configure(ctx.addr("b"), ctx.rank, 2, timeout=2.0)
+        outcome = "configured"
+    except ftcomm.CommError as exc:
+        outcome = type(exc).__name__
+    took = time.monotonic() - started
+    await g.shutdown()
+    return {"sums": sums, "outcome": outcome, "took": took}
+
+
+def test_a_broken_store_fails_the_next_configure_on_every_rank() -> None:
+    results = run_world(store_breaks, 2, plan=FaultPlan.of(Fault.break_store(0, 1)))
+    for r in results:
+        assert r["sums"] == [2.0, 2.0, 2.0]  # the configured group needs no store
+        assert r["outcome"] in ("CommTimeout", "CommFailed"), r
+        assert r["took"] < 2.0 + 1.5

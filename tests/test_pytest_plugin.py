@@ -23,13 +23,21 @@ def test_fails_after_a_world(ftcomm_world, fault_plan):
 @pytest.mark.ftcomm_loops("asyncio", "uvloop")
 def test_runs_once_per_loop(ftcomm_world, ftcomm_loop):
     assert ftcomm_world.loop == ftcomm_loop
+
+async def backend_of(ctx: RankContext) -> str:
+    return ctx.backend
+
+@pytest.mark.ftcomm_loops("asyncio")
+@pytest.mark.ftcomm_backends("gloo", "dummy")
+def test_runs_once_per_backend(ftcomm_world, ftcomm_backend):
+    assert ftcomm_world.run(backend_of, 1) == [ftcomm_backend]
 """
 
 
 def test_loops_marker_and_plan_in_the_failure_report(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_user=FAILING)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
-    result.assert_outcomes(passed=2, failed=1)
+    result.assert_outcomes(passed=4, failed=1)
     result.stdout.fnmatch_lines(["*ftcomm fault plans*", "FaultPlan: delay(rank 1, op 0 0.01s)"])
 
 
@@ -45,4 +53,4 @@ def test_x(ftcomm_world):
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
     assert result.ret != 0
-    result.stdout.fnmatch_lines(["*ftcomm_loops: unknown loops*trio*"])
+    result.stdout.fnmatch_lines(["*ftcomm_loops: unknown*trio*"])

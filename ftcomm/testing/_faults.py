@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .._runtime import faults as _seam
 from .._runtime.loop import get_runtime
@@ -37,6 +38,9 @@ class Kind(str, enum.Enum):
     """The op is issued, and its completion reaches the caller ``seconds`` late."""
     ERROR = "error"
     """The op is issued, and then fails on this rank with ``message``."""
+    BREAK_STORE = "break_store"
+    """The world's store stops taking connections just before the op (which then
+    runs): every later ``configure()``, on any rank, fails."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +87,10 @@ class Fault:
     @classmethod
     def error(cls, rank: int, op: int, message: str = "injected fault") -> Fault:
         return cls(Kind.ERROR, rank, op, message=message)
+
+    @classmethod
+    def break_store(cls, rank: int, op: int) -> Fault:
+        return cls(Kind.BREAK_STORE, rank, op)
 
 
 @dataclass(frozen=True)
@@ -214,10 +222,14 @@ class _FailedOp:
 
 
 class Injector:
-    """Applies one rank's faults to the ops its groups issue."""
+    """Applies one rank's faults to the ops its groups issue.
 
-    def __init__(self, faults: dict[int, Fault]) -> None:
+    ``control``: a pipe to the harness, for faults it carries out (the store).
+    """
+
+    def __init__(self, faults: dict[int, Fault], control: Any = None) -> None:
         self.faults = faults
+        self.control = control
         self.applied: list[Fault] = []
 
     def __call__(self, op: str, index: int, issue: _seam.Issue) -> NativeOp:
@@ -234,11 +246,17 @@ class Injector:
             return _NeverOp()
         if fault.kind is Kind.DELAY:
             return _LateOp(issue(), fault.seconds)
+        if fault.kind is Kind.BREAK_STORE:
+            if self.control is None:
+                raise RuntimeError("break_store needs a world run by ftcomm.testing.run_world")
+            self.control.send("break_store")
+            self.control.recv()  # the store is down before the op goes out
+            return issue()
         return _FailedOp(issue(), fault.message)
 
 
-def install(plan: FaultPlan, rank: int) -> Injector:
+def install(plan: FaultPlan, rank: int, control: Any = None) -> Injector:
     """Install ``rank``'s faults from ``plan`` in this process."""
-    injector = Injector(plan.for_rank(rank))
+    injector = Injector(plan.for_rank(rank), control)
     _seam.set_injector(injector)
     return injector

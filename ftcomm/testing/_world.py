@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import pickle
 import signal
@@ -42,6 +43,8 @@ class RankContext:
     port: int
     world_id: str
     loop: str
+    backend: str = "gloo"
+    """The backend the test asked for: ``ftcomm.Group(ctx.backend)``."""
     _store: Any = field(default=None, repr=False)
 
     def addr(self, name: str = "g0") -> str:
@@ -124,13 +127,18 @@ def _leaks(rt: Any, fds: set[str], threads: set[int]) -> str | None:
 
 
 def _rank_main(
-    fn: RankFn, ctx: RankContext, args: tuple[Any, ...], plan: FaultPlan | None, conn: Any
+    fn: RankFn,
+    ctx: RankContext,
+    args: tuple[Any, ...],
+    plan: FaultPlan | None,
+    conn: Any,
+    control: Any,
 ) -> None:
     try:
         from .._runtime.loop import get_runtime
 
         if plan is not None:
-            install(plan, ctx.rank)
+            install(plan, ctx.rank, control)
         rt = get_runtime()
         fds, threads = _fds(), _threads()
         if ctx.loop == "uvloop":
@@ -169,6 +177,47 @@ def _stopped(pid: int | None) -> bool:
         return False
 
 
+class _StoreServer:
+    """The world's TCPStore, which a rank's fault plan may break.
+
+    A thread answers the ranks' control pipes: on ``"break_store"`` it drops
+    the server, so that no new store connection succeeds from then on (every
+    later ``configure()`` fails; connections already made keep working).
+    """
+
+    def __init__(self) -> None:
+        self._server: Any = TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+        )
+        self.port: int = self._server.port
+        self._thread: threading.Thread | None = None
+
+    def serve(self, controls: list[Any]) -> None:
+        self._thread = threading.Thread(
+            target=self._answer, args=(list(controls),), name="world-store-control", daemon=True
+        )
+        self._thread.start()
+
+    def _answer(self, controls: list[Any]) -> None:
+        while controls:
+            ready: list[Any] = mp_connection.wait(controls)
+            for conn in ready:
+                try:
+                    request = conn.recv()
+                except (EOFError, OSError):
+                    controls.remove(conn)
+                    conn.close()
+                    continue
+                if request == "break_store":
+                    self._server = None
+                conn.send("done")
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join(10)
+        self._server = None
+
+
 class WorldError(AssertionError):
     """A world failed: a rank raised, died unexpectedly, hung, or leaked.
 
@@ -185,6 +234,7 @@ def run_world(
     expect_exit: dict[int, int] | None = None,
     args: tuple[Any, ...] = (),
     plan: FaultPlan | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` ranks; return their values in rank order.
 
@@ -197,26 +247,31 @@ def run_world(
     expect_exit = dict(expect_exit or {})
     doomed = plan.ranks_that(Kind.KILL, Kind.STOP) if plan is not None else set()
     ctx_mp = mp.get_context("spawn")
-    master = TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-    )
+    store = _StoreServer()
     world_id = uuid.uuid4().hex[:12]
     procs: list[Any] = []
     conns: list[Any] = []
+    controls: list[Any] = []
     env_before = os.environ.get("FTCOMM_LOOP")
     os.environ["FTCOMM_LOOP"] = loop
     os.environ.setdefault("FTCOMM_DEBUG", "1")
     try:
         for rank in range(world_size):
             parent, child = ctx_mp.Pipe(duplex=False)
-            ctx = RankContext(rank, world_size, master.port, world_id, loop)
+            control, rank_control = ctx_mp.Pipe()
+            ctx = RankContext(rank, world_size, store.port, world_id, loop, backend)
             proc = ctx_mp.Process(
-                target=_rank_main, args=(fn, ctx, args, plan, child), name=f"rank{rank}"
+                target=_rank_main,
+                args=(fn, ctx, args, plan, child, rank_control),
+                name=f"rank{rank}",
             )
             proc.start()
             child.close()
+            rank_control.close()
             procs.append(proc)
             conns.append(parent)
+            controls.append(control)
+        store.serve(controls)
     finally:
         if env_before is None:
             os.environ.pop("FTCOMM_LOOP", None)
@@ -276,7 +331,7 @@ def run_world(
             proc.close()
         for conn in conns:
             conn.close()
-        del master
+        store.close()  # after every rank is gone: its control pipes are at EOF
     if failures:
         if plan is not None:
             failures.append(f"plan: {plan}")

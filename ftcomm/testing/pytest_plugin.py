@@ -10,6 +10,8 @@ Fixtures:
     ftcomm_loop: the ranks' event loop. Every test that uses ``ftcomm_world``
         runs once per loop: asyncio and uvloop, or those named by
         ``@pytest.mark.ftcomm_loops(...)``.
+    ftcomm_backend: the backend the ranks should use (``ctx.backend``): once
+        per backend named by ``@pytest.mark.ftcomm_backends(...)``, else gloo.
 
 A failing test's report shows every plan its worlds ran with (and its seed),
 so a random plan can be replayed.
@@ -21,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from ..backends import BACKENDS
 from ._faults import Fault, FaultPlan
 from ._world import LOOPS, run_world
 
@@ -36,25 +39,39 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "ftcomm_faults(*faults): the Fault records of the test's fault_plan"
     )
+    config.addinivalue_line(
+        "markers",
+        "ftcomm_backends(*names): run the test once per backend, as ctx.backend (default: gloo)",
+    )
+
+
+def _marked(
+    metafunc: pytest.Metafunc, marker: str, default: tuple[str, ...], known: tuple[str, ...]
+) -> tuple[str, ...]:
+    found = metafunc.definition.get_closest_marker(marker)
+    names = tuple(found.args) if found is not None and found.args else default
+    unknown = set(names) - set(known)
+    if unknown:
+        raise pytest.UsageError(f"{marker}: unknown {sorted(unknown)}; known: {', '.join(known)}")
+    return names
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "ftcomm_loop" in metafunc.fixturenames:
-        marker = metafunc.definition.get_closest_marker("ftcomm_loops")
-        loops = tuple(marker.args) if marker is not None and marker.args else LOOPS
-        unknown = set(loops) - set(LOOPS)
-        if unknown:
-            raise pytest.UsageError(f"ftcomm_loops: unknown loops {sorted(unknown)}")
-        metafunc.parametrize("ftcomm_loop", loops)
+        metafunc.parametrize("ftcomm_loop", _marked(metafunc, "ftcomm_loops", LOOPS, LOOPS))
+    if "ftcomm_backend" in metafunc.fixturenames:
+        backends = _marked(metafunc, "ftcomm_backends", ("gloo",), BACKENDS)
+        metafunc.parametrize("ftcomm_backend", backends)
 
 
 class World:
     """Runs worlds for one test, with its loop and fault plan."""
 
-    def __init__(self, node: pytest.Item, loop: str, plan: FaultPlan) -> None:
+    def __init__(self, node: pytest.Item, loop: str, plan: FaultPlan, backend: str) -> None:
         self._node = node
         self.loop = loop
         self.plan = plan
+        self.backend = backend
 
     def run(
         self,
@@ -74,7 +91,15 @@ class World:
         """
         plan = self.plan if plan is None else plan
         self._node.stash.setdefault(_PLANS, []).append(plan)
-        return run_world(fn, world_size, loop=self.loop, args=args, plan=plan, timeout=timeout)
+        return run_world(
+            fn,
+            world_size,
+            loop=self.loop,
+            args=args,
+            plan=plan,
+            timeout=timeout,
+            backend=self.backend,
+        )
 
 
 @pytest.fixture
@@ -86,9 +111,11 @@ def fault_plan(request: pytest.FixtureRequest) -> FaultPlan:
 
 
 @pytest.fixture
-def ftcomm_world(request: pytest.FixtureRequest, fault_plan: FaultPlan, ftcomm_loop: str) -> World:
-    """Run worlds of spawned ranks with the test's loop and fault plan."""
-    return World(request.node, ftcomm_loop, fault_plan)
+def ftcomm_world(
+    request: pytest.FixtureRequest, fault_plan: FaultPlan, ftcomm_loop: str, ftcomm_backend: str
+) -> World:
+    """Run worlds of spawned ranks with the test's loop, backend and fault plan."""
+    return World(request.node, ftcomm_loop, fault_plan, ftcomm_backend)
 
 
 @pytest.hookimpl(wrapper=True)
