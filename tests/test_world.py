@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
+import torch
 
-from ftcomm.testing import RankContext, WorldError, run_world
+import ftcomm
+from ftcomm.testing import Fault, FaultPlan, RankContext, WorldError, run_world
 
 _held: list[int] = []
 
@@ -38,3 +41,49 @@ def test_a_rank_error_arrives_with_its_traceback() -> None:
 def test_a_hung_world_is_killed_at_its_bound() -> None:
     with pytest.raises(WorldError, match=r"did not finish within 3\.0 s \(killed\)"):
         run_world(hangs, 1, timeout=3.0)
+
+
+async def allreduce_rank(ctx: RankContext) -> float:
+    async with ftcomm.Group(ctx.backend, timeout=5) as g:
+        await g.configure(ctx.addr(), ctx.rank, ctx.world_size)
+        return (await g.allreduce(torch.tensor([float(ctx.rank + 1)]))).item()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_thread_mode_runs_ranks_as_threads(loop: str) -> None:
+    started = time.monotonic()
+    assert run_world(allreduce_rank, 3, loop=loop, mode="thread") == [6.0, 6.0, 6.0]
+    assert time.monotonic() - started < 5.0  # no process start-up
+
+
+async def error_on_rank_1(ctx: RankContext) -> str:
+    async with ftcomm.Group("gloo", timeout=5) as g:
+        await g.configure(ctx.addr(), ctx.rank, ctx.world_size)
+        try:
+            await g.allreduce(torch.ones(1))
+        except ftcomm.CommFailed as exc:
+            return str(exc.__cause__)
+        return "ok"
+
+
+def test_thread_mode_applies_each_rank_its_own_faults() -> None:
+    plan = FaultPlan.of(Fault.error(1, 0, "only rank 1"))
+    assert run_world(error_on_rank_1, 2, mode="thread", plan=plan) == ["ok", "only rank 1"]
+
+
+def test_thread_mode_refuses_kill_and_stop() -> None:
+    with pytest.raises(ValueError, match="mode='process'"):
+        run_world(allreduce_rank, 2, mode="thread", plan=FaultPlan.of(Fault.kill(1, 0)))
+
+
+def test_thread_mode_cancels_a_hung_rank_at_the_bound() -> None:
+    with pytest.raises(WorldError, match=r"(?s)rank 0 raised.*CancelledError"):
+        run_world(hangs, 1, mode="thread", timeout=0.5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"mode": "fiber"}, "mode"), ({"loop": "trio"}, "loop")]
+)
+def test_bad_world_arguments(kwargs: dict[str, str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        run_world(allreduce_rank, 1, **kwargs)  # type: ignore[arg-type]

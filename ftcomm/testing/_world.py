@@ -126,6 +126,12 @@ def _leaks(rt: Any, fds: set[str], threads: set[int]) -> str | None:
     return None
 
 
+def _world_error(failures: list[str], plan: FaultPlan | None) -> WorldError:
+    if plan is not None:
+        failures.append(f"plan: {plan}")
+    return WorldError("\n\n".join(failures))
+
+
 def _rank_main(
     fn: RankFn,
     ctx: RankContext,
@@ -209,8 +215,12 @@ class _StoreServer:
                     conn.close()
                     continue
                 if request == "break_store":
-                    self._server = None
+                    self.break_()
                 conn.send("done")
+
+    def break_(self) -> None:
+        """Stop taking connections (those already made keep working)."""
+        self._server = None
 
     def close(self) -> None:
         if self._thread is not None:
@@ -235,6 +245,7 @@ def run_world(
     args: tuple[Any, ...] = (),
     plan: FaultPlan | None = None,
     backend: str = "gloo",
+    mode: str = "process",
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` ranks; return their values in rank order.
 
@@ -243,7 +254,24 @@ def run_world(
     (rank -> expected exit code, negative for a signal): its value is then
     ``None``. Ranks that ``plan`` kills or stops may die by SIGKILL; once every
     other rank is done, the harness SIGKILLs those still stopped or hung.
+
+    ``mode="thread"`` runs the ranks as threads of this process instead (one
+    event loop and one Gloo group each): no process start-up, so a world
+    costs milliseconds, but a rank cannot be killed or stopped and a leak is
+    only checked in the process as a whole.
+
+    Raises:
+        WorldError: a rank raised, died unexpectedly, hung, or left something behind.
+        ValueError: an unknown ``loop`` or ``mode``, or kill/stop faults in thread mode.
     """
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
+    if mode == "thread":
+        from ._thread_world import run_thread_world
+
+        return run_thread_world(fn, world_size, loop, args, plan, timeout, backend)
+    if mode != "process":
+        raise ValueError(f"mode must be 'process' or 'thread', got {mode!r}")
     expect_exit = dict(expect_exit or {})
     doomed = plan.ranks_that(Kind.KILL, Kind.STOP) if plan is not None else set()
     ctx_mp = mp.get_context("spawn")
@@ -333,7 +361,5 @@ def run_world(
             conn.close()
         store.close()  # after every rank is gone: its control pipes are at EOF
     if failures:
-        if plan is not None:
-            failures.append(f"plan: {plan}")
-        raise WorldError("\n\n".join(failures))
+        raise _world_error(failures, plan)
     return results

@@ -81,10 +81,12 @@ class World:
         args: tuple[Any, ...] = (),
         plan: FaultPlan | None = None,
         timeout: float = 60.0,
+        mode: str = "process",
     ) -> list[Any]:
         """``run_world(fn, world_size)`` with this test's loop and plan.
 
-        ``fn`` must be a module-level ``async def fn(ctx: RankContext, *args)``.
+        ``fn`` must be a module-level ``async def fn(ctx: RankContext, *args)``;
+        ``mode="thread"`` runs the ranks as threads (see ``run_world``).
 
         Raises:
             WorldError: a rank raised, died unexpectedly or the world hung.
@@ -99,6 +101,7 @@ class World:
             plan=plan,
             timeout=timeout,
             backend=self.backend,
+            mode=mode,
         )
 
 

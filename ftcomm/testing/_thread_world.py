@@ -1,0 +1,111 @@
+"""Worlds whose ranks are threads of this process (``run_world(mode="thread")``).
+
+Each rank gets a thread with its own event loop and runs ``fn(ctx)`` there;
+its ftcomm groups are ordinary Gloo groups (torch allows one per thread). No
+process starts, so a world costs milliseconds instead of seconds. What a
+thread cannot do: be killed or stopped, so plans with those faults are
+refused. A rank still running at the world's bound has its task cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import traceback
+import uuid
+from typing import Any
+
+from .._runtime import faults as _seam
+from .._runtime.loop import new_event_loop
+from .._runtime.native import NativeOp
+from ._faults import FaultPlan, Injector, Kind
+from ._world import RankContext, RankFn, _StoreServer, _world_error
+
+
+class _DirectControl:
+    """The control pipe of a process rank, as plain calls on the store."""
+
+    def __init__(self, store: _StoreServer) -> None:
+        self._store = store
+
+    def send(self, request: str) -> None:
+        if request == "break_store":
+            self._store.break_()
+
+    def recv(self) -> str:
+        return "done"
+
+
+class _PerThread:
+    """One seam for the process: each rank thread's own injector."""
+
+    def __init__(self) -> None:
+        self.by_thread: dict[int, Injector] = {}
+
+    def __call__(self, op: str, index: int, issue: _seam.Issue) -> NativeOp:
+        injector = self.by_thread.get(threading.get_ident())
+        return issue() if injector is None else injector(op, index, issue)
+
+
+def run_thread_world(
+    fn: RankFn,
+    world_size: int,
+    loop: str,
+    args: tuple[Any, ...],
+    plan: FaultPlan | None,
+    timeout: float,
+    backend: str,
+) -> list[Any]:
+    if plan is not None and plan.ranks_that(Kind.KILL, Kind.STOP):
+        raise ValueError("kill and stop faults need run_world(mode='process')")
+    store = _StoreServer()
+    world_id = uuid.uuid4().hex[:12]
+    results: list[Any] = [None] * world_size
+    failures: dict[int, str] = {}
+    tasks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = {}
+    dispatch = _PerThread()
+    previous = _seam.set_injector(dispatch) if plan is not None else None
+
+    def rank_main(rank: int) -> None:
+        ctx = RankContext(rank, world_size, store.port, world_id, loop, backend)
+        if plan is not None:
+            dispatch.by_thread[threading.get_ident()] = Injector(
+                plan.for_rank(rank), _DirectControl(store)
+            )
+        ev = new_event_loop(loop)
+        try:
+            task = ev.create_task(fn(ctx, *args))
+            tasks[rank] = (ev, task)
+            results[rank] = ev.run_until_complete(task)
+        except BaseException as exc:
+            failures[rank] = "".join(traceback.format_exception(exc))
+        finally:
+            ctx._store = None
+            ev.close()
+
+    threads = [
+        threading.Thread(target=rank_main, args=(r,), name=f"world-rank{r}", daemon=True)
+        for r in range(world_size)
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for rank, thread in enumerate(threads):
+            if thread.is_alive():  # past the bound: cancel the rank's task
+                ev, task = tasks[rank]
+                ev.call_soon_threadsafe(task.cancel)
+                thread.join(10)
+                failures.setdefault(rank, f"did not finish within {timeout} s (cancelled)")
+    finally:
+        if plan is not None:
+            _seam.set_injector(previous)
+        store.close()
+    if failures:
+        raise _world_error(
+            [f"rank {r} raised:\n{text}" for r, text in sorted(failures.items())], plan
+        )
+    return results
