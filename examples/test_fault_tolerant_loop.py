@@ -20,7 +20,7 @@ STEPS = 6
 
 async def train(ctx: RankContext) -> list[float]:
     """Data-parallel steps; after a failed collective, go on with the survivors."""
-    group = ftcomm.Group("gloo", timeout=1.0, configure_timeout=20)
+    group = ftcomm.Group(ctx.backend, timeout=1.0, configure_timeout=20)
     await group.configure(ctx.addr("attempt0"), ctx.rank, ctx.world_size)
     members = list(range(ctx.world_size))
     sums: list[float] = []

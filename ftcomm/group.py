@@ -83,7 +83,6 @@ class Group:
         self._config: _Config | None = None
         self._attempt: object | None = None
         self._issue_lock = threading.Lock()
-        self._issued = 0  # ops this group has issued, across configurations
 
     def __repr__(self) -> str:
         cfg = self._config
@@ -326,8 +325,7 @@ class Group:
                 if inject is None:
                     native = start(cfg.backend, seconds)
                 else:
-                    native = inject(op, self._issued, lambda: start(cfg.backend, seconds))
-                self._issued += 1
+                    native = inject(op, lambda: start(cfg.backend, seconds))
             except RuntimeError as exc:  # rejected before anything was sent
                 error = table.error
                 if error is not None:  # the group broke (and closed) meanwhile

@@ -11,6 +11,13 @@ import torch
 import ftcomm
 from ftcomm.testing import Fault, FaultPlan, Kind, RankContext, run_world
 
+PINNED_SEED_7 = (
+    "FaultPlan(seed=7): delay(rank 0, op 2 0.0412s), delay(rank 0, op 3 0.0296s), "
+    "delay(rank 0, op 6 0.0215s), delay(rank 0, op 9 0.0287s), delay(rank 0, op 13 0.0297s), "
+    "delay(rank 0, op 14 0.0118s), delay(rank 0, op 16 0.0215s), delay(rank 1, op 0 0.029s), "
+    "delay(rank 1, op 1 0.0058s), kill(rank 1, op 6)"
+)
+
 
 def test_a_seeded_plan_replays_exactly() -> None:
     a = FaultPlan.random(1234, 3, 200, delay_rate=0.1, error_rate=0.05, kills=1)
@@ -20,6 +27,8 @@ def test_a_seeded_plan_replays_exactly() -> None:
     assert str(a) == str(b)
     assert a != c
     assert str(a).startswith("FaultPlan(seed=1234): ")
+    # Pinned: a change in how plans are drawn changes every seed's replay.
+    assert str(FaultPlan.random(7, 2, 20, delay_rate=0.2, kills=1)) == PINNED_SEED_7
     kinds = {f.kind for f in a.faults}
     assert kinds == {Kind.DELAY, Kind.ERROR, Kind.KILL}
     assert a.ranks_that(Kind.KILL) <= {1, 2}  # rank 0 is spared by default
@@ -108,3 +117,14 @@ def test_a_broken_store_fails_the_next_configure_on_every_rank() -> None:
         assert r["sums"] == [2.0, 2.0, 2.0]  # the configured group needs no store
         assert r["outcome"] in ("CommTimeout", "CommFailed"), r
         assert r["took"] < 2.0 + 1.5
+
+
+def test_spared_ranks_are_never_killed_whatever_iterable_names_them() -> None:
+    for seed in range(50):
+        plan = FaultPlan.random(seed, 3, 10, delay_rate=0, kills=2, spare=(r for r in [2]))
+        assert 2 not in plan.ranks_that(Kind.KILL)
+
+
+def test_a_one_op_plan_still_kills() -> None:
+    plan = FaultPlan.random(3, 2, 1, delay_rate=0, kills=1)
+    assert [str(f) for f in plan.faults] == ["kill(rank 1, op 0)"]

@@ -87,3 +87,43 @@ def test_thread_mode_cancels_a_hung_rank_at_the_bound() -> None:
 def test_bad_world_arguments(kwargs: dict[str, str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         run_world(allreduce_rank, 1, **kwargs)  # type: ignore[arg-type]
+
+
+async def returns_rank(ctx: RankContext) -> int:
+    return ctx.rank
+
+
+def test_a_fault_that_never_fires_fails_an_explicit_plan() -> None:
+    plan = FaultPlan.of(Fault.error(0, 999))
+    with pytest.raises(
+        WorldError, match=r"rank 0 finished without reaching its faults at ops \[999\]"
+    ):
+        run_world(returns_rank, 2, plan=plan)
+    with pytest.raises(WorldError, match=r"rank 0 finished without reaching its faults"):
+        run_world(returns_rank, 2, plan=plan, mode="thread")
+
+
+def test_a_fault_on_a_rank_outside_the_world_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"faults on ranks \[7\] of a world of 2"):
+        run_world(returns_rank, 2, plan=FaultPlan.of(Fault.delay(7, 0, 1.0)))
+
+
+class _Unpicklable:
+    def __reduce__(self) -> str:
+        raise TypeError("cannot pickle this argument")
+
+
+def test_a_rank_that_cannot_start_takes_the_world_down() -> None:
+    # The conftest leak check fails this test if a started rank is left running.
+    with pytest.raises(TypeError, match="cannot pickle"):
+        run_world(returns_rank, 2, args=(_Unpicklable(),))
+
+
+async def hangs_before_its_fault(ctx: RankContext) -> None:
+    await asyncio.Event().wait()
+
+
+def test_a_doomed_rank_that_hangs_before_its_fault_is_reported() -> None:
+    plan = FaultPlan.of(Fault.kill(1, 100))
+    with pytest.raises(WorldError, match=r"rank 1 did not finish within 4\.0 s"):
+        run_world(hangs_before_its_fault, 2, plan=plan, timeout=4.0)

@@ -2,8 +2,8 @@
 
 Nothing in production sets an injector: the cost on the issue path is one
 module-global read. With one set, every op a :class:`~ftcomm.Group` issues in
-this process goes through ``injector(op, index, issue)``, which decides
-whether and how to call ``issue()`` (the real native call) and what
+this process goes through ``injector(op, issue)``, which decides whether and
+how to call ``issue()`` (the real native call) and what
 :class:`~ftcomm._runtime.native.NativeOp` the op gets.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Callable
 from .native import NativeOp
 
 Issue = Callable[[], NativeOp]
-Injector = Callable[[str, int, Issue], NativeOp]
-"""``(op name, index of the op in this process from 0, issue) -> native op``."""
+Injector = Callable[[str, Issue], NativeOp]
+"""``(op name, issue) -> native op``; the injector counts the ops itself."""
 
 injector: Injector | None = None
 

@@ -1,8 +1,8 @@
 """Faults as data: what goes wrong, on which rank, at which op.
 
 A :class:`FaultPlan` is a tuple of :class:`Fault` records. Each names a rank
-and the index of an op on that rank's :class:`~ftcomm.Group` (counted from 0,
-across configurations). The harness installs the rank's faults in its
+and the index of an op that rank issues (counted from 0 over all its
+:class:`~ftcomm.Group` objects and configurations). The harness installs the rank's faults in its
 process before the code under test runs; the code under test is not edited.
 Seeded plans (:meth:`FaultPlan.random`) replay exactly from their seed.
 """
@@ -138,10 +138,13 @@ class FaultPlan:
         """
         rng = random.Random(seed)
         faults: list[Fault] = []
-        killable = [r for r in range(world_size) if r not in set(spare)]
+        spared = set(spare)
+        killable = [r for r in range(world_size) if r not in spared]
         victims = rng.sample(killable, min(kills, len(killable)))
         for rank in range(world_size):
-            kill_at = rng.randrange(1, max(2, ops)) if rank in victims else None
+            # Not at op 0 when there is room: a world that dies before its
+            # first collective tests little.
+            kill_at = rng.randrange(min(1, ops - 1), ops) if rank in victims and ops else None
             for op in range(ops):
                 if op == kill_at:
                     faults.append(Fault.kill(rank, op))
@@ -230,29 +233,34 @@ class Injector:
     def __init__(self, faults: dict[int, Fault], control: Any = None) -> None:
         self.faults = faults
         self.control = control
+        self.issued = 0
         self.applied: list[Fault] = []
 
-    def __call__(self, op: str, index: int, issue: _seam.Issue) -> NativeOp:
+    def __call__(self, op: str, issue: _seam.Issue) -> NativeOp:
+        index, self.issued = self.issued, self.issued + 1
         fault = self.faults.get(index)
         if fault is None:
             return issue()
         self.applied.append(fault)
-        if fault.kind is Kind.KILL:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if fault.kind is Kind.STOP:
-            os.kill(os.getpid(), signal.SIGSTOP)
-            return issue()  # if someone sends SIGCONT, carry on
+        if fault.kind in (Kind.KILL, Kind.STOP):
+            self._tell(("fired", index))  # the harness tells a planned death from a crash
+            os.kill(os.getpid(), signal.SIGKILL if fault.kind is Kind.KILL else signal.SIGSTOP)
+            return issue()  # stopped, then continued by someone: carry on
         if fault.kind is Kind.HANG:
             return _NeverOp()
         if fault.kind is Kind.DELAY:
             return _LateOp(issue(), fault.seconds)
         if fault.kind is Kind.BREAK_STORE:
-            if self.control is None:
-                raise RuntimeError("break_store needs a world run by ftcomm.testing.run_world")
-            self.control.send("break_store")
-            self.control.recv()  # the store is down before the op goes out
+            self._tell("break_store")
             return issue()
         return _FailedOp(issue(), fault.message)
+
+    def _tell(self, message: object) -> None:
+        """Tell the harness, and wait until it has acted."""
+        if self.control is None:
+            raise RuntimeError("this fault needs a world run by ftcomm.testing.run_world")
+        self.control.send(message)
+        self.control.recv()
 
 
 def install(plan: FaultPlan, rank: int, control: Any = None) -> Injector:

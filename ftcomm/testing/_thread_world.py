@@ -17,10 +17,19 @@ import uuid
 from typing import Any
 
 from .._runtime import faults as _seam
-from .._runtime.loop import new_event_loop
+from .._runtime.loop import get_runtime, new_event_loop
 from .._runtime.native import NativeOp
 from ._faults import FaultPlan, Injector, Kind
-from ._world import RankContext, RankFn, _StoreServer, _world_error
+from ._world import (
+    RankContext,
+    RankFn,
+    _children,
+    _fds,
+    _leaks,
+    _StoreServer,
+    _threads,
+    _world_error,
+)
 
 
 class _DirectControl:
@@ -29,7 +38,7 @@ class _DirectControl:
     def __init__(self, store: _StoreServer) -> None:
         self._store = store
 
-    def send(self, request: str) -> None:
+    def send(self, request: object) -> None:
         if request == "break_store":
             self._store.break_()
 
@@ -43,9 +52,9 @@ class _PerThread:
     def __init__(self) -> None:
         self.by_thread: dict[int, Injector] = {}
 
-    def __call__(self, op: str, index: int, issue: _seam.Issue) -> NativeOp:
+    def __call__(self, op: str, issue: _seam.Issue) -> NativeOp:
         injector = self.by_thread.get(threading.get_ident())
-        return issue() if injector is None else injector(op, index, issue)
+        return issue() if injector is None else injector(op, issue)
 
 
 def run_thread_world(
@@ -59,6 +68,8 @@ def run_thread_world(
 ) -> list[Any]:
     if plan is not None and plan.ranks_that(Kind.KILL, Kind.STOP):
         raise ValueError("kill and stop faults need run_world(mode='process')")
+    rt = get_runtime()
+    base_fds, base_threads, base_children = _fds(), _threads(), _children()
     store = _StoreServer()
     world_id = uuid.uuid4().hex[:12]
     results: list[Any] = [None] * world_size
@@ -73,13 +84,18 @@ def run_thread_world(
             dispatch.by_thread[threading.get_ident()] = Injector(
                 plan.for_rank(rank), _DirectControl(store)
             )
+        injector = dispatch.by_thread.get(threading.get_ident())
         ev = new_event_loop(loop)
         try:
             task = ev.create_task(fn(ctx, *args))
             tasks[rank] = (ev, task)
             results[rank] = ev.run_until_complete(task)
+            if injector is not None and plan is not None and plan.seed is None:
+                unfired = sorted(set(injector.faults) - {f.op for f in injector.applied})
+                if unfired:
+                    failures[rank] = f"finished without reaching its faults at ops {unfired}"
         except BaseException as exc:
-            failures[rank] = "".join(traceback.format_exception(exc))
+            failures[rank] = "raised:\n" + "".join(traceback.format_exception(exc))
         finally:
             ctx._store = None
             ev.close()
@@ -96,16 +112,26 @@ def run_thread_world(
             thread.join(max(0.0, deadline - time.monotonic()))
         for rank, thread in enumerate(threads):
             if thread.is_alive():  # past the bound: cancel the rank's task
-                ev, task = tasks[rank]
-                ev.call_soon_threadsafe(task.cancel)
+                running = tasks.get(rank)
+                if running is not None:
+                    running[0].call_soon_threadsafe(running[1].cancel)
                 thread.join(10)
-                failures.setdefault(rank, f"did not finish within {timeout} s (cancelled)")
+                state = (
+                    "still running, blocked outside its event loop"
+                    if thread.is_alive()
+                    else "cancelled"
+                )
+                failures.setdefault(rank, f"did not finish within {timeout} s ({state})")
     finally:
         if plan is not None:
             _seam.set_injector(previous)
         store.close()
+    if not failures:
+        leaked = _leaks(rt, base_fds, base_threads, base_children)
+        if leaked:
+            failures[-1] = f"the world left behind: {leaked}"
     if failures:
         raise _world_error(
-            [f"rank {r} raised:\n{text}" for r, text in sorted(failures.items())], plan
+            [f"rank {r} {text}" if r >= 0 else text for r, text in sorted(failures.items())], plan
         )
     return results

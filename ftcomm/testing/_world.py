@@ -103,7 +103,22 @@ def _threads() -> set[int]:
     return {t.ident or 0 for t in threading.enumerate() if not t.name.startswith("ftcomm-")}
 
 
-def _leaks(rt: Any, fds: set[str], threads: set[int]) -> str | None:
+def _children() -> set[int]:
+    """Live child processes of this process, from /proc."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] != "Z":
+                found.add(int(entry))
+    return found
+
+
+def _leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str | None:
     """What the rank left behind, once ftcomm's blocking work has ended."""
     # A finished call leaves the pool's books just after its future completes.
     rt.workers.wait_idle(5.0)
@@ -111,6 +126,8 @@ def _leaks(rt: Any, fds: set[str], threads: set[int]) -> str | None:
     rt.reaper.wait_short(10.0)
     if rt.workers.busy or rt.control.busy:
         return f"{rt.workers.busy + rt.control.busy} ftcomm worker call(s) still blocked"
+    if _children() - children:
+        return f"child processes left running: {sorted(_children() - children)}"
     if rt.reaper.pending:
         # A native group with an op in flight until its own (long) timeout:
         # in-process Gloo cannot be stopped earlier, by design. Its sockets
@@ -143,10 +160,9 @@ def _rank_main(
     try:
         from .._runtime.loop import get_runtime
 
-        if plan is not None:
-            install(plan, ctx.rank, control)
+        injector = install(plan, ctx.rank, control) if plan is not None else None
         rt = get_runtime()
-        fds, threads = _fds(), _threads()
+        fds, threads, children = _fds(), _threads(), _children()
         if ctx.loop == "uvloop":
             import uvloop
 
@@ -157,17 +173,18 @@ def _rank_main(
         stalls = [s.stack for s in rt.watchdog.stalls] if rt.watchdog else []
         if stalls:
             raise AssertionError(f"owner loop stalled {len(stalls)} time(s):\n{stalls[0]}")
-        leaked = _leaks(rt, fds, threads)
+        leaked = _leaks(rt, fds, threads, children)
         if leaked:
             raise AssertionError(f"rank {ctx.rank} left behind: {leaked}")
-        payload: tuple[str, Any] = ("ok", value)
+        fired = [f.op for f in injector.applied] if injector is not None else []
+        payload: tuple[str, Any, list[int]] = ("ok", value, fired)
     except BaseException as exc:
         text = "".join(traceback.format_exception(exc))
         try:
             pickle.dumps(exc)
-            payload = ("err", RankFailure(ctx.rank, exc, text))
+            payload = ("err", RankFailure(ctx.rank, exc, text), [])
         except Exception:
-            payload = ("err", RankFailure(ctx.rank, None, text))
+            payload = ("err", RankFailure(ctx.rank, None, text), [])
     # Plain pickle: tensors travel by value, not as shared-memory handles that
     # die with this process.
     conn.send_bytes(pickle.dumps(payload))
@@ -196,27 +213,35 @@ class _StoreServer:
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
         )
         self.port: int = self._server.port
+        self.fired: set[int] = set()  # ranks whose kill or stop fault has fired
         self._thread: threading.Thread | None = None
 
     def serve(self, controls: list[Any]) -> None:
+        """Answer the ranks' control pipes (``controls[rank]``) on a thread."""
         self._thread = threading.Thread(
-            target=self._answer, args=(list(controls),), name="world-store-control", daemon=True
+            target=self._answer, args=(dict(enumerate(controls)),), name="world-store-control"
         )
+        self._thread.daemon = True
         self._thread.start()
 
-    def _answer(self, controls: list[Any]) -> None:
-        while controls:
-            ready: list[Any] = mp_connection.wait(controls)
+    def _answer(self, controls: dict[int, Any]) -> None:
+        by_conn = {conn: rank for rank, conn in controls.items()}
+        while by_conn:
+            ready: list[Any] = mp_connection.wait(list(by_conn))
             for conn in ready:
                 try:
                     request = conn.recv()
                 except (EOFError, OSError):
-                    controls.remove(conn)
-                    conn.close()
+                    del by_conn[conn]  # the rank is gone
                     continue
                 if request == "break_store":
                     self.break_()
-                conn.send("done")
+                elif isinstance(request, tuple) and request[0] == "fired":
+                    self.fired.add(by_conn[conn])
+                try:
+                    conn.send("done")
+                except OSError:  # it died right after asking
+                    del by_conn[conn]
 
     def break_(self) -> None:
         """Stop taking connections (those already made keep working)."""
@@ -273,6 +298,10 @@ def run_world(
     if mode != "process":
         raise ValueError(f"mode must be 'process' or 'thread', got {mode!r}")
     expect_exit = dict(expect_exit or {})
+    if plan is not None:
+        outside = sorted({f.rank for f in plan.faults if f.rank >= world_size})
+        if outside:
+            raise ValueError(f"the plan has faults on ranks {outside} of a world of {world_size}")
     doomed = plan.ranks_that(Kind.KILL, Kind.STOP) if plan is not None else set()
     ctx_mp = mp.get_context("spawn")
     store = _StoreServer()
@@ -280,37 +309,46 @@ def run_world(
     procs: list[Any] = []
     conns: list[Any] = []
     controls: list[Any] = []
-    env_before = os.environ.get("FTCOMM_LOOP")
+    env_before = {name: os.environ.get(name) for name in ("FTCOMM_LOOP", "FTCOMM_DEBUG")}
     os.environ["FTCOMM_LOOP"] = loop
     os.environ.setdefault("FTCOMM_DEBUG", "1")
     try:
         for rank in range(world_size):
             parent, child = ctx_mp.Pipe(duplex=False)
             control, rank_control = ctx_mp.Pipe()
+            conns.append(parent)
+            controls.append(control)
             ctx = RankContext(rank, world_size, store.port, world_id, loop, backend)
             proc = ctx_mp.Process(
                 target=_rank_main,
                 args=(fn, ctx, args, plan, child, rank_control),
                 name=f"rank{rank}",
             )
-            proc.start()
-            child.close()
-            rank_control.close()
+            try:
+                proc.start()
+            finally:
+                child.close()
+                rank_control.close()
             procs.append(proc)
-            conns.append(parent)
-            controls.append(control)
         store.serve(controls)
+    except BaseException:  # a rank could not start: take down those that did
+        _tear_down(procs, conns, controls, store)
+        raise
     finally:
-        if env_before is None:
-            os.environ.pop("FTCOMM_LOOP", None)
-        else:
-            os.environ["FTCOMM_LOOP"] = env_before
+        for name, before in env_before.items():
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
     results: list[Any] = [None] * world_size
     failures: list[str] = []
     deadline = time.monotonic() + timeout
+    # An explicit plan must fire every fault it names; a random one (with a
+    # seed) may draw faults past where a rank stops.
+    strict = plan is not None and plan.seed is None
     # The ranks a plan may kill or stop come last: by then every other rank
     # is done, and one that has not reported within a short grace is stopped
-    # or hung by design.
+    # or hung by design -- if its fault has fired.
     order = [r for r in range(world_size) if r not in doomed] + sorted(doomed)
     try:
         for rank in order:
@@ -320,14 +358,15 @@ def run_world(
                 wait = 0.0 if _stopped(proc.pid) else min(wait, _DOOMED_GRACE)
             status: str = "hung"
             value: Any = None
+            fired: list[int] = []
             if conn.poll(wait):
                 try:
-                    status, value = pickle.loads(conn.recv_bytes())
+                    status, value, fired = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     status = "eof"
             elif not proc.is_alive():
                 status = "eof"
-            if rank in doomed and status in ("eof", "hung"):
+            if rank in doomed and status in ("eof", "hung") and rank in store.fired:
                 proc.kill()
                 proc.join(5)
                 if proc.exitcode != -signal.SIGKILL:
@@ -347,19 +386,33 @@ def run_world(
                 continue
             if status == "ok":
                 results[rank] = value
+                if strict and plan is not None:
+                    unfired = sorted(set(plan.for_rank(rank)) - set(fired))
+                    if unfired:
+                        failures.append(
+                            f"rank {rank} finished without reaching its faults at ops {unfired}"
+                        )
             elif status == "err":
                 failures.append(f"rank {rank} raised:\n{value.text}")
             else:
                 failures.append(f"rank {rank} died with exit code {proc.exitcode}")
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(5)
-            proc.close()
-        for conn in conns:
-            conn.close()
-        store.close()  # after every rank is gone: its control pipes are at EOF
+        _tear_down(procs, conns, controls, store)
     if failures:
         raise _world_error(failures, plan)
     return results
+
+
+def _tear_down(
+    procs: list[Any], conns: list[Any], controls: list[Any], store: _StoreServer
+) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+        proc.close()
+    for conn in conns:
+        conn.close()
+    store.close()  # every rank is gone: its control pipes are at EOF
+    for conn in controls:
+        conn.close()
