@@ -160,6 +160,14 @@ class FaultPlan:
         """This rank's faults by op index."""
         return {op: f for (r, op), f in self._by_key.items() if r == rank}
 
+    def unfired(self, rank: int, fired: Iterable[int]) -> list[int]:
+        """The ops of ``rank``'s faults not in ``fired``, for a plan that must
+        fire them all (explicit); a seeded random plan may draw faults past
+        where a rank stops, so it has none."""
+        if self.seed is not None:
+            return []
+        return sorted(set(self.for_rank(rank)) - set(fired))
+
     def ranks_that(self, *kinds: Kind) -> set[int]:
         return {f.rank for f in self.faults if f.kind in kinds}
 

@@ -80,18 +80,17 @@ def run_thread_world(
 
     def rank_main(rank: int) -> None:
         ctx = RankContext(rank, world_size, store.port, world_id, loop, backend)
+        injector = None
         if plan is not None:
-            dispatch.by_thread[threading.get_ident()] = Injector(
-                plan.for_rank(rank), _DirectControl(store)
-            )
-        injector = dispatch.by_thread.get(threading.get_ident())
+            injector = Injector(plan.for_rank(rank), _DirectControl(store))
+            dispatch.by_thread[threading.get_ident()] = injector
         ev = new_event_loop(loop)
         try:
             task = ev.create_task(fn(ctx, *args))
             tasks[rank] = (ev, task)
             results[rank] = ev.run_until_complete(task)
-            if injector is not None and plan is not None and plan.seed is None:
-                unfired = sorted(set(injector.faults) - {f.op for f in injector.applied})
+            if injector is not None and plan is not None:
+                unfired = plan.unfired(rank, (f.op for f in injector.applied))
                 if unfired:
                     failures[rank] = f"finished without reaching its faults at ops {unfired}"
         except BaseException as exc:

@@ -343,9 +343,6 @@ def run_world(
     results: list[Any] = [None] * world_size
     failures: list[str] = []
     deadline = time.monotonic() + timeout
-    # An explicit plan must fire every fault it names; a random one (with a
-    # seed) may draw faults past where a rank stops.
-    strict = plan is not None and plan.seed is None
     # The ranks a plan may kill or stop come last: by then every other rank
     # is done, and one that has not reported within a short grace is stopped
     # or hung by design -- if its fault has fired.
@@ -386,8 +383,8 @@ def run_world(
                 continue
             if status == "ok":
                 results[rank] = value
-                if strict and plan is not None:
-                    unfired = sorted(set(plan.for_rank(rank)) - set(fired))
+                if plan is not None:
+                    unfired = plan.unfired(rank, fired)
                     if unfired:
                         failures.append(
                             f"rank {rank} finished without reaching its faults at ops {unfired}"
