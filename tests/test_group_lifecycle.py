@@ -100,3 +100,25 @@ def test_one_group_from_two_threads_with_two_event_loops(store_port: int) -> Non
         teardown.run_until_complete(g.shutdown())
     finally:
         teardown.close()
+
+
+def test_a_thread_without_a_loop_waits_on_real_gloo_ops(store_port: int) -> None:
+    from ftcomm._runtime.loop import new_event_loop
+
+    g = ftcomm.Group("gloo", timeout=10)
+    setup = new_event_loop("asyncio")
+    try:
+        setup.run_until_complete(g.configure(f"127.0.0.1:{store_port}/sync", 0, 1))
+        got: list[float] = []
+        worker = threading.Thread(
+            target=lambda: got.extend(
+                g.allreduce(torch.full((2,), float(i))).wait(timeout=10).sum().item()
+                for i in range(50)
+            )
+        )
+        worker.start()
+        worker.join(30)
+        assert got == [2.0 * i for i in range(50)]
+        setup.run_until_complete(g.shutdown())
+    finally:
+        setup.close()

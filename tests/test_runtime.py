@@ -404,3 +404,42 @@ async def test_a_slow_op_finished_on_another_thread_wakes_its_awaiter(table: OpT
     finally:
         finisher.join()
     assert table.error is None
+
+
+def test_wait_blocks_a_plain_thread_until_the_op_ends(table: OpTable) -> None:
+    op = ScriptedOp()
+    work = issue(table, op, 30.0)
+    finisher = threading.Timer(0.05, op.finish)  # past the spin: the waiter sleeps
+    finisher.start()
+    try:
+        assert work.wait() == "result"
+    finally:
+        finisher.join()
+    assert work.wait() == "result"  # ended: returns at once
+
+
+def test_wait_raises_the_ops_error(table: OpTable) -> None:
+    work = issue(table, ScriptedOp(), 0.1)
+    started = time.monotonic()
+    with pytest.raises(ftcomm.CommTimeout):
+        work.wait()
+    assert time.monotonic() - started < 0.1 + 0.5
+
+
+def test_wait_timeout_bounds_the_wait_not_the_op(table: OpTable) -> None:
+    op = ScriptedOp()
+    work = issue(table, op, 30.0)
+    with pytest.raises(TimeoutError, match=r"did not end within 0\.05 s") as info:
+        work.wait(timeout=0.05)
+    assert not isinstance(info.value, ftcomm.CommError)
+    assert not work.done()  # the op goes on
+    op.finish()
+    assert work.wait(timeout=5) == "result"
+
+
+@pytest.mark.asyncio
+async def test_wait_refuses_to_block_a_running_loop(table: OpTable) -> None:
+    work = issue(table, ScriptedOp(done=True), 30.0)
+    with pytest.raises(RuntimeError, match="would block the running event loop"):
+        work.wait()
+    assert await work == "result"

@@ -233,7 +233,7 @@ class Work(Generic[R]):
         self._result = result
         self._state = _PENDING
         self._error: BaseException | None = None
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] | None = None
+        self._waiters: list[Callable[[], object]] | None = None  # wake-ups, any thread
         self._cb_armed = False
 
     def __repr__(self) -> str:
@@ -309,17 +309,56 @@ class Work(Generic[R]):
     async def _sleep_until_ended(self, native: NativeOp) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
+        if self._add_waiter(native, lambda: loop.call_soon_threadsafe(_wake, fut)):
+            await fut
+
+    def _add_waiter(self, native: NativeOp, wake: Callable[[], object]) -> bool:
+        """Have ``wake()`` called when the op ends; False if it already has."""
         with self._table._lock:
             if self._state != _PENDING:
-                return
+                return False
             if self._waiters is None:
                 self._waiters = []
-            self._waiters.append((loop, fut))
+            self._waiters.append(wake)
             arm = not self._cb_armed
             self._cb_armed = True
         if arm:
             native.on_done(self._complete)
-        await fut
+        return True
+
+    def wait(self, timeout: float | None = None) -> R:
+        """Block this thread until the op ends; return its result or raise its error.
+
+        For code without an event loop (threads, the c10d facade). The op's
+        own deadline still applies; ``timeout`` only bounds this wait.
+
+        Raises:
+            RuntimeError: called on a thread whose event loop is running
+                (it would block that loop: ``await`` the work instead).
+            TimeoutError: ``timeout`` seconds passed first; the op goes on.
+            CommTimeout, CommFailed, CommAborted: as ``await work``.
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError("Work.wait() would block the running event loop: await it")
+        native = self._native
+        if self._state == _PENDING and native is not None:
+            spin_until = time.perf_counter() + SPIN_SECONDS
+            while self._state == _PENDING and time.perf_counter() < spin_until:
+                if native.poll():
+                    self._complete(native.outcome())
+                    break
+                _sched_yield()
+            if self._state == _PENDING:
+                ended = threading.Event()
+                if self._add_waiter(native, ended.set) and not ended.wait(timeout):
+                    raise TimeoutError(f"{self!r} did not end within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
 
     # -- settling (any thread) ---------------------------------------------
     def _ctx(self) -> dict[str, Any]:
@@ -346,10 +385,10 @@ class Work(Generic[R]):
         if error is not None and native is not None and not native.poll():
             # it may block whoever drops it last, until its native deadline
             table.runtime.dispose(native, until=self.deadline)
-        for loop, fut in waiters or ():
+        for wake in waiters or ():
             # A closed loop raises RuntimeError: nobody is waiting there any more.
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_wake, fut)
+                wake()
         return True
 
     def _complete(self, native_error: BaseException | None) -> None:
