@@ -188,7 +188,8 @@ class Work(Generic[R]):
     """The awaitable handle of one issued collective.
 
     The op is already on the wire when you get this. ``await work`` returns its
-    result (the output tensor or tensors, ``None`` for barrier and send).
+    result (the output tensor or tensors, ``None`` for barrier and send);
+    :meth:`wait` does the same for a thread without an event loop.
 
     Attributes:
         op: the collective's name.
