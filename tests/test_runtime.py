@@ -443,3 +443,45 @@ async def test_wait_refuses_to_block_a_running_loop(table: OpTable) -> None:
     with pytest.raises(RuntimeError, match="would block the running event loop"):
         work.wait()
     assert await work == "result"
+
+
+class _SlowPop(dict):  # type: ignore[type-arg]
+    """Gives up the GIL inside _settle, widening any window a reader could see."""
+
+    def pop(self, *args: object) -> object:
+        time.sleep(0.001)
+        return super().pop(*args)
+
+
+def test_an_awaiter_that_sees_the_error_sees_errored_set() -> None:
+    """The op's end becomes visible to lock-free spinners only after the table broke."""
+    rt = get_runtime()
+    for _ in range(30):
+        table = OpTable(rt, rank=0, on_break=lambda error, until: None)
+        table._inflight = _SlowPop()
+        work = issue(table, ScriptedOp(), 30.0)
+        saw: list[object] = []
+
+        def waiter(
+            work: Work[object] = work, table: OpTable = table, saw: list[object] = saw
+        ) -> None:
+            try:
+                work.wait(timeout=5)
+            except ftcomm.CommError:
+                saw.append(table.error)
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        work.cancel()  # settles while the waiter spins
+        thread.join(5)
+        assert len(saw) == 1
+        assert saw[0] is not None, "the awaiter saw CommAborted before errored() was set"
+
+
+def test_tracking_an_op_that_already_ended_watches_nothing(table: OpTable) -> None:
+    work: Work[object] = Work(
+        table, "allreduce", table.next_seq(), time.monotonic() + 0.05, ScriptedOp(), 1
+    )
+    work._settle(None)
+    table.track(work, 0.05)
+    assert len(table) == 0  # else the sweeper would find it past its deadline forever

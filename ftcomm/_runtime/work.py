@@ -93,6 +93,8 @@ class OpTable:
         with ``CommAborted``, as it would have had it been in flight.
         """
         with self._lock:
+            if work._state != _PENDING:  # ended before it was tracked: nothing to watch
+                return
             error = self.error
             if error is None:
                 self._inflight[work.seq] = work
@@ -372,8 +374,6 @@ class Work(Generic[R]):
         with table._lock:
             if self._state != _PENDING:
                 return False
-            self._state = _OK if error is None else _FAILED
-            self._error = error
             table._inflight.pop(self.seq, None)
             waiters, self._waiters = self._waiters, None
             native, self._native = self._native, None
@@ -381,6 +381,10 @@ class Work(Generic[R]):
             if breaks and table.error is None and isinstance(error, CommError):
                 table.error = broke = error
                 pending = list(table._inflight.values())
+            # _state last: a spinning awaiter reads it without the lock, and
+            # once it sees the op ended, the error and errored() must be there.
+            self._error = error
+            self._state = _OK if error is None else _FAILED
         if broke is not None:
             table._after_break(broke, pending, self.deadline)
         if error is not None and native is not None and not native.poll():
