@@ -10,6 +10,7 @@ import pytest
 from torch._C._distributed_c10d import TCPStore
 
 from ftcomm._runtime.loop import get_runtime, new_event_loop
+from ftcomm.testing._world import _children, _fds, _threads
 
 os.environ.setdefault("FTCOMM_DEBUG", "1")
 # multiprocessing's long-lived helper process: start it now, so that it belongs
@@ -27,30 +28,6 @@ def pytest_asyncio_loop_factories(
         "asyncio": lambda: new_event_loop("asyncio"),
         "uvloop": lambda: new_event_loop("uvloop"),
     }
-
-
-def _children() -> set[int]:
-    me = os.getpid()
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me and fields[0] != "Z":
-            found.add(int(entry))
-    return found
-
-
-def _fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
-
-
-def _threads() -> set[int]:
-    return {t.ident or 0 for t in threading.enumerate() if not t.name.startswith("ftcomm-")}
 
 
 @pytest.fixture(autouse=True)

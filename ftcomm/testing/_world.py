@@ -103,17 +103,22 @@ def _threads() -> set[int]:
     return {t.ident or 0 for t in threading.enumerate() if not t.name.startswith("ftcomm-")}
 
 
+def _stat(pid: object) -> list[str]:
+    """``/proc/<pid>/stat`` past the command name (state, ppid, ...); [] if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def _children() -> set[int]:
-    """Live child processes of this process, from /proc."""
-    me, found = os.getpid(), set()
+    """Live (not zombie) child processes of this process, from /proc."""
+    me, found = str(os.getpid()), set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me and fields[0] != "Z":
+            fields = _stat(entry)
+            if fields[1:2] == [me] and fields[0] != "Z":
                 found.add(int(entry))
     return found
 
@@ -193,11 +198,7 @@ def _rank_main(
 
 def _stopped(pid: int | None) -> bool:
     """Whether the process is stopped (SIGSTOP), from /proc where there is one."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    except (OSError, IndexError):
-        return False
+    return _stat(pid)[:1] == ["T"]
 
 
 class _StoreServer:
