@@ -193,6 +193,20 @@ async def _open_ftcomm(env: ChildEnv) -> Runner:
     return AwaitingRunner("ftcomm", {"allreduce": group.allreduce}, group.shutdown)
 
 
+async def _open_facade(env: ChildEnv) -> Runner:
+    from torch.distributed import AllreduceOptions
+
+    from .c10d import ProcessGroupGloo
+
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=_OP_TIMEOUT))
+    pg.configure(env.store_addr("facade-bench"), "0", env.rank, WORLD_SIZE)
+
+    def allreduce(t: torch.Tensor) -> None:
+        pg.allreduce([t], AllreduceOptions()).wait()  # what torch.distributed.all_reduce does
+
+    return BlockingRunner("facade", {"allreduce": allreduce}, pg.shutdown)
+
+
 def _torchft_missing() -> str | None:
     try:
         importlib.import_module("torchft.process_group")
@@ -232,6 +246,7 @@ BASELINE = "raw"
 CASES: list[Case] = [
     Case(BASELINE, _open_raw),
     Case("ftcomm", _open_ftcomm),
+    Case("facade", _open_facade),
     Case("torchft", _open_torchft, _torchft_missing),
 ]
 

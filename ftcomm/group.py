@@ -239,6 +239,9 @@ class Group:
         On Gloo the native op cannot be stopped in process: it ends at its own
         deadline, on the reaper thread.
         """
+        self._abort()
+
+    def _abort(self) -> None:
         cfg = self._config
         if cfg is not None:
             cfg.table.break_(CommAborted("the group was aborted by abort()", rank=cfg.backend.rank))
@@ -249,6 +252,9 @@ class Group:
         Afterwards the group is unconfigured (ops raise ``NotConfigured``) and
         may be configured again. Never blocks; safe to call twice.
         """
+        self._shutdown()
+
+    def _shutdown(self) -> None:
         cfg = self._config
         rank = cfg.backend.rank if cfg is not None else None
         self._teardown(CommAborted("the group was shut down", rank=rank))

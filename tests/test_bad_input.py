@@ -25,7 +25,6 @@ import gc
 import logging
 import math
 import re
-import socket
 import time
 import traceback
 import warnings
@@ -37,7 +36,8 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
-from torch.distributed import ReduceOp, TCPStore
+from helpers import StoreServer, free_port
+from torch.distributed import ReduceOp
 
 import ftcomm
 from ftcomm._runtime.loop import get_runtime
@@ -48,24 +48,6 @@ Call = Callable[[ftcomm.Group, Keep], object]
 
 
 # -- fixtures ----------------------------------------------------------------
-class StoreServer:
-    """Owns a real TCPStore server; ``close()`` destroys it.
-
-    pytest keeps fixture values alive until the whole test item is torn down
-    (after the leak check in conftest.py), so the fixture hands out this holder
-    and drops the server itself at its own teardown.
-    """
-
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        self._server: TCPStore | None = TCPStore(
-            host_name=host, port=0, is_master=True, wait_for_workers=False
-        )
-        self.port = int(self._server.port)
-
-    def close(self) -> None:
-        self._server = None
-
-
 @pytest.fixture
 def store() -> Iterator[StoreServer]:
     """A real TCPStore server on 127.0.0.1, for this test only."""
@@ -183,13 +165,6 @@ async def check_each(
             )
             await recover(case.id)
     assert not failures, "\n".join(failures)
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on (bound, read, closed)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def f32(*values: float) -> torch.Tensor:

@@ -23,6 +23,7 @@ def test_bench_runs_and_prints_ratios() -> None:
     out = proc.stdout
     assert re.search(r"^allreduce 1xfp32\s+raw\s+\d+\.\d+\s+\d+\.\d+\s*$", out, re.M), out
     assert re.search(r"^allreduce 1xfp32\s+ftcomm\s+[\d.]+\s+[\d.]+\s+\d+\.\d+x$", out, re.M), out
+    assert re.search(r"^allreduce 1xfp32\s+facade\s+[\d.]+\s+[\d.]+\s+\d+\.\d+x$", out, re.M), out
     assert re.search(r"^allreduce 1MiB fp32\s+ftcomm\s.*\(bw ratio \d+\.\d+x\)$", out, re.M), out
 
 

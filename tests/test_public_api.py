@@ -7,10 +7,11 @@ from typing import Any
 import pytest
 
 import ftcomm
+import ftcomm.c10d
 import ftcomm.testing
 
 
-@pytest.mark.parametrize("module", [ftcomm, ftcomm.testing], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [ftcomm, ftcomm.c10d, ftcomm.testing], ids=lambda m: m.__name__)
 def test_every_public_name_is_exported_and_documented(module: Any) -> None:
     for name in module.__all__:
         obj = getattr(module, name)
@@ -28,6 +29,23 @@ def test_group_methods_say_what_they_raise() -> None:
             assert doc, name
             continue
         assert "Raises" in doc, f"Group.{name} does not list what it raises"
+
+
+def test_facade_entry_points_say_what_they_raise() -> None:
+    from ftcomm import c10d
+
+    for member in (
+        c10d.ProcessGroupWrapper.configure,
+        c10d.ProcessGroupGloo.size,
+        c10d.ProcessGroupGloo.set_timeout,
+        c10d.ProcessGroup.register,
+        c10d.ProcessGroup.unregister,
+        c10d.create_store_client,
+        c10d.FakeProcessGroupWrapper.report_future_error,
+    ):
+        assert "Raises" in (inspect.getdoc(member) or ""), member.__qualname__
+    for cls in (c10d.ProcessGroupDummy, c10d.ProcessGroupWrapper, c10d.ManagedProcessGroup):
+        assert "Raises" in (inspect.getdoc(cls) or ""), cls.__name__
 
 
 @pytest.mark.parametrize(

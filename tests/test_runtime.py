@@ -14,39 +14,13 @@ import tracemalloc
 from collections.abc import Iterator
 
 import pytest
+from helpers import ScriptedOp, issue
 
 import ftcomm
 from ftcomm._runtime.deadline import to_seconds
 from ftcomm._runtime.loop import Runtime, get_runtime
-from ftcomm._runtime.native import Done
 from ftcomm._runtime.threads import WorkerPool
 from ftcomm._runtime.work import OpTable, Work
-
-
-class ScriptedOp:
-    """A native op that ends when the test says so."""
-
-    def __init__(self, done: bool = False) -> None:
-        self._done = done
-        self._error: BaseException | None = None
-        self._callbacks: list[Done] = []
-
-    def poll(self) -> bool:
-        return self._done
-
-    def outcome(self) -> BaseException | None:
-        return self._error
-
-    def on_done(self, callback: Done) -> None:
-        if self._done:
-            callback(self._error)
-        else:
-            self._callbacks.append(callback)
-
-    def finish(self, error: BaseException | None = None) -> None:
-        self._error, self._done = error, True
-        for cb in self._callbacks:
-            cb(error)
 
 
 @pytest.fixture
@@ -54,16 +28,6 @@ def table() -> Iterator[OpTable]:
     t = OpTable(get_runtime(), rank=0, on_break=lambda error, until: None)
     yield t
     t.break_(ftcomm.CommAborted("test over"))
-
-
-def issue(
-    table: OpTable, op: ScriptedOp, timeout: float, result: object = "result"
-) -> Work[object]:
-    work: Work[object] = Work(
-        table, "allreduce", table.next_seq(), time.monotonic() + timeout, op, result
-    )
-    table.track(work, timeout)
-    return work
 
 
 @pytest.mark.asyncio

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -32,6 +33,14 @@ class NativeOp(Protocol):
 
     def on_done(self, callback: Done) -> None:
         """Call ``callback(outcome)`` once when the op ends (at once if it has)."""
+        ...
+
+
+class BlockingOp(NativeOp, Protocol):
+    """A native op that can also block a thread until it ends (optional)."""
+
+    def wait(self, seconds: float) -> bool:
+        """Block up to ``seconds``; whether the op has ended (it may have failed)."""
         ...
 
 
@@ -71,6 +80,17 @@ class WorkOp:
         # The future completes (and runs callbacks) before is_completed() turns
         # true, so the callback reads the outcome from the future, not the work.
         self._work.get_future().add_done_callback(lambda fut: callback(_future_error(fut)))
+
+    def wait(self, seconds: float) -> bool:
+        # c10d's own wait: the thread sleeps in C++ (GIL released) and wakes
+        # when Gloo's worker finishes the op -- raw c10d's latency, no polling.
+        # Its timeout only ends the wait; the op goes on. 0 ms means "forever"
+        # to c10d, hence the floor.
+        try:
+            self._work.wait(timedelta(seconds=max(seconds, 0.001)))
+        except RuntimeError:  # this wait timed out, or the op failed
+            return bool(self._work.is_completed())
+        return True
 
 
 class WorksOp:
@@ -117,6 +137,10 @@ class ThreadOp:
     def on_done(self, callback: Done) -> None:
         self._future.add_done_callback(lambda fut: callback(_bare(fut.exception())))
 
+    def wait(self, seconds: float) -> bool:
+        concurrent.futures.wait([self._future], timeout=seconds)
+        return self._future.done()
+
 
 class DoneOp:
     """An op that finished when it was issued (the dummy backend, empty ops)."""
@@ -134,3 +158,6 @@ class DoneOp:
 
     def on_done(self, callback: Done) -> None:
         callback(self._error)
+
+    def wait(self, seconds: float) -> bool:
+        return True

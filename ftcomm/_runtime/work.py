@@ -43,6 +43,9 @@ _PENDING, _OK, _FAILED = 0, 1, 2
 SPIN_SECONDS = float(os.environ.get("FTCOMM_SPIN_US", "2000")) / 1e6
 """How long ``await work`` polls before it sleeps on the completion callback."""
 
+WAIT_SLICE = 0.01
+"""How long a blocked thread sleeps in a native wait before it rechecks the op."""
+
 _EARLY = 0.005
 """A native error this close to the deadline counts as the deadline passing."""
 
@@ -347,21 +350,60 @@ class Work(Generic[R]):
             pass
         else:
             raise RuntimeError("Work.wait() would block the running event loop: await it")
-        native = self._native
-        if self._state == _PENDING and native is not None:
-            spin_until = time.perf_counter() + SPIN_SECONDS
-            while self._state == _PENDING and time.perf_counter() < spin_until:
-                if native.poll():
-                    self._complete(native.outcome())
-                    break
-                _sched_yield()
-            if self._state == _PENDING:
-                ended = threading.Event()
-                if self._add_waiter(native, ended.set) and not ended.wait(timeout):
-                    raise TimeoutError(f"{self!r} did not end within {timeout} s")
+        if not self._block(timeout):
+            raise TimeoutError(f"{self!r} did not end within {timeout} s")
         if self._error is not None:
             raise self._error
         return self._result
+
+    def _block(self, timeout: float | None) -> bool:
+        """Block this thread until the op ends or ``timeout`` passes; whether it ended.
+
+        Polls for a short spin first, yielding the core between polls (on 2
+        cores, a thread that sleeps and is woken costs more than the backend
+        thread needs to finish a small op). Then a native op that can block a
+        thread (c10d's own ``wait``) is waited on in slices of at most
+        ``WAIT_SLICE`` seconds, so an abort or a deadline settled elsewhere is
+        seen within a slice; others sleep on their completion callback.
+        """
+        native = self._native
+        if self._state != _PENDING or native is None:
+            return True
+        now = time.perf_counter()
+        spin_until = now + (SPIN_SECONDS if timeout is None else min(SPIN_SECONDS, timeout))
+        end = None if timeout is None else now + timeout
+        while self._state == _PENDING:
+            if native.poll():
+                self._complete(native.outcome())
+                return True
+            if time.perf_counter() >= spin_until:
+                break
+            _sched_yield()
+        wait = getattr(native, "wait", None)
+        if wait is None:
+            ended = threading.Event()
+            left = None if end is None else max(0.0, end - time.perf_counter())
+            return not self._add_waiter(native, ended.set) or ended.wait(left)
+        while self._state == _PENDING:
+            budget = WAIT_SLICE if end is None else min(WAIT_SLICE, end - time.perf_counter())
+            if budget <= 0:
+                return False
+            if wait(budget):
+                self._complete(native.outcome())  # a no-op if it was settled meanwhile
+                return True
+        return True
+
+    def _when_done(self, callback: Callable[[], object]) -> None:
+        """Call ``callback()`` once the op has ended: at once if it has, else
+        on the thread that ends it."""
+        native = self._native
+        if self._state != _PENDING or native is None or not self._add_waiter(native, callback):
+            callback()
+
+    def _time_out(self, message: str) -> None:
+        """End the op now with ``CommTimeout`` (breaking its group), unless it has ended."""
+        if not self.done():
+            self._abort(CommTimeout(message, **self._ctx()))
 
     # -- settling (any thread) ---------------------------------------------
     def _ctx(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from ._world import (
     _StoreServer,
     _threads,
     _world_error,
+    rank_coroutine,
 )
 
 
@@ -86,7 +87,7 @@ def run_thread_world(
             dispatch.by_thread[threading.get_ident()] = injector
         ev = new_event_loop(loop)
         try:
-            task = ev.create_task(fn(ctx, *args))
+            task = ev.create_task(rank_coroutine(fn, ctx, args))
             tasks[rank] = (ev, task)
             results[rank] = ev.run_until_complete(task)
             if injector is not None and plan is not None:

@@ -10,6 +10,7 @@ inside the ranks, and every process joined or killed before it returns.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -19,7 +20,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -81,6 +82,17 @@ class RankContext:
                 raise TimeoutError(f"no rank signalled {key!r} within {timeout} s")
             await asyncio.sleep(0.005)
 
+    def wait_for_blocking(self, key: str, timeout: float = 30.0) -> None:
+        """:meth:`wait_for` for a sync rank function: blocks this thread.
+
+        Raises:
+            TimeoutError: nobody signalled ``key`` within ``timeout`` seconds.
+        """
+        try:
+            self.store.wait([f"{self.world_id}/sig/{key}"], timedelta(seconds=timeout))
+        except RuntimeError as exc:  # torch's DistStoreError
+            raise TimeoutError(f"no rank signalled {key!r} within {timeout} s") from exc
+
 
 @dataclass
 class RankFailure:
@@ -91,8 +103,17 @@ class RankFailure:
     text: str
 
 
-RankFn = Callable[..., Coroutine[Any, Any, Any]]
-"""``async def fn(ctx: RankContext, *args) -> value`` (a module-level function)."""
+RankFn = Callable[..., Any]
+"""``async def fn(ctx: RankContext, *args) -> value`` (a module-level function), or
+a plain ``def`` for sync code such as the c10d facade: it then runs on the rank's
+main thread, inside its event loop's first step."""
+
+
+async def rank_coroutine(fn: RankFn, ctx: RankContext, args: tuple[Any, ...]) -> Any:
+    """Run ``fn``, awaiting it if it is a coroutine function."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(ctx, *args)
+    return fn(ctx, *args)
 
 
 def _fds() -> set[str]:
@@ -171,9 +192,9 @@ def _rank_main(
         if ctx.loop == "uvloop":
             import uvloop
 
-            value: Any = uvloop.run(fn(ctx, *args))
+            value: Any = uvloop.run(rank_coroutine(fn, ctx, args))
         else:
-            value = asyncio.run(fn(ctx, *args))
+            value = asyncio.run(rank_coroutine(fn, ctx, args))
         ctx._store = None  # the harness's own signalling client
         stalls = [s.stack for s in rt.watchdog.stalls] if rt.watchdog else []
         if stalls:

@@ -1,0 +1,37 @@
+"""The sync facade: torchft's c10d process groups, on ftcomm's async core.
+
+Swap ``from torchft.process_group import X`` for ``from ftcomm.c10d import X``.
+Every class here is a real ``torch.distributed.ProcessGroup``: pass it to
+``DistributedDataParallel(process_group=pg)`` or ``torch.distributed.*(group=pg)``;
+after ``pg.register(name)`` functional collectives find it too. Ops are issued
+on the calling thread and their works are ``torch.distributed.Work`` objects:
+``wait()`` blocks the thread until the op ends or its deadline passes (then
+``ftcomm.CommTimeout``, and the group is aborted until ``configure``),
+``get_future()`` completes with the same outcome. See ``docs/migrating.md``.
+"""
+
+from ._base import ProcessGroup as ProcessGroup
+from ._base import create_store_client as create_store_client
+from ._groups import ProcessGroupDummy as ProcessGroupDummy
+from ._groups import ProcessGroupGloo as ProcessGroupGloo
+from ._groups import ProcessGroupNCCL as ProcessGroupNCCL
+from ._groups import ProcessGroupWrapper as ProcessGroupWrapper
+from ._groups import ProcessGroupXCCL as ProcessGroupXCCL
+from ._wrappers import ErrorSwallowingProcessGroupWrapper as ErrorSwallowingProcessGroupWrapper
+from ._wrappers import FakeProcessGroupWrapper as FakeProcessGroupWrapper
+from ._wrappers import ManagedProcessGroup as ManagedProcessGroup
+from ._wrappers import Manager as Manager
+
+__all__ = [
+    "ErrorSwallowingProcessGroupWrapper",
+    "FakeProcessGroupWrapper",
+    "ManagedProcessGroup",
+    "Manager",
+    "ProcessGroup",
+    "ProcessGroupDummy",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "ProcessGroupWrapper",
+    "ProcessGroupXCCL",
+    "create_store_client",
+]

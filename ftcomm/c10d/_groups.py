@@ -1,0 +1,468 @@
+"""The reconfigurable c10d groups: wrapper, Gloo, NCCL/XCCL, dummy.
+
+Each one is a thin shell over an ftcomm :class:`~ftcomm.Group` (or over another
+facade group it wraps): collectives are issued on the calling thread through
+:class:`~ftcomm.c10d._ops.GroupOps`, configure runs on the owner loop through
+the blocking bridge (``Runtime.call``), and the loop's op table holds every
+deadline. The seed's three hooks (``_wrap_work``, ``_opts_hook``,
+``_run_context``) are one here: :meth:`_Facade._run` sees every op, its
+default result and how to issue it; wrappers override that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from .._runtime.deadline import to_seconds
+from .._runtime.loop import get_runtime
+from ..errors import CommError, NotConfigured
+from ..group import Group
+from . import _registry
+from ._base import ProcessGroup, logger
+from ._ops import GroupOps
+
+Target = GroupOps | ProcessGroup
+"""What a facade issues its ops on: its own group's ops, or the group it wraps."""
+
+Issue = Callable[[Target], dist.Work]
+
+
+class _Facade(ProcessGroup):
+    """The collectives and lifecycle shared by every ftcomm.c10d group."""
+
+    def __init__(self, rank: int, world: int, timeout: float) -> None:
+        super().__init__(rank, world)
+        self._timeout = timeout
+        self._group: Group | None = None
+        self._ops: GroupOps | None = None
+        self._inner: ProcessGroup | None = None
+
+    # -- dispatch -----------------------------------------------------------
+    def _target(self, op: str) -> Target:
+        target: Target | None = self._inner if self._inner is not None else self._ops
+        if target is None:
+            raise NotConfigured(f"{op} needs a configured group: call configure(...) first", op=op)
+        return target
+
+    def _run(self, op: str, default: object, issue: Issue) -> dist.Work:
+        """Issue one op. ``default``: the result an op that is skipped returns."""
+        return issue(self._target(op))
+
+    # -- collectives --------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
+        return self._run("allreduce", tensors, lambda t: t.allreduce(tensors, opts))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
+        return self._run(
+            "allreduce_coalesced", tensors, lambda t: t.allreduce_coalesced(tensors, opts)
+        )
+
+    def allgather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensor: list[torch.Tensor],
+        opts: object = None,
+    ) -> dist.Work:
+        return self._run(
+            "allgather", output_tensors, lambda t: t.allgather(output_tensors, input_tensor, opts)
+        )
+
+    def allgather_into_tensor_coalesced(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: object = None,
+    ) -> dist.Work:
+        return self._run(
+            "allgather_into_tensor_coalesced",
+            output_tensors,
+            lambda t: t.allgather_into_tensor_coalesced(output_tensors, input_tensors, opts),
+        )
+
+    def _allgather_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: object = None
+    ) -> dist.Work:
+        """``torch.distributed.all_gather_into_tensor`` and functional all_gather."""
+        return self._run(
+            "allgather_into_tensor",
+            [output],
+            lambda t: t.allgather_into_tensor_coalesced([output], [input], opts),
+        )
+
+    def broadcast(self, tensor_list: list[torch.Tensor], opts: object = None) -> dist.Work:
+        return self._run("broadcast", tensor_list, lambda t: t.broadcast(tensor_list, opts))
+
+    def reduce_scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: object = None,
+    ) -> dist.Work:
+        return self._run(
+            "reduce_scatter",
+            output_tensors,
+            lambda t: t.reduce_scatter(output_tensors, input_tensors, opts),
+        )
+
+    def reduce_scatter_tensor_coalesced(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: object = None,
+    ) -> dist.Work:
+        return self._run(
+            "reduce_scatter_tensor_coalesced",
+            output_tensors,
+            lambda t: t.reduce_scatter_tensor_coalesced(output_tensors, input_tensors, opts),
+        )
+
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: object = None
+    ) -> dist.Work:
+        """``torch.distributed.reduce_scatter_tensor`` and functional reduce_scatter."""
+        return self._run(
+            "reduce_scatter_tensor",
+            [output],
+            lambda t: t.reduce_scatter_tensor_coalesced([output], [input], opts),
+        )
+
+    def alltoall_base(
+        self,
+        output_buffer: torch.Tensor,
+        input_buffer: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: object = None,
+    ) -> dist.Work:
+        return self._run(
+            "alltoall_base",
+            [output_buffer],
+            lambda t: t.alltoall_base(
+                output_buffer, input_buffer, output_split_sizes, input_split_sizes, opts
+            ),
+        )
+
+    def barrier(self, opts: object = None) -> dist.Work:
+        return self._run("barrier", None, lambda t: t.barrier(opts))
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
+        return self._run("send", None, lambda t: t.send(tensors, dst_rank, tag))
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
+        return self._run("recv", tensors, lambda t: t.recv(tensors, src_rank, tag))
+
+    # torch >= 2.10 calls the single-tensor ops by these names (Python and C++).
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
+    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
+    all_to_all_single = alltoall_base  # type: ignore[assignment]
+
+    # -- lifecycle ----------------------------------------------------------
+    def _configure_group(
+        self,
+        group: Group,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: int | None,
+        group_rank: int | None,
+        group_world_size: int | None,
+        global_ranks: Sequence[int] | None,
+    ) -> None:
+        get_runtime().call(
+            group.configure(
+                store_addr,
+                rank,
+                world_size,
+                replica_id=replica_id,
+                quorum_id=quorum_id,
+                group_rank=group_rank,
+                group_world_size=group_world_size,
+                global_ranks=global_ranks,
+            )
+        )
+        _registry.refresh(self)
+
+    def abort(self, errored: bool = True) -> None:
+        """Abort the group: ops in flight end with ``CommAborted``, later ops
+        raise it, ``errored()`` reports it, until ``configure``. Bounded (never
+        waits for the native group) and safe to call twice.
+
+        ``errored``: log the abort at WARNING (torchft's error log); False for
+        planned teardowns.
+        """
+        if errored:
+            logger.warning("aborting %r", self)
+        if self._inner is not None:
+            self._inner.abort(errored)
+        elif self._group is not None:
+            self._group._abort()
+
+    def shutdown(self) -> None:
+        """Tear the group down; ops in flight end with ``CommAborted``, later
+        ones raise ``NotConfigured`` until ``configure``. Bounded, safe twice."""
+        if self._inner is not None:
+            self._inner.shutdown()
+        elif self._group is not None:
+            self._group._shutdown()
+
+    def errored(self) -> CommError | Exception | None:
+        """The error that broke the current configuration (a deadline, a dead
+        peer, ``abort()``), or ``None``."""
+        if self._inner is not None:
+            return self._inner.errored()
+        return self._group.errored() if self._group is not None else None
+
+    def set_timeout(self, timeout: timedelta | float) -> None:
+        """Set the default deadline of every op issued from now on (torchft's
+        applied it at the next configure only).
+
+        Raises:
+            TypeError, ValueError: a bad timeout.
+        """
+        seconds = to_seconds(timeout, "timeout")
+        self._timeout = seconds
+        if self._inner is not None:
+            self._inner.set_timeout(timedelta(seconds=seconds))
+        elif self._group is not None:
+            self._group.set_timeout(seconds)
+
+    def size(self) -> int:
+        """The world size of the current configuration.
+
+        Raises:
+            NotConfigured: the group is not configured.
+        """
+        if self._inner is not None:
+            return self._inner.size()
+        return self._configured("size").size()
+
+    def rank(self) -> int:
+        """This process's rank in the current configuration.
+
+        Raises:
+            NotConfigured: the group is not configured.
+        """
+        if self._inner is not None:
+            return self._inner.rank()
+        return self._configured("rank").rank
+
+    def num_active_work(self) -> int:
+        """Ops of the current configuration that have not ended yet."""
+        if isinstance(self._inner, _Facade):
+            return self._inner.num_active_work()
+        return self._group.num_active_work() if self._group is not None else 0
+
+    @property
+    def parent(self) -> Group | ProcessGroup:
+        """The wrapped facade group, or the async :class:`ftcomm.Group` underneath
+        (share it with async code: ``await pg.parent.allreduce(t)``).
+
+        Raises:
+            NotConfigured: there is none yet (configure first).
+        """
+        if self._inner is not None:
+            return self._inner
+        return self._configured("parent")
+
+    def _configured(self, op: str) -> Group:
+        if self._group is None:
+            raise NotConfigured(f"{op} needs a configured group: call configure(...) first", op=op)
+        return self._group
+
+    def __repr__(self) -> str:
+        if self._inner is not None:
+            return f"{type(self).__name__}(pg={self._inner!r})"
+        inner = repr(self._group) if self._group is not None else "unconfigured"
+        return f"{type(self).__name__}({inner})"
+
+
+class ProcessGroupWrapper(_Facade):
+    """A reconfigurable group: over a group of its own (subclasses name the
+    backend) or over ``pg``, another ftcomm.c10d group it passes every call to.
+
+    Args:
+        timeout: the default deadline of every op and of ``configure``.
+        pg: the group to wrap, if any.
+
+    Raises:
+        TypeError: ``pg`` is not an ftcomm.c10d ``ProcessGroup``.
+        TypeError, ValueError: a bad timeout.
+    """
+
+    _backend: ClassVar[str | None] = None
+    """The ftcomm backend a group of its own uses (None: a pure wrapper)."""
+
+    def __init__(
+        self, timeout: timedelta | float = timedelta(seconds=60), pg: ProcessGroup | None = None
+    ) -> None:
+        if pg is not None and not isinstance(pg, ProcessGroup):
+            raise TypeError(
+                f"pg must be an ftcomm.c10d ProcessGroup, got {type(pg).__name__}"
+                " (wrap a raw torch group by building its ftcomm counterpart)"
+            )
+        super().__init__(0, 1, to_seconds(timeout, "timeout"))
+        self._inner = pg
+
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: int | None = None,
+        group_rank: int | None = None,
+        group_world_size: int | None = None,
+        global_ranks: Sequence[int] | None = None,
+    ) -> None:
+        """(Re)build the group: every rank calls it with the same fresh store
+        address (``host:port/prefix``). The previous configuration's ops in
+        flight end with ``CommAborted``. Blocks until the group is built or the
+        timeout passes; never call it on ftcomm's owner loop thread.
+
+        Raises:
+            TypeError, ValueError: a bad argument (the previous configuration
+                stays as it was).
+            CommTimeout: the store or a peer did not answer in time.
+            CommFailed: the store or the group construction failed.
+            NotImplementedError: this class has no backend of its own and wraps nothing.
+        """
+        if self._inner is not None:
+            self._inner.configure(
+                store_addr,
+                replica_id,
+                rank,
+                world_size,
+                quorum_id,
+                group_rank,
+                group_world_size,
+                global_ranks,
+            )
+            _registry.refresh(self)
+            return
+        group = self._group
+        if group is None:
+            group = self._new_group()
+            self._group, self._ops = group, GroupOps(group)
+        self._configure_group(
+            group,
+            store_addr,
+            replica_id,
+            rank,
+            world_size,
+            quorum_id,
+            group_rank,
+            group_world_size,
+            global_ranks,
+        )
+
+    def _new_group(self) -> Group:
+        if self._backend is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} has no backend of its own: pass pg= or use "
+                "ProcessGroupGloo/ProcessGroupNCCL/ProcessGroupXCCL"
+            )
+        return Group(self._backend, timeout=self._timeout)
+
+    def getBackendName(self) -> str:
+        if self._inner is not None:
+            return self._inner.getBackendName()
+        if self._backend is None:
+            raise NotImplementedError(f"{type(self).__name__} wraps nothing: it has no backend")
+        return f"ftcomm-{self._backend}"
+
+
+class ProcessGroupGloo(ProcessGroupWrapper):
+    """A reconfigurable Gloo group (CPU tensors) with deadlines on every op.
+
+    Every collective, including ``reduce_scatter`` and
+    ``reduce_scatter_tensor_coalesced`` (which torchft's refused), send and recv.
+    """
+
+    _backend = "gloo"
+
+
+class _AcceleratorGroup(ProcessGroupWrapper):
+    """NCCL and XCCL: one class, parametrised by the backend."""
+
+    _available: ClassVar[Callable[[], bool]]
+
+    def _new_group(self) -> Group:
+        if not type(self)._available():
+            raise RuntimeError(
+                f"{type(self).__name__} needs a torch build with {self._backend} support; "
+                f"this one (torch {torch.__version__}) has none"
+            )
+        return super()._new_group()  # NotImplementedError until the accelerator backend lands
+
+
+def _xccl_available() -> bool:
+    check = getattr(dist, "is_xccl_available", None)
+    return bool(check()) if check is not None else False
+
+
+class ProcessGroupNCCL(_AcceleratorGroup):
+    """A reconfigurable NCCL group (CUDA tensors). Constructing it always works;
+    ``configure`` raises ``RuntimeError`` where torch has no NCCL, and
+    ``NotImplementedError`` in this release otherwise."""
+
+    _backend = "nccl"
+    _available = staticmethod(dist.is_nccl_available)
+
+
+class ProcessGroupXCCL(_AcceleratorGroup):
+    """A reconfigurable XCCL group (Intel XPU tensors); as :class:`ProcessGroupNCCL`."""
+
+    _backend = "xccl"
+    _available = staticmethod(_xccl_available)
+
+
+_DUMMY_STORE = "127.0.0.1:1/ftcomm-dummy"  # never contacted: the dummy backend has no store
+
+
+class ProcessGroupDummy(_Facade):
+    """A group of one rank that talks to nobody: every op ends at once with what
+    a real one-rank group would give (allreduce leaves the tensor as it is,
+    allgather copies the input to the output, ...).
+
+    ``configure`` only counts its calls (``configure_count``) and clears an
+    ``abort()``; its arguments are ignored.
+
+    Raises:
+        ValueError: ``rank`` is not 0 or ``world`` is not 1.
+    """
+
+    def __init__(self, rank: int = 0, world: int = 1) -> None:
+        if rank != 0 or world != 1:
+            raise ValueError(
+                f"ProcessGroupDummy has rank 0 and world size 1, got rank={rank}, world={world}"
+            )
+        super().__init__(rank, world, 60.0)
+        self._dummy = self._group = Group("dummy", timeout=self._timeout)
+        self._ops = GroupOps(self._dummy)
+        self.configure_count = 0
+        self._configure_group(self._dummy, _DUMMY_STORE, "0", 0, 1, None, None, None, None)
+
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: int | None = None,
+        group_rank: int | None = None,
+        group_world_size: int | None = None,
+        global_ranks: Sequence[int] | None = None,
+    ) -> None:
+        self.configure_count += 1
+        self._configure_group(self._dummy, _DUMMY_STORE, "0", 0, 1, None, None, None, None)
+
+    def getBackendName(self) -> str:
+        return "ftcomm-dummy"

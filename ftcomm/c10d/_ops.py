@@ -1,0 +1,201 @@
+"""c10d call signatures onto an ftcomm :class:`~ftcomm.Group`.
+
+:class:`GroupOps` takes the arguments torch passes to a ``ProcessGroup``
+(tensor lists, ``*Options`` objects) and issues the matching ``Group`` op on
+the calling thread; it returns an :class:`~ftcomm.c10d._work.OpWork` whose
+future holds what c10d's would (the output tensors, in c10d's nesting).
+
+Options: ``reduceOp`` and ``rootRank`` are honoured; ``timeout`` is the op's
+deadline when positive, and c10d's "unset" value (negative) means the
+group's default. ftcomm drives one tensor per rank (no multi-device lists), so
+list arguments that c10d nests per device must hold exactly one entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed import ReduceOp
+
+from ..group import Group
+from ._work import OpWork
+
+_SUM = ReduceOp.SUM
+
+
+def one(values: object, name: str) -> Any:
+    """The single entry of a c10d per-device list."""
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"{name} must be a list, got {type(values).__name__}")
+    if len(values) != 1:
+        raise ValueError(
+            f"{name} must hold exactly one entry (one device per rank), got {len(values)}"
+        )
+    return values[0]
+
+
+def tensor_list(values: object, name: str) -> list[torch.Tensor]:
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(values).__name__}")
+    return list(values)
+
+
+def op_timeout(opts: object) -> float | None:
+    """The op's deadline in seconds from c10d options; ``None``: the group's default."""
+    if opts is None:
+        return None
+    timeout = getattr(opts, "timeout", None)
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"opts must be c10d options, got {type(opts).__name__}")
+    seconds = timeout.total_seconds()
+    return None if seconds < 0 else seconds
+
+
+def reduce_args(opts: object) -> tuple[Any, float | None]:
+    """``(reduce op, timeout)`` from c10d options, a ``ReduceOp`` or ``None``."""
+    if opts is None:
+        return _SUM, None
+    if isinstance(opts, ReduceOp.RedOpType):
+        return opts, None
+    if isinstance(opts, ReduceOp):
+        return _member(opts), None
+    op = getattr(opts, "reduceOp", None)
+    if not isinstance(op, ReduceOp):
+        raise TypeError(
+            f"opts must be c10d reduce options or a ReduceOp, got {type(opts).__name__}"
+        )
+    return _member(op), op_timeout(opts)
+
+
+def _member(op: Any) -> Any:
+    """``ReduceOp(ReduceOp.MAX)`` -> ``ReduceOp.MAX`` (torch's stubs lack ``.op``).
+
+    PREMUL_SUM's factor is dropped: no ftcomm backend accepts PREMUL_SUM, and
+    the group rejects it by name.
+    """
+    return op.op
+
+
+class GroupOps:
+    """The c10d collectives of one ftcomm :class:`~ftcomm.Group`."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+
+    def allreduce(self, tensors: Sequence[torch.Tensor], opts: object = None) -> OpWork:
+        if isinstance(tensors, torch.Tensor):  # c10d's allreduce(tensor, op) overload
+            tensors = [tensors]
+        tensor = one(tensors, "tensors")
+        op, timeout = reduce_args(opts)
+        return OpWork(self.group.allreduce(tensor, op, timeout=timeout), tensors)
+
+    def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: object = None) -> OpWork:
+        ts = tensor_list(tensors, "tensors")
+        op, timeout = reduce_args(opts)
+        return OpWork(self.group.allreduce_coalesced(ts, op, timeout=timeout), ts)
+
+    def allgather(
+        self,
+        output_tensors: Sequence[Sequence[torch.Tensor]],
+        input_tensor: Sequence[torch.Tensor],
+        opts: object = None,
+    ) -> OpWork:
+        outs = tensor_list(one(output_tensors, "output_tensors"), "output_tensors[0]")
+        tensor = one(input_tensor, "input_tensor")
+        work = self.group.allgather(tensor, out=outs, timeout=op_timeout(opts))
+        return OpWork(work, output_tensors)
+
+    def allgather_into_tensor_coalesced(
+        self,
+        output_tensors: Sequence[torch.Tensor],
+        input_tensors: Sequence[torch.Tensor],
+        opts: object = None,
+    ) -> OpWork:
+        outs = tensor_list(output_tensors, "output_tensors")
+        ins = tensor_list(input_tensors, "input_tensors")
+        work = self.group.allgather_into_tensor_coalesced(outs, ins, timeout=op_timeout(opts))
+        return OpWork(work, outs)
+
+    def _allgather_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: object = None
+    ) -> OpWork:
+        work = self.group.allgather_into_tensor_coalesced(
+            [output], [input], timeout=op_timeout(opts)
+        )
+        return OpWork(work, [output])
+
+    def broadcast(self, tensor_list: Sequence[torch.Tensor], opts: object = None) -> OpWork:
+        if isinstance(tensor_list, torch.Tensor):  # c10d's broadcast(tensor, root) overload
+            tensor_list = [tensor_list]
+        tensor = one(tensor_list, "tensor_list")
+        root: Any = 0
+        timeout = None
+        if isinstance(opts, int) and not isinstance(opts, bool):
+            root = opts
+        elif opts is not None:
+            root, timeout = getattr(opts, "rootRank", None), op_timeout(opts)
+            if getattr(opts, "rootTensor", 0) != 0:
+                raise ValueError("opts.rootTensor must be 0 (one tensor per rank)")
+        return OpWork(self.group.broadcast(tensor, root, timeout=timeout), tensor_list)
+
+    def reduce_scatter(
+        self,
+        output_tensors: Sequence[torch.Tensor],
+        input_tensors: Sequence[Sequence[torch.Tensor]],
+        opts: object = None,
+    ) -> OpWork:
+        output = one(output_tensors, "output_tensors")
+        inputs = tensor_list(one(input_tensors, "input_tensors"), "input_tensors[0]")
+        op, timeout = reduce_args(opts)
+        work = self.group.reduce_scatter(output, inputs, op, timeout=timeout)
+        return OpWork(work, output_tensors)
+
+    def reduce_scatter_tensor_coalesced(
+        self,
+        output_tensors: Sequence[torch.Tensor],
+        input_tensors: Sequence[torch.Tensor],
+        opts: object = None,
+    ) -> OpWork:
+        outs = tensor_list(output_tensors, "output_tensors")
+        ins = tensor_list(input_tensors, "input_tensors")
+        op, timeout = reduce_args(opts)
+        work = self.group.reduce_scatter_tensor_coalesced(outs, ins, op, timeout=timeout)
+        return OpWork(work, outs)
+
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: object = None
+    ) -> OpWork:
+        op, timeout = reduce_args(opts)
+        work = self.group.reduce_scatter_tensor_coalesced([output], [input], op, timeout=timeout)
+        return OpWork(work, [output])
+
+    def alltoall_base(
+        self,
+        output_buffer: torch.Tensor,
+        input_buffer: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+        opts: object = None,
+    ) -> OpWork:
+        work = self.group.alltoall_base(
+            output_buffer,
+            input_buffer,
+            output_split_sizes or None,
+            input_split_sizes or None,
+            timeout=op_timeout(opts),
+        )
+        return OpWork(work, [output_buffer])
+
+    def barrier(self, opts: object = None) -> OpWork:
+        return OpWork(self.group.barrier(timeout=op_timeout(opts)), None)
+
+    def send(self, tensors: Sequence[torch.Tensor], dst_rank: int, tag: int = 0) -> OpWork:
+        return OpWork(self.group.send(one(tensors, "tensors"), dst_rank, tag), tensors)
+
+    def recv(self, tensors: Sequence[torch.Tensor], src_rank: int, tag: int = 0) -> OpWork:
+        return OpWork(self.group.recv(one(tensors, "tensors"), src_rank, tag), tensors)

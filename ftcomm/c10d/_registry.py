@@ -1,0 +1,92 @@
+"""Naming a facade group in torch's process-group registry.
+
+Functional collectives resolve a group by name through c10d's C++ registry;
+``torch.distributed`` calls (``broadcast(src=...)``, ``get_process_group_ranks``,
+``DeviceMesh.from_group``) look groups up in ``distributed_c10d._world``. Both
+are torch internals, so every touch of them lives here.
+
+Rank mapping: with a default process group (``init_process_group``), the group
+is entered as torchft enters it, a group holding just this process's global
+rank (resizable worlds do not fit DeviceMesh; HSDP's replicate dimension is
+driven by the fault-tolerance layer). Without one, global and group ranks are
+the same: ``{r: r}`` over the current world size, refreshed at ``configure``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+from torch.distributed import distributed_c10d as c10d
+
+_lock = threading.Lock()
+
+
+def _rank_mapping(pg: dist.ProcessGroup) -> dict[int, int]:
+    if dist.is_initialized():
+        return {dist.get_rank(): 0}
+    try:
+        size = pg.size()
+    except RuntimeError:  # not configured yet: refreshed by configure()
+        size = 0
+    return {r: r for r in range(size)}
+
+
+def register(pg: dist.ProcessGroup, group_name: str) -> None:
+    """Enter ``pg`` under ``group_name``.
+
+    Raises:
+        ValueError: ``pg`` or ``group_name`` is registered already.
+    """
+    world: Any = c10d._world  # torch's private registry tables
+    with _lock:
+        if pg in world.pg_map:
+            raise ValueError(f"{pg!r} is registered already (as {world.pg_names[pg]!r})")
+        if group_name in world.pg_names.values():
+            raise ValueError(f"a process group named {group_name!r} is registered already")
+        _register_process_group(group_name, pg)  # type: ignore[arg-type]  # a GroupName
+        world.pg_map[pg] = (group_name, None)
+        world.pg_names[pg] = group_name
+        world.pg_backend_config[pg] = group_name
+        world.pg_group_ranks[pg] = _rank_mapping(pg)
+        tag = f"ptd:{group_name}"
+        world.pg_to_tag[pg] = tag
+        world.tags_to_pg.setdefault(tag, []).append(pg)
+
+
+def refresh(pg: dist.ProcessGroup) -> None:
+    """Update the rank mapping of a registered group after ``configure``."""
+    world: Any = c10d._world  # torch's private registry tables
+    with _lock:
+        if pg in world.pg_group_ranks:
+            world.pg_group_ranks[pg] = _rank_mapping(pg)
+
+
+def unregister(pg: dist.ProcessGroup) -> str:
+    """Forget ``pg``'s entry; returns the name it had.
+
+    Raises:
+        ValueError: ``pg`` is not registered.
+    """
+    world: Any = c10d._world  # torch's private registry tables
+    with _lock:
+        name: str | None = world.pg_names.get(pg)
+        if name is None:
+            raise ValueError(f"{pg!r} is not registered: call register(name) first")
+        _unregister_process_group(name)  # type: ignore[arg-type]  # a GroupName
+        for table in (world.pg_map, world.pg_names, world.pg_backend_config, world.pg_group_ranks):
+            table.pop(pg, None)
+        tag = world.pg_to_tag.pop(pg, None)
+        members = world.tags_to_pg.get(tag, []) if tag is not None else []
+        if pg in members:
+            members.remove(pg)
+        if tag is not None and not members:
+            world.tags_to_pg.pop(tag, None)
+        return name
+
+
+def registered_name(pg: dist.ProcessGroup) -> str | None:
+    name: str | None = c10d._world.pg_names.get(pg)
+    return name

@@ -1,0 +1,255 @@
+"""``torch.distributed.Work`` objects for the c10d facade.
+
+Three shapes, all real ``dist.Work`` subclasses (C++ callers such as DDP's
+reducer and functional collectives call into them through torch's trampoline):
+
+- :class:`OpWork`: one ftcomm op (the fast path: ``pg.allreduce([t]).wait()``).
+- :class:`ChainedWork`: another c10d work whose outcome a wrapper rewrites
+  (an error swallowed and reported, or an injected error) exactly once.
+- :class:`DoneWork`: an op that ended when it was issued (skipped, dummy).
+
+Rules they keep: ``wait()`` and ``get_future()`` always agree on the outcome;
+an error is raised by both, never lost (``wait()`` raises the ftcomm error
+itself; the future fails with a ``RuntimeError`` carrying it, the only kind of
+error a torch future holds for its C++ consumers); the future is completed on the thread
+that ends the op, except the owner loop's, which hands it to a worker so user
+callbacks chained on the future never run on (and stall) the loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._runtime.deadline import to_seconds
+from .._runtime.loop import get_runtime
+from .._runtime.work import Work as FtWork
+
+Outcome = Callable[[BaseException | None], BaseException | None]
+"""Maps an op's error (or ``None``) to the error its work reports (or ``None``)."""
+
+_future_lock = threading.Lock()
+
+
+def wait_seconds(timeout: object) -> float | None:
+    """A c10d ``wait`` timeout in seconds, or ``None`` for "the op's own deadline".
+
+    ``timedelta(0)`` is c10d's "no timeout" (what torch passes by default), so
+    it means no extra deadline, as it does for every c10d work.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta) and timeout == timedelta(0):
+        return None
+    return to_seconds(timeout, "timeout")
+
+
+class _Failed:
+    """An op's error travelling through a source future (see :func:`new_future`)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _unwrap(source: torch.futures.Future[Any]) -> Any:
+    value = source.value()
+    if type(value) is _Failed:
+        raise value.error
+    return value
+
+
+def new_future() -> tuple[torch.futures.Future[Any], torch.futures.Future[Any]]:
+    """``(source, future)``: settle ``source`` with :func:`_settle_future`; hand out ``future``.
+
+    torch's ``Future.set_exception`` stores the exception as a *successful*
+    Python value: C++ consumers (DDP's reducer) then read it as their result
+    and crash. A callback that raises is the one way Python can put a real
+    (C++) error on a torch future, so ``future`` is ``source.then(...)``,
+    which raises the op's error. Python callers see a ``RuntimeError`` that
+    carries the ftcomm error's type name and message.
+    """
+    source: torch.futures.Future[Any] = torch.futures.Future()
+    return source, source.then(_unwrap)
+
+
+def _settle_future(
+    source: torch.futures.Future[Any], error: BaseException | None, value: Any
+) -> None:
+    source.set_result(value if error is None else _Failed(error))
+
+
+class OpWork(dist.Work):
+    """The c10d work of one ftcomm op.
+
+    ``wait(timeout=None)`` blocks the calling thread (never the owner loop)
+    until the op ends and returns True, or raises the op's ftcomm error.
+    ``timeout`` (a timedelta or seconds) is a deadline: if the op has not
+    ended by then it ends with ``CommTimeout`` and its group is aborted.
+    ``get_future()`` gives a ``torch.futures.Future`` with the op's output
+    tensors (or its error).
+    """
+
+    def __init__(self, op: FtWork[Any], value: Any) -> None:
+        super().__init__()
+        self._op = op
+        self._value = value
+        self._future: torch.futures.Future[Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"<ftcomm.c10d work of {self._op!r}>"
+
+    def wait(self, timeout: object = None) -> bool:
+        op = self._op
+        seconds = wait_seconds(timeout)
+        if not op.done():
+            runtime = op._table.runtime
+            if runtime.in_loop_thread():
+                raise RuntimeError(
+                    "wait() would block ftcomm's owner loop: call it from another thread"
+                )
+            if not op._block(seconds):
+                op._time_out(f"{op.op} did not complete within wait(timeout={seconds:g} s)")
+        error = op._error
+        if error is not None:
+            raise error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._op.done()
+
+    def is_success(self) -> bool:
+        return self._op.done() and self._op._error is None
+
+    def result(self) -> Any:
+        return self._value
+
+    def synchronize(self) -> None:
+        """Nothing to do: ftcomm's in-process ops run on CPU tensors."""
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        with _future_lock:
+            fut = self._future
+            if fut is not None:
+                return fut
+            source, fut = new_future()
+            self._future = fut
+        self._op._when_done(lambda: _complete_off_loop(source, self._op._error, self._value))
+        return fut
+
+
+def _complete_off_loop(
+    fut: torch.futures.Future[Any], error: BaseException | None, value: Any
+) -> None:
+    runtime = get_runtime()
+    if runtime.in_loop_thread():
+        runtime.run_blocking(_settle_future, fut, error, value)
+    else:
+        _settle_future(fut, error, value)
+
+
+class ChainedWork(dist.Work):
+    """Another c10d work whose outcome ``outcome`` rewrites, once.
+
+    ``value`` is what the future holds when the rewritten outcome is a
+    success that the inner work did not have (a swallowed error).
+    """
+
+    def __init__(self, inner: dist.Work, value: Any, outcome: Outcome) -> None:
+        super().__init__()
+        self._inner = inner
+        self._value = value
+        self._outcome_fn: Outcome | None = outcome
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._future: torch.futures.Future[Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"<ftcomm.c10d work over {self._inner!r}>"
+
+    def _outcome(self, error: BaseException | None) -> BaseException | None:
+        with self._lock:
+            fn, self._outcome_fn = self._outcome_fn, None
+            if fn is not None:
+                self._error = fn(error)
+            return self._error
+
+    def wait(self, timeout: object = None) -> bool:
+        try:
+            self._inner.wait() if timeout is None else self._inner.wait(timeout)  # type: ignore[arg-type]
+        except Exception as exc:
+            error = self._outcome(exc)
+        else:
+            error = self._outcome(None)
+        if error is not None:
+            raise error
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self._inner.is_completed())
+
+    def result(self) -> Any:
+        return self._value
+
+    def synchronize(self) -> None:
+        self._inner.synchronize()
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        with _future_lock:
+            fut = self._future
+            if fut is not None:
+                return fut
+            source, fut = new_future()
+            self._future = fut
+
+        def done(inner: torch.futures.Future[Any]) -> None:
+            try:
+                value = inner.value()
+            except Exception as exc:
+                _settle_future(source, self._outcome(exc), self._value)
+            else:
+                _settle_future(source, self._outcome(None), value)
+
+        self._inner.get_future().add_done_callback(done)
+        return fut
+
+
+class DoneWork(dist.Work):
+    """A work that ended when it was issued, with ``value`` or ``error``."""
+
+    def __init__(self, value: Any, error: BaseException | None = None) -> None:
+        super().__init__()
+        self._value = value
+        self._error = error
+
+    def __repr__(self) -> str:
+        state = "ok" if self._error is None else f"failed: {self._error!r}"
+        return f"<ftcomm.c10d done work {state}>"
+
+    def wait(self, timeout: object = None) -> bool:
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return self._error is None
+
+    def result(self) -> Any:
+        return self._value
+
+    def synchronize(self) -> None:
+        """Nothing to do: the op ended when it was issued."""
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        source, fut = new_future()
+        _settle_future(source, self._error, self._value)
+        return fut

@@ -1,0 +1,239 @@
+"""Wrappers that change what ops report: error swallowing, error injection, managed.
+
+Each overrides the one hook every op passes through (``_run``), so each
+covers every collective, not just allreduce as torchft's did.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from ..errors import CommError
+from ._base import ProcessGroup, logger
+from ._groups import Issue, ProcessGroupWrapper
+from ._ops import one, reduce_args
+from ._work import ChainedWork, DoneWork
+
+
+def _swallowing(
+    target: Callable[[], object],
+    issue: Issue,
+    default: object,
+    report: Callable[[Exception], None],
+) -> dist.Work:
+    """Issue an op whose errors go to ``report`` and end as successes with ``default``."""
+
+    def outcome(error: BaseException | None) -> BaseException | None:
+        if isinstance(error, Exception):
+            logger.warning("swallowed a collective's error: %s", error)
+            report(error)
+            return None
+        return error  # KeyboardInterrupt and the like are not swallowed
+
+    try:
+        work = issue(target())  # type: ignore[arg-type]
+    except CommError as exc:  # refused: errored or unconfigured group
+        report(exc)
+        return DoneWork(default)
+    return ChainedWork(work, default, outcome)
+
+
+def _check_pg(pg: object) -> ProcessGroup:
+    if not isinstance(pg, ProcessGroup):
+        raise TypeError(f"pg must be an ftcomm.c10d ProcessGroup, got {type(pg).__name__}")
+    return pg
+
+
+class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
+    """Wraps ``pg`` so that no collective raises: an op that fails (at issue,
+    at ``wait()`` or through its future) reports its error here and ends as a
+    success with its inputs left as they were. After the first error every op
+    is skipped (it succeeds at once without communicating) until ``configure``.
+
+    For training loops that handle failures outside the model code: check
+    :meth:`error` after the step. Arguments are still checked:
+    ``TypeError``/``ValueError`` are raised, never swallowed.
+
+    Raises:
+        TypeError: ``pg`` is not an ftcomm.c10d ``ProcessGroup``.
+    """
+
+    def __init__(self, pg: ProcessGroup) -> None:
+        super().__init__(pg=_check_pg(pg))
+        self._error: Exception | None = None
+        self._lock = threading.Lock()
+
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: int | None = None,
+        group_rank: int | None = None,
+        group_world_size: int | None = None,
+        global_ranks: Sequence[int] | None = None,
+    ) -> None:
+        """Clear the recorded error and configure the wrapped group.
+
+        Raises: as :meth:`ProcessGroupWrapper.configure`.
+        """
+        self._error = None
+        super().configure(
+            store_addr,
+            replica_id,
+            rank,
+            world_size,
+            quorum_id,
+            group_rank,
+            group_world_size,
+            global_ranks,
+        )
+
+    def report_error(self, e: Exception) -> None:
+        """Record ``e`` (the first error is kept); later ops are skipped until
+        ``configure``."""
+        with self._lock:
+            if self._error is None:
+                self._error = e
+
+    def error(self) -> Exception | None:
+        """The first error recorded since the last ``configure``, or ``None``."""
+        return self._error
+
+    def _run(self, op: str, default: object, issue: Issue) -> dist.Work:
+        if self._error is not None:
+            return DoneWork(default)
+        return _swallowing(lambda: self._target(op), issue, default, self.report_error)
+
+
+class FakeProcessGroupWrapper(ProcessGroupWrapper):
+    """Wraps ``pg`` to inject errors, for tests: after
+    ``report_future_error(e)`` the next op runs as usual on ``pg`` and then
+    fails with ``e``, from ``wait()`` and from ``get_future()`` alike.
+
+    Raises:
+        TypeError: ``pg`` is not an ftcomm.c10d ``ProcessGroup``.
+    """
+
+    def __init__(self, pg: ProcessGroup) -> None:
+        super().__init__(pg=_check_pg(pg))
+        self._future_error: Exception | None = None
+        self._lock = threading.Lock()
+
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: int | None = None,
+        group_rank: int | None = None,
+        group_world_size: int | None = None,
+        global_ranks: Sequence[int] | None = None,
+    ) -> None:
+        """Drop a pending injected error and configure the wrapped group.
+
+        Raises: as :meth:`ProcessGroupWrapper.configure`.
+        """
+        self._future_error = None
+        super().configure(
+            store_addr,
+            replica_id,
+            rank,
+            world_size,
+            quorum_id,
+            group_rank,
+            group_world_size,
+            global_ranks,
+        )
+
+    def report_future_error(self, e: Exception) -> None:
+        """Make the next op fail with ``e``.
+
+        Raises:
+            TypeError: ``e`` is not an exception instance.
+        """
+        if not isinstance(e, Exception):
+            raise TypeError(f"e must be an Exception instance, got {type(e).__name__}")
+        self._future_error = e
+
+    def _run(self, op: str, default: object, issue: Issue) -> dist.Work:
+        work = issue(self._target(op))
+        with self._lock:
+            error, self._future_error = self._future_error, None
+        if error is None:
+            return work
+        return ChainedWork(work, default, lambda _: error)
+
+
+@runtime_checkable
+class Manager(Protocol):
+    """What :class:`ManagedProcessGroup` needs from a fault-tolerance manager
+    (torchft's ``Manager`` has it)."""
+
+    def allreduce(self, tensor: torch.Tensor, *, reduce_op: ReduceOp.RedOpType) -> dist.Work:
+        """Reduce ``tensor`` across the healthy participants; errors go to the
+        manager, never to the caller."""
+        ...
+
+    def num_participants(self) -> int:
+        """How many replicas take part in the current step."""
+        ...
+
+    def report_error(self, e: Exception) -> None:
+        """Record an error: the manager will not commit this step."""
+        ...
+
+
+class ManagedProcessGroup(ProcessGroupWrapper):
+    """A group whose allreduce goes through a :class:`Manager`, sized by the
+    manager's participants. Other collectives run on ``pg`` (default: the
+    manager's ``_pg``, as torchft's Manager keeps it, if that is an
+    ftcomm.c10d group); their errors are reported to the manager and the op
+    ends as a success with its inputs unchanged.
+
+    Raises:
+        TypeError: ``manager`` lacks a method of :class:`Manager`, or ``pg``
+            is not an ftcomm.c10d ``ProcessGroup``.
+    """
+
+    def __init__(self, manager: Manager, pg: ProcessGroup | None = None) -> None:
+        missing = [
+            m
+            for m in ("allreduce", "num_participants", "report_error")
+            if not callable(getattr(manager, m, None))
+        ]
+        if missing:
+            raise TypeError(f"manager must have {', '.join(missing)}(): see ftcomm.c10d.Manager")
+        if pg is None:
+            own = getattr(manager, "_pg", None)
+            pg = own if isinstance(own, ProcessGroup) else None
+        super().__init__(pg=pg)
+        self._manager = manager
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
+        tensor = one(tensors, "tensors")
+        op, _ = reduce_args(opts)  # the manager's own deadline applies
+        return self._manager.allreduce(tensor, reduce_op=op)
+
+    def _run(self, op: str, default: object, issue: Issue) -> dist.Work:
+        if self._inner is None:
+            raise NotImplementedError(
+                f"ManagedProcessGroup runs {op} on a group: pass pg= (only allreduce "
+                "goes through the manager)"
+            )
+        return _swallowing(lambda: self._target(op), issue, default, self._manager.report_error)
+
+    def size(self) -> int:
+        """The number of participants in the manager's current quorum."""
+        return self._manager.num_participants()
+
+    def getBackendName(self) -> str:
+        return self._inner.getBackendName() if self._inner is not None else "ftcomm-managed"

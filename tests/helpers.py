@@ -1,0 +1,74 @@
+"""Test helpers: a scripted native op (the only fake in ftcomm's unit tests:
+everything above it, the op table, ``Work``, deadlines, the c10d works, is the
+real code under test) and an in-process TCPStore server."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from torch.distributed import TCPStore
+
+from ftcomm._runtime.native import Done
+from ftcomm._runtime.work import OpTable, Work
+
+
+class ScriptedOp:
+    """A native op that ends when the test says so."""
+
+    def __init__(self, done: bool = False) -> None:
+        self._done = done
+        self._error: BaseException | None = None
+        self._callbacks: list[Done] = []
+
+    def poll(self) -> bool:
+        return self._done
+
+    def outcome(self) -> BaseException | None:
+        return self._error
+
+    def on_done(self, callback: Done) -> None:
+        if self._done:
+            callback(self._error)
+        else:
+            self._callbacks.append(callback)
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self._error, self._done = error, True
+        for cb in self._callbacks:
+            cb(error)
+
+
+def issue(
+    table: OpTable, op: ScriptedOp, timeout: float, result: object = "result"
+) -> Work[object]:
+    work: Work[object] = Work(
+        table, "allreduce", table.next_seq(), time.monotonic() + timeout, op, result
+    )
+    table.track(work, timeout)
+    return work
+
+
+class StoreServer:
+    """Owns a real TCPStore server; ``close()`` destroys it.
+
+    pytest keeps fixture values alive until the whole test item is torn down
+    (after the leak check in conftest.py), so the fixture hands out this holder
+    and drops the server itself at its own teardown.
+    """
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._server: TCPStore | None = TCPStore(
+            host_name=host, port=0, is_master=True, wait_for_workers=False
+        )
+        self.port = int(self._server.port)
+
+    def close(self) -> None:
+        self._server = None
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (bound, read, closed)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

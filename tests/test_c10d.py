@@ -1,0 +1,848 @@
+"""The c10d facade: torchft's classes on ftcomm's core, where c10d users put a group.
+
+World size 1 in this process (dummy and Gloo), every collective at world
+size 3 in real processes, ``torch.distributed.*`` and functional collectives
+on a registered group, DDP against a single-process reference, deadlines
+against a hung peer, and a rank that leaves mid-run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+from helpers import ScriptedOp, StoreServer, free_port, issue
+from torch._C._distributed_c10d import AllgatherOptions
+
+import ftcomm
+from ftcomm import c10d
+from ftcomm._runtime.loop import get_runtime
+from ftcomm._runtime.work import OpTable
+from ftcomm.c10d._work import OpWork
+from ftcomm.testing import Fault, FaultPlan, RankContext, run_world
+
+SEED_CLASSES = [
+    "ProcessGroup",
+    "ProcessGroupWrapper",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "ProcessGroupXCCL",
+    "ProcessGroupDummy",
+    "ErrorSwallowingProcessGroupWrapper",
+    "FakeProcessGroupWrapper",
+    "ManagedProcessGroup",
+]
+
+
+@pytest.fixture
+def store() -> Iterator[StoreServer]:
+    server = StoreServer()
+    yield server
+    server.close()
+
+
+_prefixes = iter(range(10**6))
+
+
+def addr(server: StoreServer) -> str:
+    return f"127.0.0.1:{server.port}/t{next(_prefixes)}"
+
+
+@pytest.fixture
+def gloo1(store: StoreServer) -> Iterator[c10d.ProcessGroupGloo]:
+    pg = c10d.ProcessGroupGloo(timeout=timedelta(seconds=10))
+    pg.configure(addr(store), "0", 0, 1)
+    yield pg
+    pg.shutdown()
+
+
+@pytest.fixture
+def dummy() -> Iterator[c10d.ProcessGroupDummy]:
+    pg = c10d.ProcessGroupDummy(0, 1)
+    yield pg
+    pg.shutdown()
+
+
+# -- the surface ----------------------------------------------------------------
+def test_every_seed_class_is_a_documented_c10d_process_group() -> None:
+    for name in SEED_CLASSES:
+        cls = getattr(c10d, name)
+        assert issubclass(cls, dist.ProcessGroup), name
+        assert (cls.__doc__ or "").strip(), name
+        assert name in c10d.__all__
+    assert callable(c10d.create_store_client)
+    for name in c10d.__all__:
+        assert getattr(c10d, name).__doc__, name
+
+
+def test_create_store_client_scopes_to_the_prefix(store: StoreServer) -> None:
+    client = c10d.create_store_client(f"127.0.0.1:{store.port}/a/b", timedelta(seconds=5))
+    client.set("k", b"v")
+    raw = c10d.create_store_client(f"127.0.0.1:{store.port}/", timedelta(seconds=5))
+    assert raw.get("a/b/k") == b"v"
+    del client, raw
+    with pytest.raises(ValueError, match="store_addr"):
+        c10d.create_store_client("no-port", timedelta(seconds=1))
+    with pytest.raises(ValueError, match="timeout"):
+        c10d.create_store_client(f"127.0.0.1:{store.port}/a", timedelta(seconds=-1))
+
+
+# -- world size 1, in this process --------------------------------------------------
+def all_ops_ws1(pg: c10d.ProcessGroup) -> dict[str, list[float]]:
+    """Every collective on a one-rank group; each checked through wait() and the future."""
+    out: dict[str, list[float]] = {}
+
+    def run(name: str, work: dist.Work, result: Any) -> None:
+        assert isinstance(work, dist.Work), name
+        assert work.wait() is True, name
+        assert work.is_completed(), name
+        value = work.get_future().wait()
+        if result is not None:
+            assert value is result or value == result, name
+        flat = result
+        while isinstance(flat, list):
+            flat = flat[0]
+        if isinstance(flat, torch.Tensor):
+            out[name] = flat.flatten().tolist()
+
+    t = torch.tensor([1.0, 2.0])
+    ts = [t]
+    run("allreduce", pg.allreduce(ts, dist.AllreduceOptions()), ts)
+    ts2 = [torch.tensor([3.0])]
+    run("allreduce_op", pg.allreduce(ts2, dist.ReduceOp.MAX), ts2)
+    co = [torch.ones(2), torch.ones(3)]
+    run("allreduce_coalesced", pg.allreduce_coalesced(co, dist.AllreduceCoalescedOptions()), co)
+    outs = [[torch.zeros(2)]]
+    run("allgather", pg.allgather(outs, [t], AllgatherOptions()), outs)
+    outs2 = [torch.zeros(2)]
+    run(
+        "allgather_into_tensor_coalesced",
+        pg.allgather_into_tensor_coalesced(outs2, [t], AllgatherOptions()),
+        outs2,
+    )
+    o = torch.zeros(2)
+    run("_allgather_base", pg._allgather_base(o, t, AllgatherOptions()), [o])
+    b = [torch.tensor([5.0])]
+    run("broadcast", pg.broadcast(b, dist.BroadcastOptions()), b)
+    run("broadcast_one", pg.broadcast_one(b[0], 0), b)
+    rs_out = [torch.zeros(2)]
+    rs = pg.reduce_scatter(rs_out, [[torch.tensor([7.0, 8.0])]], dist.ReduceScatterOptions())
+    run("reduce_scatter", rs, rs_out)
+    rsc = [torch.zeros(1)]
+    work = pg.reduce_scatter_tensor_coalesced(
+        rsc, [torch.tensor([9.0])], dist.ReduceScatterOptions()
+    )
+    run("reduce_scatter_tensor_coalesced", work, rsc)
+    rsb = torch.zeros(2)
+    work = pg._reduce_scatter_base(rsb, torch.tensor([4.0, 6.0]), dist.ReduceScatterOptions())
+    run("_reduce_scatter_base", work, [rsb])
+    a_out = torch.zeros(3)
+    a2a = pg.alltoall_base(a_out, torch.tensor([1.0, 2.0, 3.0]), [], [], dist.AllToAllOptions())
+    run("alltoall_base", a2a, [a_out])
+    run("barrier", pg.barrier(dist.BarrierOptions()), None)
+    return out
+
+
+WS1_EXPECTED = {
+    "allreduce": [1.0, 2.0],
+    "allreduce_op": [3.0],
+    "allreduce_coalesced": [1.0, 1.0],
+    "allgather": [1.0, 2.0],
+    "allgather_into_tensor_coalesced": [1.0, 2.0],
+    "_allgather_base": [1.0, 2.0],
+    "broadcast": [5.0],
+    "broadcast_one": [5.0],
+    "reduce_scatter": [7.0, 8.0],
+    "reduce_scatter_tensor_coalesced": [9.0],
+    "_reduce_scatter_base": [4.0, 6.0],
+    "alltoall_base": [1.0, 2.0, 3.0],
+}
+
+
+def test_every_op_at_world_size_1_dummy(dummy: c10d.ProcessGroupDummy) -> None:
+    assert all_ops_ws1(dummy) == WS1_EXPECTED
+    assert (dummy.size(), dummy.rank(), dummy.getBackendName()) == (1, 0, "ftcomm-dummy")
+    assert dummy.errored() is None
+    dummy.configure("ignored:1/x", "0", 0, 1)
+    assert dummy.configure_count == 1
+
+
+def test_every_op_at_world_size_1_gloo(gloo1: c10d.ProcessGroupGloo) -> None:
+    assert all_ops_ws1(gloo1) == WS1_EXPECTED
+    assert (gloo1.size(), gloo1.rank(), gloo1.getBackendName()) == (1, 0, "ftcomm-gloo")
+    assert gloo1.num_active_work() == 0
+    assert isinstance(gloo1.parent, ftcomm.Group)
+
+
+def test_dummy_is_world_size_1_only() -> None:
+    with pytest.raises(ValueError, match="rank 0 and world size 1"):
+        c10d.ProcessGroupDummy(0, 2)
+    with pytest.raises(ValueError, match="rank 0 and world size 1"):
+        c10d.ProcessGroupDummy(1, 1)
+
+
+def test_unconfigured_group_says_so() -> None:
+    pg = c10d.ProcessGroupGloo()
+    assert "unconfigured" in repr(pg)
+    assert pg.errored() is None
+    assert pg.num_active_work() == 0
+    with pytest.raises(ftcomm.NotConfigured, match="allreduce"):
+        pg.allreduce([torch.ones(1)], dist.AllreduceOptions())
+    with pytest.raises(ftcomm.NotConfigured):
+        pg.size()
+    pg.abort()
+    pg.shutdown()  # both fine on an unconfigured group
+
+
+def test_repr_names_class_and_state(gloo1: c10d.ProcessGroupGloo) -> None:
+    text = repr(gloo1)
+    assert text.startswith("ProcessGroupGloo(")
+    assert "rank=0/1" in text
+    assert " ok" in text
+    gloo1.abort(errored=False)
+    assert "errored" in repr(gloo1)
+    assert repr(c10d.ProcessGroup(0, 1)) == "ProcessGroup()"
+    wrapped = c10d.ProcessGroupWrapper(pg=gloo1)
+    assert repr(wrapped) == f"ProcessGroupWrapper(pg={gloo1!r})"
+
+
+def test_base_class_is_a_contract() -> None:
+    base = c10d.ProcessGroup(0, 1)
+    with pytest.raises(NotImplementedError, match="allreduce"):
+        base.allreduce([torch.ones(1)], dist.AllreduceOptions())
+    with pytest.raises(NotImplementedError, match="configure"):
+        base.configure("h:1/p", "0", 0, 1)
+    assert base.errored() is None
+    base.abort()
+    base.shutdown()
+
+
+def test_wrapper_without_backend_needs_a_pg() -> None:
+    with pytest.raises(NotImplementedError, match="pass pg="):
+        c10d.ProcessGroupWrapper().configure("127.0.0.1:1/p", "0", 0, 1)
+    with pytest.raises(TypeError, match=r"pg must be an ftcomm\.c10d ProcessGroup"):
+        c10d.ProcessGroupWrapper(pg=object())  # type: ignore[arg-type]
+
+
+def test_wrapper_passes_everything_to_its_pg(store: StoreServer) -> None:
+    inner = c10d.ProcessGroupGloo(timeout=10)
+    pg = c10d.ProcessGroupWrapper(pg=inner)
+    try:
+        pg.configure(addr(store), "0", 0, 1)
+        assert (pg.size(), pg.rank(), pg.getBackendName()) == (1, 0, "ftcomm-gloo")
+        assert pg.parent is inner
+        t = torch.ones(2)
+        pg.allreduce([t], dist.AllreduceOptions()).wait()
+        pg.abort()
+        assert isinstance(inner.errored(), ftcomm.CommAborted)
+        assert pg.errored() is inner.errored()
+    finally:
+        pg.shutdown()
+    assert inner.errored() is None  # shut down: unconfigured, nothing errored
+
+
+@pytest.mark.parametrize("cls", [c10d.ProcessGroupNCCL, c10d.ProcessGroupXCCL])
+def test_accelerator_groups_construct_and_fail_clearly(
+    cls: type[c10d.ProcessGroupWrapper], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pg = cls(timeout=timedelta(seconds=5))
+    name = cls._backend
+    assert pg.getBackendName() == f"ftcomm-{name}"
+    with pytest.raises(RuntimeError, match=f"needs a torch build with {name}"):
+        pg.configure("127.0.0.1:1/p", "0", 0, 1)
+    # Where torch has the backend, this release says it lacks the implementation.
+    monkeypatch.setattr(cls, "_available", staticmethod(lambda: True))
+    with pytest.raises(NotImplementedError, match=name):
+        pg.configure("127.0.0.1:1/p", "0", 0, 1)
+    assert pg.errored() is None
+
+
+# -- works ----------------------------------------------------------------------------
+def test_future_and_wait_agree_on_errors(gloo1: c10d.ProcessGroupGloo) -> None:
+    gloo1.abort()
+    with pytest.raises(ftcomm.CommAborted):
+        gloo1.allreduce([torch.ones(1)], dist.AllreduceOptions())
+    assert isinstance(gloo1.errored(), ftcomm.CommAborted)
+
+
+@pytest.fixture
+def table() -> Iterator[OpTable]:
+    t = OpTable(get_runtime(), rank=0, on_break=lambda error, until: None)
+    yield t
+    t.break_(ftcomm.CommAborted("test over"))
+
+
+def test_op_work_waits_and_completes_its_future(table: OpTable) -> None:
+    op = ScriptedOp()
+    value = [torch.ones(1)]
+    work = OpWork(issue(table, op, timeout=30), value)
+    fut = work.get_future()
+    assert work.get_future() is fut  # one future per work
+    assert not work.is_completed()
+    assert not fut.done()
+    finisher = threading.Timer(0.05, op.finish)
+    finisher.start()
+    assert work.wait() is True
+    finisher.join()
+    assert work.is_completed()
+    assert work.is_success()
+    assert fut.wait() is value
+    assert work.result() is value
+
+
+def test_op_work_error_reaches_wait_and_future(table: OpTable) -> None:
+    op = ScriptedOp()
+    work = OpWork(issue(table, op, timeout=30), [])
+    fut = work.get_future()
+    op.finish(RuntimeError("connection reset by peer"))
+    with pytest.raises(ftcomm.CommFailed, match="connection reset") as waited:
+        work.wait()
+    # A torch future holds C++ errors (DDP's reducer reads them in C++): a
+    # RuntimeError that names the ftcomm error and carries its message.
+    with pytest.raises(RuntimeError, match=re.escape(f"CommFailed: {waited.value}")):
+        fut.wait()
+    assert table.error is waited.value
+
+
+def test_op_work_wait_timeout_is_a_deadline(table: OpTable) -> None:
+    op = ScriptedOp()  # never finishes
+    work = OpWork(issue(table, op, timeout=30), [])
+    fut = work.get_future()
+    started = time.monotonic()
+    with pytest.raises(ftcomm.CommTimeout, match=r"wait\(timeout=0\.2 s\)"):
+        work.wait(timedelta(seconds=0.2))
+    assert 0.19 <= time.monotonic() - started < 1.2
+    assert isinstance(table.error, ftcomm.CommTimeout)  # the group is aborted
+    with pytest.raises(RuntimeError, match="CommTimeout: allreduce did not complete"):
+        fut.wait()
+    with pytest.raises(ValueError, match="timeout"):
+        work.wait(-1.0)
+
+
+def test_op_work_refuses_to_block_the_owner_loop(table: OpTable) -> None:
+    op = ScriptedOp()
+    work = OpWork(issue(table, op, timeout=30), [])
+
+    async def wait_on_loop() -> bool:
+        return bool(work.wait())
+
+    rt = get_runtime()
+    with pytest.raises(RuntimeError, match="owner loop"):
+        rt.call(wait_on_loop())
+    op.finish()
+    assert rt.call(wait_on_loop()) is True  # an ended op returns at once, anywhere
+
+
+def test_op_work_future_callbacks_never_run_on_the_owner_loop(table: OpTable) -> None:
+    """A deadline settles the op on the owner loop; a slow user callback must
+    not stall it (the watchdog would fail this test)."""
+    op = ScriptedOp()
+    work = OpWork(issue(table, op, timeout=0.1), [])
+    ran = threading.Event()
+    names: list[str] = []
+
+    def callback(_: object) -> None:
+        names.append(threading.current_thread().name)
+        time.sleep(0.3)  # a callback doing real work, longer than the stall threshold
+        ran.set()
+
+    work.get_future().add_done_callback(callback)
+    assert ran.wait(10)
+    assert names
+    assert names[0] != "ftcomm-owner"
+    assert isinstance(table.error, ftcomm.CommTimeout)
+
+
+def test_timeout_arguments_are_checked(gloo1: c10d.ProcessGroupGloo) -> None:
+    work = gloo1.allreduce([torch.ones(1)], dist.AllreduceOptions())
+    assert work.wait(timedelta(0)) is True  # c10d's "no timeout"
+    with pytest.raises(TypeError, match="timeout"):
+        gloo1.set_timeout("1s")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout"):
+        gloo1.set_timeout(timedelta(seconds=-1))
+    gloo1.set_timeout(timedelta(seconds=3))
+    assert gloo1.parent.timeout == 3.0  # type: ignore[union-attr]
+
+
+# -- registry: functional collectives and torch.distributed ------------------------------
+def test_register_and_unregister(dummy: c10d.ProcessGroupDummy) -> None:
+    with pytest.raises(ValueError, match="register"):
+        _ = dummy.group_name
+    assert dummy.register("reg1") is dummy
+    assert dummy.group_name == "ftcomm-dummy:reg1"
+    x = fc.all_reduce(torch.ones(2), "sum", dummy)
+    assert torch.equal(fc.wait_tensor(x), torch.ones(2))
+    y = fc.all_reduce(torch.full((2,), 3.0), "sum", "ftcomm-dummy:reg1")
+    assert torch.equal(fc.wait_tensor(y), torch.full((2,), 3.0))
+    with pytest.raises(ValueError, match="registered already"):
+        dummy.register("reg1")
+    other = c10d.ProcessGroupDummy()
+    try:
+        with pytest.raises(ValueError, match="registered already"):
+            other.register("reg1")
+    finally:
+        other.shutdown()
+    dummy.unregister()
+    with pytest.raises(ValueError, match="register"):
+        _ = dummy.group_name
+    with pytest.raises(RuntimeError, match="ftcomm-dummy:reg1"):
+        fc.all_reduce(torch.ones(2), "sum", "ftcomm-dummy:reg1")
+    with pytest.raises(ValueError, match="not registered"):
+        dummy.unregister()
+    # unregister() does not shut the group down (torchft's did)
+    assert dummy.allreduce([torch.ones(1)], dist.AllreduceOptions()).wait()
+    with pytest.raises(TypeError, match="name"):
+        dummy.register(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="empty"):
+        dummy.register("")
+
+
+def test_ddp_at_world_size_1(dummy: c10d.ProcessGroupDummy) -> None:
+    grads = ddp_grads(dummy, rank=0, world_size=1)
+    assert_close_to_reference(grads, world_size=1)
+
+
+# -- DDP -----------------------------------------------------------------------------------
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _batch(rank: int) -> torch.Tensor:
+    return torch.arange(12, dtype=torch.float32).reshape(3, 4) / 10 + rank
+
+
+def ddp_grads(pg: dist.ProcessGroup, rank: int, world_size: int) -> list[torch.Tensor]:
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=pg)
+    for _ in range(2):  # the second step runs on the reducer's rebuilt buckets
+        ddp.zero_grad()
+        ddp(_batch(rank)).pow(2).mean().backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def assert_close_to_reference(grads: list[torch.Tensor], world_size: int) -> None:
+    model = _model()
+    batch = torch.cat([_batch(r) for r in range(world_size)])
+    # DDP averages per-rank means: the mean over the concatenated batch.
+    model(batch).pow(2).mean().backward()
+    ref = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(ref) == len(grads)
+    for got, want in zip(grads, ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def ddp_rank(ctx: RankContext) -> list[torch.Tensor]:
+    pg = c10d.ProcessGroupGloo(timeout=20)
+    try:
+        pg.configure(ctx.addr(), "0", ctx.rank, ctx.world_size)
+        return ddp_grads(pg, ctx.rank, ctx.world_size)
+    finally:
+        pg.shutdown()
+
+
+def test_ddp_at_world_size_2_matches_a_single_process() -> None:
+    results = run_world(ddp_rank, 2, timeout=90)
+    for grads in results:
+        assert_close_to_reference(grads, world_size=2)
+
+
+# -- every collective at world size 3, and torch.distributed / functional on top ----------
+def collectives_rank(ctx: RankContext) -> dict[str, Any]:
+    r, n = ctx.rank, ctx.world_size
+    pg = c10d.ProcessGroupGloo(timeout=20)
+    out: dict[str, Any] = {}
+    try:
+        pg.configure(ctx.addr(), "0", r, n)
+        assert (pg.rank(), pg.size()) == (r, n)
+        t = torch.tensor([float(r), 1.0])
+        pg.allreduce([t], dist.AllreduceOptions()).wait()
+        out["allreduce"] = t.tolist()
+        m = [torch.tensor([float(r)])]
+        out["allreduce_max"] = pg.allreduce(m, dist.ReduceOp.MAX).get_future().wait()[0].tolist()
+        co = [torch.full((2,), float(r)), torch.full((1,), 1.0)]
+        pg.allreduce_coalesced(co, dist.AllreduceCoalescedOptions()).wait()
+        out["allreduce_coalesced"] = [c.tolist() for c in co]
+        outs = [[torch.zeros(1) for _ in range(n)]]
+        pg.allgather(outs, [torch.tensor([float(r)])], AllgatherOptions()).wait()
+        out["allgather"] = [o.item() for o in outs[0]]
+        big = torch.zeros(n)
+        pg._allgather_base(big, torch.tensor([float(r * 10)]), AllgatherOptions()).wait()
+        out["_allgather_base"] = big.tolist()
+        cat = [torch.zeros(n)]
+        pg.allgather_into_tensor_coalesced(
+            cat, [torch.tensor([r + 0.5])], AllgatherOptions()
+        ).wait()
+        out["allgather_into_tensor_coalesced"] = cat[0].tolist()
+        b = torch.tensor([float(r)])
+        opts = dist.BroadcastOptions()
+        opts.rootRank = n - 1
+        pg.broadcast([b], opts).wait()
+        out["broadcast"] = b.item()
+        rs = [torch.zeros(1)]
+        ins = [[torch.tensor([float(10 * d + r)]) for d in range(n)]]
+        pg.reduce_scatter(rs, ins, dist.ReduceScatterOptions()).wait()
+        out["reduce_scatter"] = rs[0].item()
+        rsb = torch.zeros(1)
+        pg._reduce_scatter_base(
+            rsb, torch.arange(n, dtype=torch.float32), dist.ReduceScatterOptions()
+        ).wait()
+        out["_reduce_scatter_base"] = rsb.item()
+        a2a = torch.zeros(n)
+        src = torch.tensor([float(100 * r + d) for d in range(n)])
+        pg.alltoall_base(a2a, src, [], [], dist.AllToAllOptions()).wait()
+        out["alltoall_base"] = a2a.tolist()
+        pg.barrier(dist.BarrierOptions()).wait()
+        ring = torch.tensor([float(r)])
+        got = torch.zeros(1)
+        send = pg.send([ring], (r + 1) % n, 7)
+        pg.recv([got], (r - 1) % n, 7).wait()
+        send.wait()
+        out["ring"] = got.item()
+
+        # torch.distributed and functional collectives on the registered group
+        pg.register("world3")
+        x = torch.tensor([1.0, float(r)])
+        dist.all_reduce(x, group=pg)
+        out["dist.all_reduce"] = x.tolist()
+        parts = [torch.zeros(1) for _ in range(n)]
+        dist.all_gather(parts, torch.tensor([float(r)]), group=pg)
+        out["dist.all_gather"] = [p.item() for p in parts]
+        y = torch.tensor([float(r)])
+        dist.broadcast(y, src=1, group=pg)  # no default group: global == group ranks
+        out["dist.broadcast"] = y.item()
+        whole = torch.zeros(n)
+        dist.all_gather_into_tensor(whole, torch.tensor([float(r)]), group=pg)
+        out["dist.all_gather_into_tensor"] = whole.tolist()
+        mine = torch.zeros(1)
+        dist.reduce_scatter_tensor(mine, torch.ones(n) * (r + 1), group=pg)
+        out["dist.reduce_scatter_tensor"] = mine.item()
+        dist.barrier(group=pg)
+        w = dist.all_reduce(torch.ones(1), group=pg, async_op=True)
+        assert w is not None
+        assert w.wait()
+        out["fc.all_reduce"] = fc.wait_tensor(
+            fc.all_reduce(torch.tensor([float(r)]), "sum", pg)
+        ).tolist()
+        out["fc.all_reduce_by_name"] = fc.wait_tensor(
+            fc.all_reduce(torch.tensor([1.0]), "max", pg.group_name)
+        ).tolist()
+        out["fc.all_gather_tensor"] = fc.wait_tensor(
+            fc.all_gather_tensor(torch.tensor([float(r)]), 0, pg)
+        ).tolist()
+        out["fc.reduce_scatter_tensor"] = fc.wait_tensor(
+            fc.reduce_scatter_tensor(torch.ones(n) * r, "sum", 0, pg)
+        ).tolist()
+        pg.unregister()
+        return out
+    finally:
+        pg.shutdown()
+
+
+def test_every_collective_at_world_size_3() -> None:
+    n = 3
+    results = run_world(collectives_rank, n, timeout=90)
+    total = float(sum(range(n)))
+    for r, out in enumerate(results):
+        assert out["allreduce"] == [total, float(n)]
+        assert out["allreduce_max"] == [float(n - 1)]
+        assert out["allreduce_coalesced"] == [[total] * 2, [float(n)]]
+        assert out["allgather"] == [0.0, 1.0, 2.0]
+        assert out["_allgather_base"] == [0.0, 10.0, 20.0]
+        assert out["allgather_into_tensor_coalesced"] == [0.5, 1.5, 2.5]
+        assert out["broadcast"] == float(n - 1)
+        assert out["reduce_scatter"] == float(sum(10 * r + s for s in range(n)))
+        assert out["_reduce_scatter_base"] == float(r * n)
+        assert out["alltoall_base"] == [float(100 * s + r) for s in range(n)]
+        assert out["ring"] == float((r - 1) % n)
+        assert out["dist.all_reduce"] == [float(n), total]
+        assert out["dist.all_gather"] == [0.0, 1.0, 2.0]
+        assert out["dist.broadcast"] == 1.0
+        assert out["dist.all_gather_into_tensor"] == [0.0, 1.0, 2.0]
+        assert out["dist.reduce_scatter_tensor"] == float(sum(range(1, n + 1)))
+        assert out["fc.all_reduce"] == [total]
+        assert out["fc.all_reduce_by_name"] == [1.0]
+        assert out["fc.all_gather_tensor"] == [0.0, 1.0, 2.0]
+        assert out["fc.reduce_scatter_tensor"] == [total]
+
+
+# -- deadlines against a hung peer ---------------------------------------------------------
+DEADLINE = 0.5
+
+
+def hung_peer_rank(ctx: RankContext) -> dict[str, Any]:
+    pg = c10d.ProcessGroupGloo(timeout=30)
+    report: dict[str, Any] = {}
+    threads: list[str] = []  # where the future's callback ran
+    done = threading.Event()
+    future_text = ""
+    try:
+        for i, variant in enumerate(("opts", "wait", "set_timeout", "future")):
+            pg.configure(ctx.addr(f"h{i}"), "0", ctx.rank, 2)
+            pg.allreduce([torch.ones(1)], dist.AllreduceOptions()).wait()  # both healthy
+            if ctx.rank == 1:
+                ctx.wait_for_blocking(f"h{i}-done")
+                continue
+            t = torch.ones(1)
+            started = time.monotonic()
+            try:
+                if variant == "opts":
+                    opts = dist.AllreduceOptions()
+                    opts.timeout = timedelta(seconds=DEADLINE)
+                    pg.allreduce([t], opts).wait()
+                elif variant == "wait":
+                    pg.allreduce([t], dist.AllreduceOptions()).wait(timedelta(seconds=DEADLINE))
+                elif variant == "set_timeout":
+                    pg.set_timeout(
+                        timedelta(seconds=DEADLINE)
+                    )  # the next op, not the next configure
+                    pg.allreduce([t], dist.AllreduceOptions()).wait()
+                else:
+                    opts = dist.AllreduceOptions()
+                    opts.timeout = timedelta(seconds=DEADLINE)
+                    fut = pg.allreduce([t], opts).get_future()
+                    fut.add_done_callback(
+                        lambda _: (threads.append(threading.current_thread().name), done.set())
+                    )
+                    try:
+                        fut.wait()
+                    except RuntimeError as exc:  # the future's C++ error names the ftcomm one
+                        future_text = str(exc)
+                    raise pg.errored() or AssertionError("the future failed, errored() is None")
+            except ftcomm.CommError as exc:
+                error = exc
+            else:
+                raise AssertionError(f"{variant}: an op against a hung peer returned")
+            elapsed = time.monotonic() - started
+            errored = pg.errored()
+            entry = {"error": type(error).__name__, "elapsed": elapsed, "errored": errored is error}
+            if variant == "future":
+                assert done.wait(5)
+                entry["callback_thread"] = threads[0]
+                entry["future_text"] = future_text
+            try:
+                pg.allreduce([torch.ones(1)], dist.AllreduceOptions())
+            except ftcomm.CommAborted:
+                entry["next"] = "CommAborted"
+            report[variant] = entry
+            pg.set_timeout(timedelta(seconds=30))
+            ctx.signal(f"h{i}-done")
+        pg.configure(ctx.addr("after"), "0", ctx.rank, 2)
+        t = torch.ones(1)
+        pg.allreduce([t], dist.AllreduceOptions()).wait()
+        assert t.item() == 2.0
+        assert pg.errored() is None
+        return report
+    finally:
+        pg.shutdown()
+
+
+def test_hung_peer_every_deadline_kind() -> None:
+    report = run_world(hung_peer_rank, 2, timeout=90)[0]
+    assert set(report) == {"opts", "wait", "set_timeout", "future"}
+    for name, entry in report.items():
+        assert entry["error"] == "CommTimeout", (name, entry)
+        assert DEADLINE - 0.01 <= entry["elapsed"] < DEADLINE + 1.0, (name, entry)
+        assert entry["errored"], (name, entry)  # errored() is the error the caller got
+        assert entry["next"] == "CommAborted", (name, entry)
+    # A deadline settles on the owner loop: user callbacks run elsewhere.
+    assert report["future"]["callback_thread"] != "ftcomm-owner"
+    assert "CommTimeout: allreduce did not complete" in report["future"]["future_text"]
+
+
+# -- resiliency: one rank leaves mid-run -------------------------------------------------------
+LEAVER_TIMEOUT = 2.0
+
+
+def leaver_rank(ctx: RankContext, how: str) -> dict[str, Any] | None:
+    pg = c10d.ProcessGroupGloo(timeout=LEAVER_TIMEOUT)
+    try:
+        pg.configure(ctx.addr("all"), "0", ctx.rank, 3)
+        for step in range(3):
+            t = torch.ones(2)
+            pg.allreduce([t], dist.AllreduceOptions()).wait()
+            assert t.tolist() == [3.0, 3.0], step
+        if ctx.rank == 2 and how == "shutdown":
+            pg.shutdown()
+            return None
+        # In "kill", rank 2 dies at its next op (the plan's op 3).
+        started = time.monotonic()
+        try:
+            for _ in range(3):
+                pg.allreduce([torch.ones(2)], dist.AllreduceOptions()).wait()
+        except ftcomm.CommError as exc:
+            failed = type(exc).__name__
+        else:
+            raise AssertionError("the survivors' op succeeded without rank 2")
+        elapsed = time.monotonic() - started
+        errored = pg.errored()
+        pg.configure(ctx.addr("survivors"), "0", ctx.rank, 2)
+        t = torch.ones(2)
+        pg.allreduce([t], dist.AllreduceOptions()).wait()
+        return {
+            "failed": failed,
+            "elapsed": elapsed,
+            "errored": type(errored).__name__,
+            "after": t.tolist(),
+        }
+    finally:
+        pg.shutdown()
+
+
+@pytest.mark.parametrize("how", ["shutdown", "kill"])
+def test_survivors_fail_fast_and_reconfigure(how: str) -> None:
+    plan = FaultPlan.of(Fault.kill(2, 3)) if how == "kill" else None
+    expect = {2: -9} if how == "kill" else None
+    results = run_world(leaver_rank, 3, args=(how,), plan=plan, expect_exit=expect, timeout=60)
+    for survivor in results[:2]:
+        assert survivor is not None
+        assert survivor["failed"] in ("CommFailed", "CommTimeout"), survivor
+        assert survivor["elapsed"] < LEAVER_TIMEOUT + 1.0, survivor
+        assert survivor["errored"] == survivor["failed"], survivor
+        assert survivor["after"] == [2.0, 2.0]
+
+
+# -- bad input: a clear error naming the problem; the group and the tensors untouched -------
+def _bad_calls() -> dict[str, tuple[type[Exception], str, Any]]:
+    t = torch.ones(2)
+    opts = dist.AllreduceOptions()
+    rooted = dist.BroadcastOptions()
+    rooted.rootTensor = 1
+    far = dist.BroadcastOptions()
+    far.rootRank = 5
+    return {
+        "two tensors": (ValueError, "exactly one", lambda pg: pg.allreduce([t, t], opts)),
+        "not a list": (TypeError, "tensors must be a list", lambda pg: pg.allreduce(42, opts)),
+        "no tensors": (ValueError, "exactly one", lambda pg: pg.allreduce([], opts)),
+        "bad opts": (TypeError, "opts", lambda pg: pg.allreduce([t], "sum")),
+        "wrong opts": (TypeError, "opts", lambda pg: pg.allreduce([t], dist.BarrierOptions())),
+        "int tensor avg": (
+            ValueError,
+            "AVG|not supported",
+            lambda pg: pg.allreduce([torch.ones(2)], dist.ReduceOp.AVG),
+        ),
+        "root tensor": (ValueError, "rootTensor", lambda pg: pg.broadcast([t], rooted)),
+        "root rank": (ValueError, "root", lambda pg: pg.broadcast([t], far)),
+        "allgather outs": (
+            ValueError,
+            "out",
+            lambda pg: pg.allgather([[torch.ones(2), torch.ones(2)]], [t], AllgatherOptions()),
+        ),
+        "allgather shape": (
+            ValueError,
+            "out",
+            lambda pg: pg.allgather([[torch.ones(3)]], [t], AllgatherOptions()),
+        ),
+        "alltoall splits": (
+            ValueError,
+            "split",
+            lambda pg: pg.alltoall_base(
+                torch.ones(2), torch.ones(2), [1, 1], [2], dist.AllToAllOptions()
+            ),
+        ),
+        "send to self": (ValueError, "dst", lambda pg: pg.send([t], 0, 0)),
+        "recv from self": (ValueError, "src", lambda pg: pg.recv([t], 0, 0)),
+        "numpy": (TypeError, "tensor", lambda pg: pg.allreduce([t.numpy()], opts)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_bad_input_is_refused_and_harmless(gloo1: c10d.ProcessGroupGloo, case: str) -> None:
+    error, pattern, call = _bad_calls()[case]
+    before = torch.ones(2)
+    with pytest.raises(error, match=pattern):
+        call(gloo1)
+    assert gloo1.errored() is None
+    assert gloo1.num_active_work() == 0
+    t = torch.ones(2)
+    assert gloo1.allreduce([t], dist.AllreduceOptions()).wait()  # still usable
+    assert torch.equal(t, before)
+
+
+def test_bad_configure_keeps_the_previous_configuration(
+    gloo1: c10d.ProcessGroupGloo,
+) -> None:
+    before = repr(gloo1)
+    for args, error in (
+        (("127.0.0.1/nope", "0", 0, 1), ValueError),
+        (("127.0.0.1:1/p", "0", 2, 2), ValueError),
+        (("127.0.0.1:1/p", "0", 0, 0), ValueError),
+        (("127.0.0.1:1/p", 0, 0, 1), TypeError),
+        (("127.0.0.1:1/p", "0", "0", 1), TypeError),
+    ):
+        with pytest.raises(error):
+            gloo1.configure(*args)
+    with pytest.raises(ValueError, match="global_ranks"):
+        gloo1.configure("127.0.0.1:1/p", "0", 0, 1, global_ranks=[3, 3])
+    assert repr(gloo1) == before
+    assert gloo1.allreduce([torch.ones(1)], dist.AllreduceOptions()).wait()
+
+
+def test_configure_on_an_unreachable_store_fails_in_time() -> None:
+    pg = c10d.ProcessGroupGloo(timeout=timedelta(seconds=1))
+    port = free_port()
+    started = time.monotonic()
+    with pytest.raises(ftcomm.CommError, match=f"127.0.0.1:{port}"):
+        pg.configure(f"127.0.0.1:{port}/p", "0", 0, 1)
+    assert time.monotonic() - started < 1 + 1.5
+    assert pg.errored() is None
+    pg.shutdown()
+
+
+# -- DDP survives a dead peer: the error surfaces, the survivors carry on -------------------
+DRILL_TIMEOUT = 3.0
+
+
+def ddp_drill_rank(ctx: RankContext) -> dict[str, Any]:
+    r = ctx.rank
+    pg = c10d.ProcessGroupGloo(timeout=DRILL_TIMEOUT)
+    try:
+        pg.configure(ctx.addr("three"), "0", r, 3)
+        model = _model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=pg)
+        for _ in range(2):
+            ddp.zero_grad()
+            ddp(_batch(r)).pow(2).mean().backward()
+        if r == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        started = time.monotonic()
+        try:
+            for _ in range(3):  # the peer's death surfaces at the latest by the deadline
+                ddp.zero_grad()
+                ddp(_batch(r)).pow(2).mean().backward()
+        except RuntimeError as exc:
+            failed = f"{type(exc).__name__}: {exc}"
+        else:
+            raise AssertionError("backward succeeded without rank 2")
+        elapsed = time.monotonic() - started
+        errored = pg.errored()
+        # The trainer's recovery: reconfigure the same group, rebuild DDP on it.
+        pg.configure(ctx.addr("two"), "0", r, 2)
+        grads = ddp_grads(pg, r, 2)
+        return {
+            "failed": failed,
+            "elapsed": elapsed,
+            "errored": type(errored).__name__,
+            "grads": grads,
+        }
+    finally:
+        pg.shutdown()
+
+
+def test_ddp_survivors_recover_from_a_dead_peer() -> None:
+    results = run_world(ddp_drill_rank, 3, expect_exit={2: -9}, timeout=90)
+    for survivor in results[:2]:
+        assert survivor["errored"] in ("CommFailed", "CommTimeout"), survivor
+        assert survivor["errored"] in survivor["failed"] or "rank=" in survivor["failed"]
+        assert survivor["elapsed"] < DRILL_TIMEOUT + 1.0, survivor
+        assert_close_to_reference(survivor["grads"], world_size=2)
