@@ -11,6 +11,7 @@ import gc
 import threading
 import time
 import tracemalloc
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -224,6 +225,33 @@ def test_worker_pool_runs_blocking_calls_side_by_side() -> None:
         assert fb.result(5) is True
         assert pool.wait_idle(5)
     finally:
+        pool.close()
+
+
+def test_a_failed_worker_call_does_not_keep_its_arguments() -> None:
+    """The error a worker hands over carries no frames: they would hold the
+    call's arguments (a Gloo group's works) until the garbage collector ran."""
+
+    class Native:
+        pass
+
+    def fail(arg: Native) -> None:
+        raise RuntimeError("timed out")
+
+    pool = WorkerPool("test-pool", max_workers=1)
+    gc.disable()
+    try:
+        native = Native()
+        ref = weakref.ref(native)
+        fut = pool.submit(fail, native)
+        with pytest.raises(RuntimeError, match="timed out"):
+            fut.result(5)
+        assert pool.wait_idle(5)
+        del native
+        assert ref() is None, "the failed call's frame still holds its argument"
+        assert fut.exception() is not None
+    finally:
+        gc.enable()
         pool.close()
 
 

@@ -157,7 +157,10 @@ def _run_one(fut: Future[Any], fn: Callable[..., Any], args: tuple[object, ...])
     try:
         result = fn(*args)
     except BaseException as exc:  # handed to whoever holds the future
-        fut.set_exception(exc)
+        # Without its traceback: the frames hold the call's arguments (native
+        # works, and through them a Gloo group's sockets) in a cycle with the
+        # future that only the garbage collector would break.
+        fut.set_exception(exc.with_traceback(None))
     else:
         fut.set_result(result)
 

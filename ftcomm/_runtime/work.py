@@ -432,6 +432,9 @@ class Work(Generic[R]):
         if error is not None and native is not None and not native.poll():
             # it may block whoever drops it last, until its native deadline
             table.runtime.dispose(native, until=self.deadline)
+        # Waiters may run user code that keeps an error whose traceback reaches
+        # this frame: it must not hold the native op (and its group) then.
+        del native
         for wake in waiters or ():
             # A closed loop raises RuntimeError: nobody is waiting there any more.
             with contextlib.suppress(RuntimeError):

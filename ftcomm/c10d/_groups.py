@@ -151,7 +151,7 @@ class _Facade(ProcessGroup):
         return self._run("barrier", None, lambda t: t.barrier(opts))
 
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
-        return self._run("send", None, lambda t: t.send(tensors, dst_rank, tag))
+        return self._run("send", tensors, lambda t: t.send(tensors, dst_rank, tag))
 
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
         return self._run("recv", tensors, lambda t: t.recv(tensors, src_rank, tag))

@@ -180,19 +180,28 @@ class ChainedWork(dist.Work):
                 self._error = fn(error)
             return self._error
 
-    def wait(self, timeout: object = None) -> bool:
+    def _finish(self, timeout: object = None) -> BaseException | None:
+        """Wait for the inner work; the rewritten outcome. Returns at once once it ended."""
         try:
             self._inner.wait() if timeout is None else self._inner.wait(timeout)  # type: ignore[arg-type]
-        except Exception as exc:
-            error = self._outcome(exc)
-        else:
-            error = self._outcome(None)
+        except Exception as exc:  # the inner work's own error, typed
+            # Kept (and maybe stored by a wrapper): without its traceback,
+            # whose frames reach back into the thread that settled the op and
+            # would hold its native work (and the group's sockets) alive.
+            return self._outcome(exc.with_traceback(None))
+        return self._outcome(None)
+
+    def wait(self, timeout: object = None) -> bool:
+        error = self._finish(timeout)
         if error is not None:
             raise error
         return True
 
     def is_completed(self) -> bool:
         return bool(self._inner.is_completed())
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._finish() is None
 
     def result(self) -> Any:
         return self._value
@@ -209,12 +218,16 @@ class ChainedWork(dist.Work):
             self._future = fut
 
         def done(inner: torch.futures.Future[Any]) -> None:
-            try:
-                value = inner.value()
-            except Exception as exc:
-                _settle_future(source, self._outcome(exc), self._value)
-            else:
-                _settle_future(source, self._outcome(None), value)
+            # The inner future's error is torch's RuntimeError around the op's
+            # own; the ended inner work raises the op's own error at once.
+            error = self._finish()
+            value = self._value
+            if error is None:
+                try:
+                    value = inner.value()
+                except Exception:  # the op failed and the outcome swallowed it
+                    value = self._value
+            _settle_future(source, error, value)
 
         self._inner.get_future().add_done_callback(done)
         return fut

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from .._runtime.loop import get_runtime
 from ..errors import CommError
 from ._base import ProcessGroup, logger
 from ._groups import Issue, ProcessGroupWrapper
@@ -31,7 +32,9 @@ def _swallowing(
 
     def outcome(error: BaseException | None) -> BaseException | None:
         if isinstance(error, Exception):
-            logger.warning("swallowed a collective's error: %s", error)
+            # Logged from the owner loop: this may run on one of Gloo's native
+            # threads, where logging would leave a threading._DummyThread behind.
+            get_runtime().call_soon(logger.warning, "swallowed a collective's error: %s", error)
             report(error)
             return None
         return error  # KeyboardInterrupt and the like are not swallowed
@@ -39,7 +42,7 @@ def _swallowing(
     try:
         work = issue(target())  # type: ignore[arg-type]
     except CommError as exc:  # refused: errored or unconfigured group
-        report(exc)
+        report(exc.with_traceback(None))  # stored: no frames kept alive with it
         return DoneWork(default)
     return ChainedWork(work, default, outcome)
 
@@ -57,8 +60,9 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
     is skipped (it succeeds at once without communicating) until ``configure``.
 
     For training loops that handle failures outside the model code: check
-    :meth:`error` after the step. Arguments are still checked:
-    ``TypeError``/``ValueError`` are raised, never swallowed.
+    :meth:`error` after the step. An op that is issued has its arguments
+    checked: ``TypeError``/``ValueError`` are raised, never swallowed (a
+    skipped op is not checked: it goes nowhere).
 
     Raises:
         TypeError: ``pg`` is not an ftcomm.c10d ``ProcessGroup``.
@@ -219,6 +223,8 @@ class ManagedProcessGroup(ProcessGroupWrapper):
         self._manager = manager
 
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
+        if isinstance(tensors, torch.Tensor):  # c10d's allreduce(tensor, op) overload
+            tensors = [tensors]
         tensor = one(tensors, "tensors")
         op, _ = reduce_args(opts)  # the manager's own deadline applies
         return self._manager.allreduce(tensor, reduce_op=op)
