@@ -587,7 +587,7 @@ def hung_peer_rank(ctx: RankContext) -> dict[str, Any]:
     done = threading.Event()
     future_text = ""
     try:
-        for i, variant in enumerate(("opts", "wait", "set_timeout", "future")):
+        for i, variant in enumerate(("opts", "wait", "set_timeout", "future", "abort")):
             pg.configure(ctx.addr(f"h{i}"), "0", ctx.rank, 2)
             pg.allreduce([torch.ones(1)], dist.AllreduceOptions()).wait()  # both healthy
             if ctx.rank == 1:
@@ -607,6 +607,14 @@ def hung_peer_rank(ctx: RankContext) -> dict[str, Any]:
                         timedelta(seconds=DEADLINE)
                     )  # the next op, not the next configure
                     pg.allreduce([t], dist.AllreduceOptions()).wait()
+                elif variant == "abort":  # another thread aborts a 30 s op
+                    aborter = threading.Timer(DEADLINE, pg.abort)
+                    aborter.start()
+                    try:
+                        pg.allreduce([t], dist.AllreduceOptions()).wait()
+                    finally:
+                        aborter.join()
+                        pg.abort()  # twice: a no-op
                 else:
                     opts = dist.AllreduceOptions()
                     opts.timeout = timedelta(seconds=DEADLINE)
@@ -625,7 +633,11 @@ def hung_peer_rank(ctx: RankContext) -> dict[str, Any]:
                 raise AssertionError(f"{variant}: an op against a hung peer returned")
             elapsed = time.monotonic() - started
             errored = pg.errored()
-            entry = {"error": type(error).__name__, "elapsed": elapsed, "errored": errored is error}
+            # errored() is the error the caller got (for abort(): the abort's own)
+            same = errored is error or (
+                variant == "abort" and isinstance(errored, ftcomm.CommAborted)
+            )
+            entry = {"error": type(error).__name__, "elapsed": elapsed, "errored": same}
             if variant == "future":
                 assert done.wait(5)
                 entry["callback_thread"] = threads[0]
@@ -649,9 +661,12 @@ def hung_peer_rank(ctx: RankContext) -> dict[str, Any]:
 
 def test_hung_peer_every_deadline_kind() -> None:
     report = run_world(hung_peer_rank, 2, timeout=90)[0]
-    assert set(report) == {"opts", "wait", "set_timeout", "future"}
+    assert set(report) == {"opts", "wait", "set_timeout", "future", "abort"}
     for name, entry in report.items():
-        assert entry["error"] == "CommTimeout", (name, entry)
+        assert entry["error"] == ("CommAborted" if name == "abort" else "CommTimeout"), (
+            name,
+            entry,
+        )
         assert DEADLINE - 0.01 <= entry["elapsed"] < DEADLINE + 1.0, (name, entry)
         assert entry["errored"], (name, entry)  # errored() is the error the caller got
         assert entry["next"] == "CommAborted", (name, entry)
@@ -846,3 +861,35 @@ def test_ddp_survivors_recover_from_a_dead_peer() -> None:
         assert survivor["errored"] in survivor["failed"] or "rank=" in survivor["failed"]
         assert survivor["elapsed"] < DRILL_TIMEOUT + 1.0, survivor
         assert_close_to_reference(survivor["grads"], world_size=2)
+
+
+# -- DeviceMesh, with a default process group (torchft's setting) ----------------------------
+def device_mesh_rank(ctx: RankContext) -> dict[str, Any]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    store = dist.PrefixStore(f"{ctx.world_id}/default", ctx.store)
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size)
+    pg = c10d.ProcessGroupGloo(timeout=20)
+    try:
+        pg.configure(ctx.addr(), "0", ctx.rank, ctx.world_size)
+        pg.register("mesh")
+        # As torchft does: this process's global rank, alone (a resizable dimension).
+        assert dist.get_process_group_ranks(pg) == [ctx.rank]
+        mesh = DeviceMesh.from_group(pg, "cpu")
+        out = {"mesh_group_is_pg": mesh.get_group() is pg, "mesh": mesh.mesh.tolist()}
+        del mesh  # DeviceMesh holds the default group in reference cycles
+        # The group itself still spans every replica.
+        total = torch.tensor([ctx.rank + 1.0])
+        dist.all_reduce(total, group=pg)
+        out["all_reduce"] = total.tolist()
+        pg.unregister()
+        return out
+    finally:
+        pg.shutdown()
+        dist.destroy_process_group()
+
+
+def test_device_mesh_resolves_a_registered_group() -> None:
+    results = run_world(device_mesh_rank, 2, timeout=60)
+    for rank, out in enumerate(results):
+        assert out == {"mesh_group_is_pg": True, "mesh": [rank], "all_reduce": [3.0]}

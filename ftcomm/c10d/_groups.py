@@ -55,6 +55,9 @@ class _Facade(ProcessGroup):
 
     # -- collectives --------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
+        ops = self._ops
+        if ops is not None and self._inner is None and type(self)._run is _Facade._run:
+            return ops.allreduce(tensors, opts)  # the hot path: nothing to intercept
         return self._run("allreduce", tensors, lambda t: t.allreduce(tensors, opts))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:

@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from torch.distributed import ReduceOp
+from torch.distributed import AllreduceOptions, ReduceOp
 
 from ..group import Group
 from ._work import OpWork
@@ -88,6 +88,14 @@ class GroupOps:
         self.group = group
 
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: object = None) -> OpWork:
+        if type(opts) is AllreduceOptions and type(tensors) is list and len(tensors) == 1:
+            # What torch.distributed.all_reduce and DDP pass, parsed inline: this
+            # is the small-op path the bench holds to raw c10d.
+            seconds = opts.timeout.total_seconds()
+            work = self.group.allreduce(
+                tensors[0], _member(opts.reduceOp), timeout=None if seconds < 0 else seconds
+            )
+            return OpWork(work, tensors)
         if isinstance(tensors, torch.Tensor):  # c10d's allreduce(tensor, op) overload
             tensors = [tensors]
         tensor = one(tensors, "tensors")

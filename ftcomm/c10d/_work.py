@@ -107,7 +107,7 @@ class OpWork(dist.Work):
 
     def wait(self, timeout: object = None) -> bool:
         op = self._op
-        seconds = wait_seconds(timeout)
+        seconds = None if timeout is None else wait_seconds(timeout)
         if not op.done():
             runtime = op._table.runtime
             if runtime.in_loop_thread():
