@@ -337,6 +337,7 @@ class ProcessGroupWrapper(_Facade):
             CommFailed: the store or the group construction failed.
             NotImplementedError: this class has no backend of its own and wraps nothing.
         """
+        self._on_configure()
         if self._inner is not None:
             self._inner.configure(
                 store_addr,
@@ -365,6 +366,9 @@ class ProcessGroupWrapper(_Facade):
             group_world_size,
             global_ranks,
         )
+
+    def _on_configure(self) -> None:
+        """Called first by :meth:`configure`: wrappers drop per-configuration state."""
 
     def _new_group(self) -> Group:
         if self._backend is None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -134,14 +134,26 @@ class OpWork(dist.Work):
         """Nothing to do: ftcomm's in-process ops run on CPU tensors."""
 
     def get_future(self) -> torch.futures.Future[Any]:
-        with _future_lock:
-            fut = self._future
-            if fut is not None:
-                return fut
-            source, fut = new_future()
-            self._future = fut
-        self._op._when_done(lambda: _complete_off_loop(source, self._op._error, self._value))
+        source, fut = _claim_future(self)
+        if source is not None:
+            self._op._when_done(lambda: _complete_off_loop(source, self._op._error, self._value))
         return fut
+
+
+class _HasFuture(Protocol):
+    _future: torch.futures.Future[Any] | None
+
+
+def _claim_future(
+    work: _HasFuture,
+) -> tuple[torch.futures.Future[Any] | None, torch.futures.Future[Any]]:
+    """``(source, future)`` for the first caller, ``(None, future)`` for later ones:
+    a work has one future, completed once."""
+    with _future_lock:
+        if work._future is not None:
+            return None, work._future
+        source, work._future = new_future()
+        return source, work._future
 
 
 def _complete_off_loop(
@@ -210,12 +222,9 @@ class ChainedWork(dist.Work):
         self._inner.synchronize()
 
     def get_future(self) -> torch.futures.Future[Any]:
-        with _future_lock:
-            fut = self._future
-            if fut is not None:
-                return fut
-            source, fut = new_future()
-            self._future = fut
+        source, fut = _claim_future(self)
+        if source is None:
+            return fut
 
         def done(inner: torch.futures.Future[Any]) -> None:
             # The inner future's error is torch's RuntimeError around the op's

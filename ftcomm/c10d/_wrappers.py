@@ -7,7 +7,7 @@ covers every collective, not just allreduce as torchft's did.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -60,7 +60,7 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
     is skipped (it succeeds at once without communicating) until ``configure``.
 
     For training loops that handle failures outside the model code: check
-    :meth:`error` after the step. An op that is issued has its arguments
+    :meth:`error` after the step; ``configure`` clears it. An op that is issued has its arguments
     checked: ``TypeError``/``ValueError`` are raised, never swallowed (a
     skipped op is not checked: it goes nowhere).
 
@@ -73,32 +73,8 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         self._error: Exception | None = None
         self._lock = threading.Lock()
 
-    def configure(
-        self,
-        store_addr: str,
-        replica_id: str,
-        rank: int,
-        world_size: int,
-        quorum_id: int | None = None,
-        group_rank: int | None = None,
-        group_world_size: int | None = None,
-        global_ranks: Sequence[int] | None = None,
-    ) -> None:
-        """Clear the recorded error and configure the wrapped group.
-
-        Raises: as :meth:`ProcessGroupWrapper.configure`.
-        """
-        self._error = None
-        super().configure(
-            store_addr,
-            replica_id,
-            rank,
-            world_size,
-            quorum_id,
-            group_rank,
-            group_world_size,
-            global_ranks,
-        )
+    def _on_configure(self) -> None:
+        self._error = None  # a new configuration: ops run again
 
     def report_error(self, e: Exception) -> None:
         """Record ``e`` (the first error is kept); later ops are skipped until
@@ -131,32 +107,8 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
         self._future_error: Exception | None = None
         self._lock = threading.Lock()
 
-    def configure(
-        self,
-        store_addr: str,
-        replica_id: str,
-        rank: int,
-        world_size: int,
-        quorum_id: int | None = None,
-        group_rank: int | None = None,
-        group_world_size: int | None = None,
-        global_ranks: Sequence[int] | None = None,
-    ) -> None:
-        """Drop a pending injected error and configure the wrapped group.
-
-        Raises: as :meth:`ProcessGroupWrapper.configure`.
-        """
-        self._future_error = None
-        super().configure(
-            store_addr,
-            replica_id,
-            rank,
-            world_size,
-            quorum_id,
-            group_rank,
-            group_world_size,
-            global_ranks,
-        )
+    def _on_configure(self) -> None:
+        self._future_error = None  # a pending injected error is dropped
 
     def report_future_error(self, e: Exception) -> None:
         """Make the next op fail with ``e``.
