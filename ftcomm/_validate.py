@@ -70,7 +70,11 @@ def check_tensor(value: object, name: str, rules: TensorRules) -> torch.Tensor:
         kind = "nested" if value.is_nested else str(value.layout)
         raise ValueError(f"{name} must be a dense (strided) tensor, got a {kind} tensor")
     device_type = rules.device_type
-    if device_type != "*" and value.device.type != device_type:
+    if device_type == "cpu":
+        on_device = value.is_cpu  # one call, no torch.device object
+    else:
+        on_device = device_type == "*" or value.device.type == device_type
+    if not on_device:
         raise ValueError(f"{name} must be on {device_type}, got a tensor on {value.device}")
     if rules.dtypes is not None and value.dtype not in rules.dtypes:
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in rules.dtypes))

@@ -40,6 +40,8 @@ class _Config:
     backend: Backend
     table: OpTable
     store_addr: str
+    sum_ok: bool = True
+    """Whether the backend takes ``ReduceOp.SUM`` (every one does so far)."""
 
 
 class Group:
@@ -214,7 +216,7 @@ class Group:
             rank,
             lambda _, until: self._runtime.dispose(*backend.close(), until=until),
         )
-        self._config = _Config(backend, table, str(addr))
+        self._config = _Config(backend, table, str(addr), _SUM in backend.reduce_ops)
 
     def _orphan(self, wrapped: asyncio.Future[Backend], cf: Any) -> None:
         """Nobody will read this connect: dispose of its group whenever it lands."""
@@ -364,8 +366,14 @@ class Group:
         """
         cfg = self._configured("allreduce")
         v.check_tensor(tensor, "tensor", cfg.backend)
-        rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
-        v.check_reduce_dtype(rop, tensor, "tensor")
+        if op is _SUM and cfg.sum_ok:
+            # The default, valid for every dtype: each check is a few calls
+            # into torch, and on the small-op path they cost more than the op's
+            # Python elsewhere (cold caches after every wait).
+            rop: ReduceOp.RedOpType = _SUM
+        else:
+            rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
+            v.check_reduce_dtype(rop, tensor, "tensor")
         return self._issue(
             cfg, "allreduce", timeout, tensor, lambda b, s: b.allreduce([tensor], rop, s)
         )

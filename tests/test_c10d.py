@@ -735,7 +735,14 @@ def _bad_calls() -> dict[str, tuple[type[Exception], str, Any]]:
     rooted.rootTensor = 1
     far = dist.BroadcastOptions()
     far.rootRank = 5
+    band = dist.AllreduceOptions()  # the options path checks the op like any other
+    band.reduceOp = dist.ReduceOp.BAND
     return {
+        "bitwise on floats": (
+            ValueError,
+            "integer or bool",
+            lambda pg: pg.allreduce([torch.ones(2)], band),
+        ),
         "two tensors": (ValueError, "exactly one", lambda pg: pg.allreduce([t, t], opts)),
         "not a list": (TypeError, "tensors must be a list", lambda pg: pg.allreduce(42, opts)),
         "no tensors": (ValueError, "exactly one", lambda pg: pg.allreduce([], opts)),

@@ -92,9 +92,10 @@ class GroupOps:
             # What torch.distributed.all_reduce and DDP pass, parsed inline: this
             # is the small-op path the bench holds to raw c10d.
             seconds = opts.timeout.total_seconds()
-            work = self.group.allreduce(
-                tensors[0], _member(opts.reduceOp), timeout=None if seconds < 0 else seconds
-            )
+            op = _member(opts.reduceOp)
+            if op == _SUM:
+                op = _SUM  # the very member: Group.allreduce's fast path
+            work = self.group.allreduce(tensors[0], op, timeout=None if seconds < 0 else seconds)
             return OpWork(work, tensors)
         if isinstance(tensors, torch.Tensor):  # c10d's allreduce(tensor, op) overload
             tensors = [tensors]
