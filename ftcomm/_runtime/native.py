@@ -21,7 +21,13 @@ Done = Callable[[BaseException | None], None]
 
 
 class NativeOp(Protocol):
-    """An issued native op: poll it, read its outcome, or be told when it ends."""
+    """An issued native op: poll it, read its outcome, or be told when it ends.
+
+    It may also have ``wait(seconds) -> bool``: block the calling thread up to
+    ``seconds`` and say whether the op has ended. A thread without an event
+    loop (``Work.wait``, the c10d facade) then sleeps there instead of on
+    ``on_done``.
+    """
 
     def poll(self) -> bool:
         """Whether the op has finished, successfully or not. Never blocks."""
@@ -33,14 +39,6 @@ class NativeOp(Protocol):
 
     def on_done(self, callback: Done) -> None:
         """Call ``callback(outcome)`` once when the op ends (at once if it has)."""
-        ...
-
-
-class BlockingOp(NativeOp, Protocol):
-    """A native op that can also block a thread until it ends (optional)."""
-
-    def wait(self, seconds: float) -> bool:
-        """Block up to ``seconds``; whether the op has ended (it may have failed)."""
         ...
 
 

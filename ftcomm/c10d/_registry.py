@@ -85,8 +85,3 @@ def unregister(pg: dist.ProcessGroup) -> str:
         if tag is not None and not members:
             world.tags_to_pg.pop(tag, None)
         return name
-
-
-def registered_name(pg: dist.ProcessGroup) -> str | None:
-    name: str | None = c10d._world.pg_names.get(pg)
-    return name
