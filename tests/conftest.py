@@ -39,6 +39,7 @@ def no_leaks() -> Iterator[None]:
     yield
     assert rt.workers.wait_idle(15.0), "an ftcomm worker thread is still blocked"
     assert rt.control.wait_idle(15.0), "an ftcomm configure thread is still blocked"
+    assert rt.callbacks.wait_idle(15.0), "an ftcomm callback thread is still busy"
     assert rt.reaper.wait_idle(15.0), "the reaper is still holding native groups"
     for thread in threading.enumerate():
         if thread.ident not in threads and not thread.name.startswith("ftcomm-"):

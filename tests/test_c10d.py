@@ -191,6 +191,14 @@ def test_dummy_is_world_size_1_only() -> None:
         c10d.ProcessGroupDummy(1, 1)
 
 
+def test_set_timeout_reaches_the_next_configure(gloo1: c10d.ProcessGroupGloo) -> None:
+    gloo1.set_timeout(timedelta(seconds=1))  # the group was built with 10 s
+    started = time.monotonic()
+    with pytest.raises(ftcomm.CommError):
+        gloo1.configure(f"127.0.0.1:{free_port()}/nobody", "0", 0, 1)
+    assert time.monotonic() - started < 1 + 1.5
+
+
 def test_unconfigured_group_says_so() -> None:
     pg = c10d.ProcessGroupGloo()
     assert "unconfigured" in repr(pg)
@@ -341,6 +349,27 @@ def test_op_work_refuses_to_block_the_owner_loop(table: OpTable) -> None:
         rt.call(wait_on_loop())
     op.finish()
     assert rt.call(wait_on_loop()) is True  # an ended op returns at once, anywhere
+
+
+def test_a_deadline_completes_the_future_while_every_worker_is_blocked(
+    table: OpTable,
+) -> None:
+    """Hung point-to-point waits can fill ftcomm's worker pool; a future settled
+    by a deadline must not queue behind them."""
+    rt = get_runtime()
+    release = threading.Event()
+    blockers = [rt.run_blocking(release.wait, 30) for _ in range(16)]
+    try:
+        work = OpWork(issue(table, ScriptedOp(), timeout=0.2), [])
+        fut = work.get_future()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="CommTimeout"):
+            fut.wait()
+        assert time.monotonic() - started < 2.0
+    finally:
+        release.set()
+        for blocker in blockers:
+            blocker.result(5)
 
 
 def test_op_work_future_callbacks_never_run_on_the_owner_loop(table: OpTable) -> None:

@@ -37,6 +37,7 @@ from ftcomm.c10d import (
     ProcessGroupDummy,
     ProcessGroupGloo,
 )
+from ftcomm.c10d._work import DoneWork
 from ftcomm.testing import RankContext, run_world
 
 SENTINEL = -7.0  # what an output holds until an op writes it
@@ -1044,3 +1045,25 @@ def test_send_recv_and_real_deadlines_in_a_two_rank_world() -> None:
     ]
     assert results == [expected, expected]
     assert time.monotonic() - start < 45.0
+
+
+@pytest.mark.parametrize("via", ["wait", "future"])
+def test_an_error_from_an_earlier_configuration_does_not_skip_the_next(
+    dummy: ProcessGroupDummy, via: str
+) -> None:
+    """DDP reads its bucket's future lazily: an op of the old configuration
+    whose error is seen after configure() must not stop the new one."""
+    fake = FakeProcessGroupWrapper(dummy)
+    sw = ErrorSwallowingProcessGroupWrapper(fake)
+    old_error = PeerLost("rank 3 is gone")
+    fake.report_future_error(old_error)
+    old = sw.allreduce([torch.ones(2)])  # its outcome is read lazily, below
+    sw.configure(UNUSED, "0", 0, 1)
+    if via == "wait":
+        assert old.wait() is True
+    else:
+        assert old.get_future().wait() is not None
+    assert sw.error() is None  # swallowed, but not recorded into the new configuration
+    new = sw.allreduce([torch.ones(2)])
+    assert not isinstance(new, DoneWork)  # issued, not skipped
+    assert new.wait() is True

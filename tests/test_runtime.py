@@ -477,3 +477,13 @@ def test_tracking_an_op_that_already_ended_watches_nothing(table: OpTable) -> No
     work._settle(None)
     table.track(work, 0.05)
     assert len(table) == 0  # else the sweeper would find it past its deadline forever
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, "1"])
+def test_thread_wait_checks_its_timeout(table: OpTable, bad: object) -> None:
+    op = ScriptedOp()
+    work = issue(table, op, timeout=30)
+    with pytest.raises((TypeError, ValueError), match="timeout"):
+        work.wait(bad)  # type: ignore[arg-type]
+    op.finish()
+    assert work.wait(0.5) == "result"

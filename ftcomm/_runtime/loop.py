@@ -139,6 +139,9 @@ class Runtime:
         # waits filling `workers` must never stop the reconfigure that
         # recovers from them.
         self.control = WorkerPool("ftcomm-control", max_workers=4)
+        # Completions handed off the owner loop (c10d futures settled by a
+        # deadline or an abort): never behind blocked native waits.
+        self.callbacks = WorkerPool("ftcomm-callback", max_workers=4)
         self.reaper = Reaper()
         self.watchdog: Watchdog | None = None
         started = threading.Event()
@@ -212,6 +215,11 @@ class Runtime:
         """Like :meth:`run_blocking`, on the threads kept for configure."""
         return self.control.submit(fn, *args, until=until)
 
+    def run_callback(self, fn: Callable[..., object], *args: object) -> None:
+        """Run a completion callback off the owner loop, on threads that never
+        block in a native wait (user code chained on a future may run there)."""
+        self.callbacks.submit(fn, *args)
+
     def dispose(self, *objs: object, until: float | None = None) -> None:
         """Hand native objects to the reaper, which drops them off the loop.
 
@@ -241,7 +249,7 @@ class Runtime:
         if exit_grace is None:
             exit_grace = float(os.environ.get("FTCOMM_EXIT_GRACE", "5"))
         end = time.monotonic() + exit_grace
-        for pending in (self.control, self.workers, self.reaper):
+        for pending in (self.control, self.workers, self.callbacks, self.reaper):
             pending.wait_short(max(0.0, end - time.monotonic()))
         if self.watchdog is not None:
             self.watchdog.stop()
@@ -250,6 +258,7 @@ class Runtime:
         self._thread.join(timeout)
         self.workers.close(timeout / 4)
         self.control.close(timeout / 4)
+        self.callbacks.close(timeout / 4)
         self.reaper.close(0.1)
 
 

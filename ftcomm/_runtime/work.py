@@ -30,9 +30,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Generator
+from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
 from ..errors import CommAborted, CommError, CommFailed, CommTimeout
+from .deadline import to_seconds
 from .loop import Runtime
 from .native import NativeOp
 
@@ -332,7 +334,7 @@ class Work(Generic[R]):
             native.on_done(self._complete)
         return True
 
-    def wait(self, timeout: float | None = None) -> R:
+    def wait(self, timeout: float | timedelta | None = None) -> R:
         """Block this thread until the op ends; return its result or raise its error.
 
         For code without an event loop (threads, the c10d facade). The op's
@@ -342,6 +344,7 @@ class Work(Generic[R]):
             RuntimeError: called on a thread whose event loop is running
                 (it would block that loop: ``await`` the work instead).
             TimeoutError: ``timeout`` seconds passed first; the op goes on.
+            TypeError, ValueError: a bad ``timeout`` (NaN, negative, ...).
             CommTimeout, CommFailed, CommAborted: as ``await work``.
         """
         try:
@@ -350,6 +353,8 @@ class Work(Generic[R]):
             pass
         else:
             raise RuntimeError("Work.wait() would block the running event loop: await it")
+        if timeout is not None:
+            timeout = to_seconds(timeout, "timeout")
         if not self._block(timeout):
             raise TimeoutError(f"{self!r} did not end within {timeout} s")
         if self._error is not None:

@@ -189,6 +189,7 @@ class _Facade(ProcessGroup):
                 group_rank=group_rank,
                 group_world_size=group_world_size,
                 global_ranks=global_ranks,
+                timeout=self._timeout,  # set_timeout() reaches configure too
             )
         )
         _registry.refresh(self)

@@ -46,11 +46,12 @@ def register(pg: dist.ProcessGroup, group_name: str) -> None:
             raise ValueError(f"{pg!r} is registered already (as {world.pg_names[pg]!r})")
         if group_name in world.pg_names.values():
             raise ValueError(f"a process group named {group_name!r} is registered already")
+        ranks = _rank_mapping(pg)  # before any write: it may raise (a manager's size)
         _register_process_group(group_name, pg)  # type: ignore[arg-type]  # a GroupName
         world.pg_map[pg] = (group_name, None)
         world.pg_names[pg] = group_name
         world.pg_backend_config[pg] = group_name
-        world.pg_group_ranks[pg] = _rank_mapping(pg)
+        world.pg_group_ranks[pg] = ranks
         tag = f"ptd:{group_name}"
         world.pg_to_tag[pg] = tag
         world.tags_to_pg.setdefault(tag, []).append(pg)

@@ -161,7 +161,7 @@ def _complete_off_loop(
 ) -> None:
     runtime = get_runtime()
     if runtime.in_loop_thread():
-        runtime.run_blocking(_settle_future, fut, error, value)
+        runtime.run_callback(_settle_future, fut, error, value)
     else:
         _settle_future(fut, error, value)
 
@@ -249,6 +249,7 @@ class DoneWork(dist.Work):
         super().__init__()
         self._value = value
         self._error = error
+        self._future: torch.futures.Future[Any] | None = None
 
     def __repr__(self) -> str:
         state = "ok" if self._error is None else f"failed: {self._error!r}"
@@ -272,6 +273,7 @@ class DoneWork(dist.Work):
         """Nothing to do: the op ended when it was issued."""
 
     def get_future(self) -> torch.futures.Future[Any]:
-        source, fut = new_future()
-        _settle_future(source, self._error, self._value)
+        source, fut = _claim_future(self)
+        if source is not None:
+            _settle_future(source, self._error, self._value)
         return fut

@@ -72,15 +72,23 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         super().__init__(pg=_check_pg(pg))
         self._error: Exception | None = None
         self._lock = threading.Lock()
+        self._generation = 0  # configure() count: an op reports into its own
 
     def _on_configure(self) -> None:
-        self._error = None  # a new configuration: ops run again
+        with self._lock:  # a new configuration: ops run again
+            self._generation += 1
+            self._error = None
 
     def report_error(self, e: Exception) -> None:
         """Record ``e`` (the first error is kept); later ops are skipped until
         ``configure``."""
+        self._report(e, self._generation)
+
+    def _report(self, e: Exception, generation: int) -> None:
+        # An op of an earlier configuration (aborted by configure itself, or
+        # waited on only afterwards) must not stop the new one.
         with self._lock:
-            if self._error is None:
+            if generation == self._generation and self._error is None:
                 self._error = e
 
     def error(self) -> Exception | None:
@@ -90,7 +98,10 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
     def _run(self, op: str, default: object, issue: Issue) -> dist.Work:
         if self._error is not None:
             return DoneWork(default)
-        return _swallowing(lambda: self._target(op), issue, default, self.report_error)
+        generation = self._generation
+        return _swallowing(
+            lambda: self._target(op), issue, default, lambda e: self._report(e, generation)
+        )
 
 
 class FakeProcessGroupWrapper(ProcessGroupWrapper):

@@ -149,6 +149,7 @@ def _leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str
     # A finished call leaves the pool's books just after its future completes.
     rt.workers.wait_idle(5.0)
     rt.control.wait_idle(5.0)
+    rt.callbacks.wait_idle(5.0)
     rt.reaper.wait_short(10.0)
     if rt.workers.busy or rt.control.busy:
         return f"{rt.workers.busy + rt.control.busy} ftcomm worker call(s) still blocked"
