@@ -193,6 +193,14 @@ async def _open_ftcomm(env: ChildEnv) -> Runner:
     return AwaitingRunner("ftcomm", {"allreduce": group.allreduce}, group.shutdown)
 
 
+async def _open_subprocess(env: ChildEnv) -> Runner:
+    import ftcomm
+
+    group = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=_OP_TIMEOUT)
+    await group.configure(env.store_addr("subprocess-bench"), env.rank, WORLD_SIZE)
+    return AwaitingRunner("subproc", {"allreduce": group.allreduce}, group.shutdown)
+
+
 async def _open_facade(env: ChildEnv) -> Runner:
     from torch.distributed import AllreduceOptions
 
@@ -205,6 +213,20 @@ async def _open_facade(env: ChildEnv) -> Runner:
         pg.allreduce([t], AllreduceOptions()).wait()  # what torch.distributed.all_reduce does
 
     return BlockingRunner("facade", {"allreduce": allreduce}, pg.shutdown)
+
+
+async def _open_baby(env: ChildEnv) -> Runner:
+    from torch.distributed import AllreduceOptions
+
+    from .c10d import ProcessGroupBabyGloo
+
+    pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=_OP_TIMEOUT))
+    pg.configure(env.store_addr("baby-bench"), "0", env.rank, WORLD_SIZE)
+
+    def allreduce(t: torch.Tensor) -> None:
+        pg.allreduce([t], AllreduceOptions()).wait()
+
+    return BlockingRunner("baby", {"allreduce": allreduce}, pg.shutdown)
 
 
 def _torchft_missing() -> str | None:
@@ -228,6 +250,19 @@ async def _open_torchft(env: ChildEnv) -> Runner:
     return BlockingRunner("torchft", {"allreduce": allreduce}, getattr(pg, "shutdown", None))
 
 
+async def _open_torchft_baby(env: ChildEnv) -> Runner:
+    from torch.distributed import AllreduceOptions
+
+    pgs: Any = importlib.import_module("torchft.process_group")
+    pg: Any = pgs.ProcessGroupBabyGloo(timeout=timedelta(seconds=_OP_TIMEOUT))
+    pg.configure(env.store_addr("torchft-baby-bench"), "0", env.rank, WORLD_SIZE)
+
+    def allreduce(t: torch.Tensor) -> None:
+        pg.allreduce([t], AllreduceOptions()).wait()
+
+    return BlockingRunner("tft-baby", {"allreduce": allreduce}, getattr(pg, "shutdown", None))
+
+
 @dataclass(frozen=True)
 class Case:
     """One implementation (one row per workload).
@@ -247,7 +282,10 @@ CASES: list[Case] = [
     Case(BASELINE, _open_raw),
     Case("ftcomm", _open_ftcomm),
     Case("facade", _open_facade),
+    Case("subproc", _open_subprocess),
+    Case("baby", _open_baby),
     Case("torchft", _open_torchft, _torchft_missing),
+    Case("tft-baby", _open_torchft_baby, _torchft_missing),
 ]
 
 

@@ -28,6 +28,9 @@ __all__ = [
 ]
 
 
+_CONTEXT = frozenset({"message", "rank", "op", "seq"})
+
+
 class CommError(RuntimeError):
     """Base class of every communication failure raised by ftcomm.
 
@@ -59,6 +62,14 @@ class CommError(RuntimeError):
             if value is not None
         ]
         return f"{self.message} [{' '.join(where)}]" if where else self.message
+
+    def _located(self, rank: int | None, op: str | None, seq: int | None) -> CommError:
+        """A copy of this error (same class and extra attributes) that names
+        the op it ended, for an error raised below the op (a worker's death)."""
+        state = {k: v for k, v in self.__dict__.items() if k not in _CONTEXT}
+        error = _rebuild(type(self), self.message, rank, op, seq, state)
+        error.__cause__ = self.__cause__
+        return error
 
     def __reduce__(self) -> tuple[object, ...]:
         # Keyword-only constructor arguments: rebuild through a helper so the
@@ -116,6 +127,7 @@ class WorkerDied(CommError):
     Attributes:
         exitcode: the worker's exit code, or ``None``.
         signal: the signal that killed it, or ``None``.
+        pid: the worker's process id, or ``None``.
     """
 
     def __init__(
@@ -124,12 +136,14 @@ class WorkerDied(CommError):
         *,
         exitcode: int | None = None,
         signal: int | None = None,
+        pid: int | None = None,
         rank: int | None = None,
         op: str | None = None,
         seq: int | None = None,
     ) -> None:
         self.exitcode = exitcode
         self.signal = signal
+        self.pid = pid
         super().__init__(message, rank=rank, op=op, seq=seq)
 
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.distributed import ReduceOp
@@ -29,6 +29,9 @@ from ._runtime.native import NativeOp
 from ._runtime.work import OpTable, Work
 from ._store import parse_store_addr
 from .backends import Backend, ConnectSpec, backend_class
+
+if TYPE_CHECKING:
+    from .backends.subprocess import Launcher
 from .errors import CommAborted, CommError, CommFailed, CommTimeout, NotConfigured
 
 R = TypeVar("R")
@@ -48,17 +51,24 @@ class Group:
     """A fault-tolerant process group whose collectives are awaitable.
 
     Args:
-        backend: ``"gloo"`` (CPU tensors, in process) or ``"dummy"`` (world
-            size 1, no communication). ``"nccl"`` and ``"xccl"`` are reserved.
-        subprocess: run the native group in a child process (not available
-            in this release).
+        backend: ``"gloo"`` (CPU tensors) or ``"dummy"`` (world size 1, no
+            communication). ``"nccl"`` and ``"xccl"`` are reserved.
+        subprocess: run the native group in a worker process, one per
+            configuration. Aborts are then total: a deadline, a cancel,
+            ``abort()`` or ``configure()`` kills the worker, so nothing writes
+            into the tensors afterwards; and the worker's death is an error
+            at once (``WorkerDied``). Tensors are copied through shared memory
+            (docs/design.md).
         timeout: default deadline of every op, in seconds or a timedelta.
         configure_timeout: how long ``configure()`` may take (default: ``timeout``).
+        spare_worker: with ``subprocess=True``, keep one worker started ahead
+            so that ``configure()`` after a failure does not wait for Python
+            and torch to start (about 1.7 s here). Costs one idle process.
 
     Raises:
         TypeError: an argument has the wrong type.
         ValueError: an unknown backend or a bad timeout.
-        NotImplementedError: ``"nccl"``, ``"xccl"`` or ``subprocess=True``.
+        NotImplementedError: ``"nccl"`` or ``"xccl"``.
 
     Use ``async with Group(...) as group:`` to shut it down on exit.
     """
@@ -70,16 +80,25 @@ class Group:
         subprocess: bool = False,
         timeout: Timeout = 60.0,
         configure_timeout: Timeout | None = None,
+        spare_worker: bool = True,
     ) -> None:
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-        if not isinstance(subprocess, bool):
-            raise TypeError(f"subprocess must be a bool, got {type(subprocess).__name__}")
+        for name, flag in (("subprocess", subprocess), ("spare_worker", spare_worker)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         self._timeout = to_seconds(timeout, "timeout")
         self._configure_timeout = resolve(configure_timeout, self._timeout, "configure_timeout")
-        self._backend_cls = backend_class(backend)
+        self._launcher: Launcher | None = None
+        self._connect: Callable[[ConnectSpec], Backend]
         if subprocess:
-            raise NotImplementedError("subprocess=True is not implemented in this release")
+            from .backends.subprocess import Launcher
+
+            self._launcher = Launcher(backend, spare=spare_worker)
+            self._connect = self._launcher.connect
+        else:
+            self._connect = backend_class(backend).connect
+        self.subprocess = subprocess
         self.backend = backend
         self._runtime = get_runtime()
         self._config: _Config | None = None
@@ -88,11 +107,12 @@ class Group:
 
     def __repr__(self) -> str:
         cfg = self._config
+        name = f"{self.backend} subprocess" if self.subprocess else self.backend
         if cfg is None:
-            return f"<ftcomm.Group {self.backend} unconfigured>"
+            return f"<ftcomm.Group {name} unconfigured>"
         state = "errored" if cfg.table.error is not None else "ok"
         return (
-            f"<ftcomm.Group {self.backend} rank={cfg.backend.rank}/{cfg.backend.world_size} "
+            f"<ftcomm.Group {name} rank={cfg.backend.rank}/{cfg.backend.world_size} "
             f"store={cfg.store_addr} {state}>"
         )
 
@@ -185,7 +205,7 @@ class Group:
         started = time.monotonic()
         # c10d's store client may retry once more after the timeout: allow it.
         until = started + 2 * seconds + 2.0
-        cf = self._runtime.run_control(self._backend_cls.connect, spec, until=until)
+        cf = self._runtime.run_control(self._connect, spec, until=until)
         wrapped = asyncio.wrap_future(cf)
         try:
             done, _ = await asyncio.wait({wrapped}, timeout=seconds)
@@ -217,6 +237,9 @@ class Group:
             lambda _, until: self._runtime.dispose(*backend.close(), until=until),
         )
         self._config = _Config(backend, table, str(addr), _SUM in backend.reduce_ops)
+        backend.watch(lambda error: table.break_(error._located(rank, None, None)))
+        if self._launcher is not None and self._launcher.keep_spare:
+            self._runtime.run_control(self._launcher.refill)
 
     def _orphan(self, wrapped: asyncio.Future[Backend], cf: Any) -> None:
         """Nobody will read this connect: dispose of its group whenever it lands."""
@@ -260,6 +283,8 @@ class Group:
         cfg = self._config
         rank = cfg.backend.rank if cfg is not None else None
         self._teardown(CommAborted("the group was shut down", rank=rank))
+        if self._launcher is not None:
+            self._launcher.close()
 
     def errored(self) -> CommError | None:
         """The error that broke the current configuration, or ``None``."""

@@ -19,9 +19,11 @@ from ._frames import Frame as Frame
 from ._frames import Kind as Kind
 from ._frames import Op as Op
 from ._frames import Ready as Ready
+from ._frames import Scalar as Scalar
 from ._frames import Shutdown as Shutdown
 from ._frames import TensorDesc as TensorDesc
 from ._frames import encode as encode
+from ._frames import encode_op as encode_op
 
 __all__ = [
     "DTYPES",
@@ -38,7 +40,9 @@ __all__ = [
     "Kind",
     "Op",
     "Ready",
+    "Scalar",
     "Shutdown",
     "TensorDesc",
     "encode",
+    "encode_op",
 ]

@@ -26,7 +26,7 @@ import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, TypeAlias
+from typing import Any, ClassVar, TypeAlias, cast
 
 from ..errors import ProtocolError
 
@@ -304,6 +304,22 @@ def _payload(frame: Frame) -> dict[str, Any]:
     return body
 
 
+_EMPTY = b"{}"
+_NO_FIELDS = (Done, Abort, Shutdown)
+_CACHED = 256
+"""How many distinct OP payloads an encoder or decoder remembers.
+
+A training loop sends the same few payloads over and over (the same op on
+the same pooled segment, with the same timeout): only the op id, which is in
+the header, changes. Checking and (de)serialising such a payload once, not
+per op, is most of what a small op costs in Python."""
+_op_payloads: dict[tuple[object, ...], bytes] = {}
+
+
+def _frame_bytes(kind: int, op_id: int, payload: bytes) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, kind, op_id, len(payload)) + payload
+
+
 def encode(frame: Frame) -> bytes:
     """The bytes of ``frame``: header, then its JSON payload.
 
@@ -312,17 +328,55 @@ def encode(frame: Frame) -> bytes:
             :data:`MAX_PAYLOAD` (the peer would refuse it).
     """
     _int(frame.op_id, "op_id", hi=MAX_OP_ID)
+    if isinstance(frame, _NO_FIELDS):
+        return _frame_bytes(frame.kind, frame.op_id, _EMPTY)
     payload = json.dumps(_payload(frame), separators=(",", ":"), allow_nan=False).encode()
     if len(payload) > MAX_PAYLOAD:
         raise ProtocolError(f"a {frame.kind.name} payload of {len(payload)} bytes is over the cap")
-    return HEADER.pack(MAGIC, VERSION, frame.kind, frame.op_id, len(payload)) + payload
+    return _frame_bytes(frame.kind, frame.op_id, payload)
+
+
+def encode_op(
+    op_id: int, op: str, tensors: tuple[TensorDesc, ...], options: Mapping[str, Scalar]
+) -> bytes:
+    """``encode(Op(op_id, op, tensors, options))``, checking a payload seen
+    before only by a dictionary lookup.
+
+    Raises:
+        ProtocolError: as :class:`Op` and :func:`encode`.
+    """
+    _int(op_id, "op_id", hi=MAX_OP_ID)
+    try:
+        key = (op, tensors, *options.items())
+        payload = _op_payloads.get(key)
+    except TypeError:  # an unhashable option value: let Op() name it
+        key, payload = None, None
+    if payload is None:
+        payload = encode(Op(0, op, tensors, options))[HEADER.size :]
+        if key is not None:
+            if len(_op_payloads) >= _CACHED:
+                _op_payloads.clear()
+            _op_payloads[key] = payload
+    return _frame_bytes(Kind.OP, op_id, payload)
 
 
 def _reject_constant(name: str) -> object:
     raise ProtocolError(f"payload holds {name}, which is not a number")
 
 
+def _with_op_id(frame: Op, op_id: int) -> Op:
+    """A copy of a checked ``frame`` under another op id, without checking it again."""
+    copy = object.__new__(Op)
+    object.__setattr__(copy, "op_id", op_id)
+    object.__setattr__(copy, "op", frame.op)
+    object.__setattr__(copy, "tensors", frame.tensors)
+    object.__setattr__(copy, "options", frame.options)
+    return copy
+
+
 def _decode_payload(kind: int, op_id: int, payload: bytes) -> Frame:
+    if payload == _EMPTY and kind == Kind.DONE:
+        return Done(op_id)
     try:
         body = json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
     except ProtocolError:
@@ -353,6 +407,7 @@ class Decoder:
         self._buffer = bytearray()
         self._header: tuple[int, int, int] | None = None  # kind, op id, length
         self._broken: ProtocolError | None = None
+        self._ops: dict[bytes, Op] = {}  # OP payloads already checked (see _CACHED)
 
     @property
     def buffered(self) -> int:
@@ -402,4 +457,13 @@ class Decoder:
         payload = bytes(self._buffer[:length])
         del self._buffer[:length]
         self._header = None
-        return _decode_payload(kind, op_id, payload)
+        if kind != Kind.OP:
+            return _decode_payload(kind, op_id, payload)
+        seen = self._ops.get(payload)
+        if seen is not None:
+            return _with_op_id(seen, op_id)
+        frame = cast(Op, _decode_payload(kind, op_id, payload))
+        if len(self._ops) >= _CACHED:
+            self._ops.clear()
+        self._ops[payload] = frame
+        return frame

@@ -452,11 +452,16 @@ class Work(Generic[R]):
             self._settle(None)
             return
         error: CommError
-        if time.monotonic() >= self.deadline - _EARLY:
+        if isinstance(native_error, CommError):
+            # Raised below the op (a subprocess worker died, a frame was
+            # malformed): it says what happened better than a wrapper would.
+            error = native_error._located(self._table.rank, self.op, self.seq)
+        elif time.monotonic() >= self.deadline - _EARLY:
             error = CommTimeout(f"{self.op} did not complete by its deadline", **self._ctx())
+            error.__cause__ = native_error
         else:
             error = CommFailed(f"{self.op} failed: {native_error}", **self._ctx())
-        error.__cause__ = native_error
+            error.__cause__ = native_error
         self._settle(error, breaks=True)
 
     def _abort(self, error: CommError) -> bool:

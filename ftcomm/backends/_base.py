@@ -10,7 +10,7 @@ is the only call that blocks, and it runs on a worker thread.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -19,6 +19,7 @@ from torch.distributed import ReduceOp
 
 from .._runtime.native import NativeOp
 from .._store import StoreAddr
+from ..errors import CommError
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ class Backend(abc.ABC):
     def close(self) -> list[object]:
         """Let go of the native objects; the caller hands them to the reaper."""
         return []
+
+    def watch(self, on_break: Callable[[CommError], None]) -> None:  # noqa: B027 (a hook)
+        """Have ``on_break(error)`` called (any thread) if the group breaks on
+        its own, with no op in flight to report it (a worker process that
+        dies). In-process groups only break through their ops: a no-op."""
 
     @abc.abstractmethod
     def allreduce(

@@ -12,6 +12,9 @@ on the calling thread and their works are ``torch.distributed.Work`` objects:
 
 from ._base import ProcessGroup as ProcessGroup
 from ._base import create_store_client as create_store_client
+from ._groups import ProcessGroupBabyGloo as ProcessGroupBabyGloo
+from ._groups import ProcessGroupBabyNCCL as ProcessGroupBabyNCCL
+from ._groups import ProcessGroupBabyXCCL as ProcessGroupBabyXCCL
 from ._groups import ProcessGroupDummy as ProcessGroupDummy
 from ._groups import ProcessGroupGloo as ProcessGroupGloo
 from ._groups import ProcessGroupNCCL as ProcessGroupNCCL
@@ -28,6 +31,9 @@ __all__ = [
     "ManagedProcessGroup",
     "Manager",
     "ProcessGroup",
+    "ProcessGroupBabyGloo",
+    "ProcessGroupBabyNCCL",
+    "ProcessGroupBabyXCCL",
     "ProcessGroupDummy",
     "ProcessGroupGloo",
     "ProcessGroupNCCL",

@@ -303,6 +303,8 @@ class ProcessGroupWrapper(_Facade):
 
     _backend: ClassVar[str | None] = None
     """The ftcomm backend a group of its own uses (None: a pure wrapper)."""
+    _subprocess: ClassVar[bool] = False
+    """Whether that group runs in a worker process (the ``Baby`` classes)."""
 
     def __init__(
         self, timeout: timedelta | float = timedelta(seconds=60), pg: ProcessGroup | None = None
@@ -377,14 +379,14 @@ class ProcessGroupWrapper(_Facade):
                 f"{type(self).__name__} has no backend of its own: pass pg= or use "
                 "ProcessGroupGloo/ProcessGroupNCCL/ProcessGroupXCCL"
             )
-        return Group(self._backend, timeout=self._timeout)
+        return Group(self._backend, subprocess=self._subprocess, timeout=self._timeout)
 
     def getBackendName(self) -> str:
         if self._inner is not None:
             return self._inner.getBackendName()
         if self._backend is None:
             raise NotImplementedError(f"{type(self).__name__} wraps nothing: it has no backend")
-        return f"ftcomm-{self._backend}"
+        return f"ftcomm-baby-{self._backend}" if self._subprocess else f"ftcomm-{self._backend}"
 
 
 class ProcessGroupGloo(ProcessGroupWrapper):
@@ -474,3 +476,35 @@ class ProcessGroupDummy(_Facade):
 
     def getBackendName(self) -> str:
         return "ftcomm-dummy"
+
+
+class _Baby(ProcessGroupWrapper):
+    """The group runs in a worker process: torchft's ``ProcessGroupBaby*``.
+
+    Each ``configure`` gets a fresh worker (one started ahead, so recovery
+    does not wait for Python and torch to start); a deadline, ``abort()`` or
+    ``configure()`` kills the worker, so an aborted op writes nothing
+    anywhere afterwards, and the worker's death fails every op in flight at
+    once with ``WorkerDied``. Tensors are copied through shared memory: the
+    caller's own tensors are never moved, and are written only when an op
+    succeeds.
+    """
+
+    _subprocess = True
+
+    def __init__(self, timeout: timedelta | float = timedelta(seconds=60)) -> None:
+        super().__init__(timeout)
+
+
+class ProcessGroupBabyGloo(_Baby, ProcessGroupGloo):
+    """Gloo in a worker process (CPU tensors); every collective, send and recv."""
+
+
+class ProcessGroupBabyNCCL(_Baby, ProcessGroupNCCL):
+    """NCCL in a worker process (CUDA tensors). As :class:`ProcessGroupNCCL`:
+    ``configure`` raises ``RuntimeError`` where torch has no NCCL, and
+    ``NotImplementedError`` in this release otherwise."""
+
+
+class ProcessGroupBabyXCCL(_Baby, ProcessGroupXCCL):
+    """XCCL in a worker process (Intel XPU tensors); as :class:`ProcessGroupBabyNCCL`."""

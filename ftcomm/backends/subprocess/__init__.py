@@ -1,0 +1,246 @@
+"""The subprocess backend: the native group runs in a child process.
+
+On Gloo an in-process abort does nothing (DESIGN.md); here abort is total:
+the group's worker process is killed, and nothing writes anywhere any more.
+Pieces, each in its own module:
+
+* :mod:`._channel` -- the codec on a socketpair that only the worker inherits;
+* :mod:`._shm` -- tensors travel through shared memory, copied in and out;
+* :mod:`._client` -- the parent's handle on a worker: ops in flight by op id,
+  replies, the worker's death;
+* :mod:`._worker` -- the child: its own event loop around the in-process backend;
+* :mod:`._ops` -- how each backend call is laid out in an OP frame.
+
+:class:`Launcher` is what :class:`~ftcomm.Group` holds with
+``subprocess=True``: every ``configure()`` gets a fresh worker, by default
+one started ahead of time (a *spare*), since starting Python and importing
+torch takes 1.5-2 s on the CI machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+import torch
+from torch.distributed import ReduceOp
+
+from ..._protocol import DTYPES, Scalar
+from ..._runtime.loop import get_runtime
+from ..._runtime.native import NativeOp
+from ...errors import CommError
+from .. import backend_class
+from .._base import Backend, ConnectSpec
+from ._client import Call, WorkerProcess
+from ._ops import reduce_op_name
+
+__all__ = ["Launcher", "SubprocessBackend"]
+
+
+class SubprocessBackend(Backend):
+    """A configured group whose native half runs in a worker process.
+
+    Issuing an op copies its input tensors into shared memory and writes one
+    OP frame, on the caller's thread; the reply copies outputs back.
+    """
+
+    inner: ClassVar[type[Backend]]
+
+    def __init__(self, worker: WorkerProcess, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        self.worker = worker
+
+    @classmethod
+    def connect(cls, spec: ConnectSpec) -> SubprocessBackend:
+        """Start a worker and configure it (no spare: see :class:`Launcher`)."""
+        return Launcher(cls.inner.name, spare=False).connect(spec)
+
+    def close(self) -> list[object]:
+        self.worker.kill()  # its death is read (and reaped) on the owner loop
+        return []
+
+    def watch(self, on_break: Callable[[CommError], None]) -> None:
+        self.worker.on_break = on_break
+        death = self.worker.death
+        if death is not None:
+            on_break(death)
+
+    def _op(
+        self,
+        op: str,
+        tensors: Sequence[tuple[torch.Tensor, str]],
+        timeout: float,
+        **options: Scalar,
+    ) -> Call:
+        staged = self.worker.pool.stage(tensors)
+        options["timeout"] = timeout
+        return self.worker.submit(op, staged, options)
+
+    def allreduce(
+        self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType, timeout: float
+    ) -> NativeOp:
+        items = [(t, "inout") for t in tensors]
+        return self._op("allreduce", items, timeout, reduce_op=reduce_op_name(op))
+
+    def allgather(
+        self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, timeout: float
+    ) -> NativeOp:
+        return self._op("allgather", [(tensor, "in"), *((o, "out") for o in outputs)], timeout)
+
+    def allgather_into_tensor(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], timeout: float
+    ) -> NativeOp:
+        items = [*((o, "out") for o in outputs), *((i, "in") for i in inputs)]
+        return self._op("allgather_into_tensor", items, timeout)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, timeout: float) -> NativeOp:
+        role = "in" if root == self.rank else "out"
+        return self._op("broadcast", [(tensor, role)], timeout, root=root)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        inputs: Sequence[torch.Tensor],
+        op: ReduceOp.RedOpType,
+        timeout: float,
+    ) -> NativeOp:
+        items = [(output, "out"), *((i, "in") for i in inputs)]
+        return self._op("reduce_scatter", items, timeout, reduce_op=reduce_op_name(op))
+
+    def reduce_scatter_tensor(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        op: ReduceOp.RedOpType,
+        timeout: float,
+    ) -> NativeOp:
+        items = [*((o, "out") for o in outputs), *((i, "in") for i in inputs)]
+        return self._op("reduce_scatter_tensor", items, timeout, reduce_op=reduce_op_name(op))
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        timeout: float,
+    ) -> NativeOp:
+        return self._op(
+            "alltoall_base",
+            [(output, "out"), (tensor, "in")],
+            timeout,
+            output_split_sizes=tuple(output_split_sizes),
+            input_split_sizes=tuple(input_split_sizes),
+        )
+
+    def barrier(self, timeout: float) -> NativeOp:
+        return self._op("barrier", [], timeout)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float) -> NativeOp:
+        return self._op("send", [(tensor, "in")], timeout, peer=dst, tag=tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, timeout: float) -> NativeOp:
+        return self._op("recv", [(tensor, "out")], timeout, peer=src, tag=tag)
+
+
+@functools.cache
+def subprocess_class(name: str) -> type[SubprocessBackend]:
+    """The subprocess variant of backend ``name``: same name, dtypes, reduce ops.
+
+    Raises:
+        ValueError, NotImplementedError: as :func:`~ftcomm.backends.backend_class`.
+    """
+    inner = backend_class(name)
+    carried = frozenset(getattr(torch, d) for d in DTYPES)
+    return type(
+        f"Subprocess{inner.__name__}",
+        (SubprocessBackend,),
+        {
+            "inner": inner,
+            "name": inner.name,
+            # Shared memory carries CPU tensors (IPC handles: their own device).
+            "device_type": "cpu" if inner.device_type == "*" else inner.device_type,
+            "dtypes": carried if inner.dtypes is None else inner.dtypes & carried,
+            "reduce_ops": inner.reduce_ops,
+        },
+    )
+
+
+class Launcher:
+    """Starts and configures workers for one group; keeps a spare ready.
+
+    Args:
+        backend: the backend the workers run (``"gloo"``, ``"dummy"``, ...).
+        spare: keep one worker started ahead, so that ``configure()`` does not
+            wait for a new process to import torch. The group starts it (with
+            :meth:`refill`) once a configuration is up, and again after each;
+            it costs one idle process.
+
+    Raises:
+        ValueError, NotImplementedError: as :func:`~ftcomm.backends.backend_class`.
+    """
+
+    def __init__(self, backend: str, *, spare: bool = True) -> None:
+        self.cls = subprocess_class(backend)
+        self.backend = backend
+        self.keep_spare = spare
+        self._lock = threading.Lock()
+        self._spare: WorkerProcess | None = None
+        self._generation = 0  # close() bumps it: a refill started before does not count
+
+    def __repr__(self) -> str:
+        return f"<ftcomm.Launcher {self.backend} spare={self._spare!r}>"
+
+    def connect(self, spec: ConnectSpec) -> SubprocessBackend:
+        """Configure a worker (a spare if there is one); blocks, on a control thread.
+
+        Raises:
+            TimeoutError: the worker did not start or configure in ``spec.timeout``.
+            EOFError: the worker exited.
+            ProtocolError: the worker broke the protocol.
+            RemoteError: building the group failed in the worker (the store,
+                a peer, or bad arguments).
+        """
+        deadline = time.monotonic() + spec.timeout
+        with self._lock:
+            worker, self._spare = self._spare, None
+        if worker is None:
+            worker = WorkerProcess(self.backend, get_runtime())
+        try:
+            worker.configure(spec, deadline)
+        except BaseException:
+            worker.abandon()
+            raise
+        worker.start()
+        return self.cls(worker, spec.rank, spec.world_size)
+
+    def refill(self) -> None:
+        """Start a spare if there is none (blocks for a fork/exec: a control thread)."""
+        with self._lock:
+            if self._spare is not None or not self.keep_spare:
+                return
+            generation = self._generation
+        spare: WorkerProcess | None = WorkerProcess(self.backend, get_runtime())
+        with self._lock:
+            if self._spare is None and self._generation == generation:
+                self._spare, spare = spare, None
+        if spare is not None:  # closed meanwhile, or another refill won
+            spare.abandon()
+
+    @property
+    def spare_pid(self) -> int | None:
+        """The spare worker's pid, if one is waiting."""
+        spare = self._spare
+        return spare.pid if spare is not None else None
+
+    def close(self) -> None:
+        """Stop the spare (non-blocking; it is reaped off the caller's thread)."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+            self._generation += 1
+        if spare is not None:
+            spare.kill()
+            get_runtime().run_blocking(spare.abandon)

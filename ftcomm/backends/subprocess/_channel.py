@@ -1,0 +1,244 @@
+"""One end of the parent <-> worker socketpair: a thin shell around the codec.
+
+Frames go out from any thread: ``send`` writes straight to the non-blocking
+socket under a lock (one syscall, no hop to the loop), and only when the
+socket's buffer is full does the rest wait in a backlog that the loop
+flushes -- in order, since later frames queue behind it. Frames come in on
+one event loop (``add_reader``: no stream objects, no task per read), which
+hands them to the owner's callbacks together with end-of-stream and
+protocol errors. Before :meth:`Channel.start`, a thread may also exchange
+frames synchronously with a deadline (the READY/CONFIGURE handshake).
+A thread waiting for a reply may read too (:meth:`Channel.pump`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from ..._protocol import MAX_PAYLOAD, Decoder, Frame, encode
+from ...errors import ProtocolError
+
+_READ = 1 << 16
+
+
+class Channel:
+    """Frames over one connected stream socket."""
+
+    def __init__(self, sock: socket.socket, max_payload: int = MAX_PAYLOAD) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.fd = sock.fileno()
+        self._decoder = Decoder(max_payload)
+        self._early: list[Frame] = []  # decoded by read_frame() past the one it returned
+        self._lock = threading.Lock()
+        self._pump_lock = threading.Lock()
+        self._loop_thread: int | None = None
+        self._backlog = bytearray()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._reading = False
+        self._on_frames: Callable[[list[Frame]], None] = lambda frames: None
+        self._on_eof: Callable[[], None] = lambda: None
+        self._on_error: Callable[[ProtocolError], None] = lambda error: None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- before start(): a thread with a deadline ------------------------------
+    def send_blocking(self, frame: Frame, deadline: float) -> None:
+        """Write one frame, waiting for room until ``deadline`` (monotonic).
+
+        Raises:
+            TimeoutError: no room before the deadline.
+            OSError: the peer is gone.
+        """
+        view = memoryview(encode(frame))
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the worker did not take a frame in time")
+            _, writable, _ = select.select([], [self.fd], [], left)
+            if writable:
+                with contextlib.suppress(BlockingIOError, InterruptedError):
+                    view = view[self.sock.send(view) :]
+
+    def read_frame(self, deadline: float) -> Frame:
+        """Block until one frame arrives or ``deadline`` (monotonic) passes.
+
+        Raises:
+            TimeoutError: nothing complete arrived in time.
+            EOFError: the peer closed its end.
+            ProtocolError: the peer sent a malformed frame.
+        """
+        while not self._early:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the worker did not answer in time")
+            readable, _, _ = select.select([self.fd], [], [], left)
+            if not readable:
+                continue
+            try:
+                data = self.sock.recv(_READ)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except ConnectionError:
+                data = b""
+            if not data:
+                raise EOFError("the worker closed its end")
+            self._early.extend(self._decoder.feed(data))
+        return self._early.pop(0)
+
+    # -- on a loop --------------------------------------------------------------
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Name the loop that flushes a backlog (any thread, before :meth:`start`)."""
+        self._loop = loop
+
+    def start(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_frames: Callable[[list[Frame]], None],
+        on_eof: Callable[[], None],
+        on_error: Callable[[ProtocolError], None],
+    ) -> None:
+        """Read on ``loop`` from now on (call on its thread)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._loop = loop
+            self._loop_thread = threading.get_ident()
+        self._on_frames, self._on_eof, self._on_error = on_frames, on_eof, on_error
+        self._reading = True
+        loop.add_reader(self.fd, self._readable)
+        if self._early:
+            early, self._early = self._early, []
+            on_frames(early)
+
+    def _readable(self) -> None:
+        self.pump()
+
+    def pump(self) -> bool:
+        """Read and hand on what has arrived, without blocking, from any thread.
+
+        The loop does this when the socket turns readable; a thread that is
+        spinning on a reply may do it too and save a wake-up of the loop.
+        Frames go to ``on_frames`` on the thread that read them, one reader
+        at a time (a second one returns at once); the end of the stream and
+        protocol errors always go to the loop. Returns whether frames came.
+        """
+        if not self._pump_lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._reading:
+                return False
+            try:
+                data = self.sock.recv(_READ)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:  # reset by a peer that died: the same as its end closing
+                data = b""
+            if not data:
+                self._end(None)
+                return False
+            try:
+                frames = self._decoder.feed(data)
+            except ProtocolError as exc:
+                self._end(exc)
+                return False
+            if frames:
+                self._on_frames(frames)
+            return bool(frames)
+        finally:
+            self._pump_lock.release()
+
+    def _end(self, error: ProtocolError | None) -> None:
+        loop = self._loop
+        if loop is None:  # pragma: no cover - reading implies a loop
+            return
+        if threading.get_ident() != self._loop_thread:
+            loop.call_soon_threadsafe(self._end, error)
+            return
+        if not self._reading:
+            return
+        self._stop_reading()
+        if error is None:
+            self._on_eof()
+        else:
+            self._on_error(error)
+
+    def _stop_reading(self) -> None:
+        if self._reading and self._loop is not None:
+            self._reading = False
+            self._loop.remove_reader(self.fd)
+
+    @property
+    def on_loop(self) -> bool:
+        """Whether the calling thread is the loop's."""
+        return threading.get_ident() == self._loop_thread
+
+    def send(self, frame: Frame) -> None:
+        """Write one frame from any thread, in call order; never blocks.
+
+        Raises:
+            ConnectionError: the channel is closed or the peer is gone.
+        """
+        self.send_bytes(encode(frame))
+
+    def send_bytes(self, data: bytes) -> None:
+        """Write raw bytes (a frame, or on purpose, a corrupt one)."""
+        with self._lock:
+            if self._closed:
+                raise ConnectionResetError("the channel to the worker is closed")
+            if not self._backlog:
+                try:
+                    sent = self.sock.send(data)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                if sent == len(data):
+                    return
+                self._backlog += data[sent:]
+                loop = self._loop
+                if loop is None:
+                    raise RuntimeError("Channel.send() before bind(): use send_blocking()")
+                loop.call_soon_threadsafe(self._arm)
+            else:
+                self._backlog += data
+
+    def _arm(self) -> None:
+        with self._lock:
+            if self._backlog and not self._closed and self._loop is not None:
+                self._loop.add_writer(self.fd, self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            try:
+                sent = self.sock.send(self._backlog)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # the peer is gone: the reader reports it
+                sent = len(self._backlog)
+            del self._backlog[:sent]
+            if not self._backlog and self._loop is not None:
+                self._loop.remove_writer(self.fd)
+
+    def close(self) -> None:
+        """Stop reading and writing and close the socket (the loop's thread, or
+        before :meth:`start`). Safe to call twice."""
+        with self._pump_lock, self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._backlog.clear()
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                loop.remove_writer(self.fd)
+                if self._reading:
+                    loop.remove_reader(self.fd)
+            self._reading = False
+            self.sock.close()

@@ -1,0 +1,392 @@
+"""The parent's handle on one worker process.
+
+Rules:
+
+1. Op ids come from one process-wide counter and are never reused, so a
+   reply can only ever match the request it answers. A reply whose op id is
+   not in flight (its op was abandoned, its worker replaced) is dropped and
+   counted, never given to another op.
+2. Requests are written by the issuing thread (see :mod:`._channel`); replies
+   are read by a thread polling for one, or else by the owner loop, which
+   copies outputs back and ends the op (large copies go to a worker thread
+   from the loop). Outputs reach the caller's tensors only on success.
+3. The worker's exit is seen through a pidfd on the owner loop, at once,
+   whether or not an op is in flight. Its end of the socket closing is the
+   other sign: the worker is killed if it has not exited a moment later.
+   Every op in flight then fails with :class:`~ftcomm.errors.WorkerDied`
+   (exit code or signal) -- or :class:`~ftcomm.errors.ProtocolError` if a
+   malformed frame, either way, is why it ended -- and the owner hears of it
+   through ``on_break``, with or without ops in flight.
+4. Killing is ``pidfd_send_signal``: it can never reach a reused pid. A worker
+   still running when its handle is collected, or at interpreter exit, is
+   killed too; and a worker whose parent dies sees its socket close and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+from ..._protocol import (
+    Configure,
+    Done,
+    Failed,
+    Frame,
+    Ready,
+    Scalar,
+    encode_op,
+)
+from ..._runtime.loop import Runtime
+from ...errors import CommAborted, CommError, ProtocolError, WorkerDied
+from .._base import ConnectSpec
+from . import _worker
+from ._channel import Channel
+from ._shm import Pool, Staged
+
+log = logging.getLogger("ftcomm")
+
+_ids = itertools.count(1)
+_INLINE_COPY = 1 << 20
+"""Outputs up to this many bytes are copied back on the owner loop; larger
+ones on a worker thread, so the loop is never held for long."""
+_EOF_GRACE = 0.5
+"""How long a worker that closed its socket may take to exit before it is killed."""
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
+
+
+class RemoteError(RuntimeError):
+    """An op failed inside the worker.
+
+    Attributes:
+        remote_type: the name of the worker's exception class.
+        remote_traceback: the worker's traceback, as text.
+    """
+
+    def __init__(self, frame: Failed) -> None:
+        super().__init__(f"{frame.type}: {frame.message}")
+        self.remote_type = frame.type
+        self.remote_traceback = frame.traceback
+
+
+def describe_exit(code: int) -> tuple[str, int | None, int | None]:
+    """(how the worker ended, exit code, signal) from a Popen return code."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"the worker was killed by {name}", None, -code
+    what = {
+        _worker.EXIT_OK: "exited",
+        _worker.EXIT_ORPHANED: "exited: its socket to the parent closed",
+        _worker.EXIT_ABORTED: "exited on ABORT",
+        _worker.EXIT_PROTOCOL: "exited on a malformed frame",
+    }.get(code, "exited")
+    return f"the worker {what} (exit code {code})", code, None
+
+
+class Call:
+    """One op sent to the worker: the :class:`~ftcomm._runtime.native.NativeOp`
+    of the subprocess backend."""
+
+    __slots__ = (
+        "_callbacks",
+        "_copying",
+        "_done",
+        "_error",
+        "_worker",
+        "op_id",
+        "staged",
+    )
+
+    def __init__(self, worker: WorkerProcess, op_id: int, staged: Staged) -> None:
+        self._worker = worker
+        self.op_id = op_id
+        self.staged = staged
+        self._done = False
+        self._copying = False  # a success whose outputs are being copied back
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[BaseException | None], None]] = []
+
+    def poll(self) -> bool:
+        if self._done:
+            return True
+        worker = self._worker
+        if worker.death is not None:
+            return not self._copying
+        # Read the reply here if it has come: this thread is spinning on it
+        # anyway, and the owner loop need not wake up to hand it over.
+        worker.channel.pump()
+        return self._done
+
+    def outcome(self) -> BaseException | None:
+        return self._error if self._done else self._worker.death
+
+    def on_done(self, callback: Callable[[BaseException | None], None]) -> None:
+        with self._worker.lock:
+            if not self._done:
+                self._callbacks.append(callback)
+                return
+        callback(self._error)
+
+    def finish(self, error: BaseException | None) -> None:
+        with self._worker.lock:
+            if self._done:
+                return
+            self._error = error
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(error)
+
+
+def _kill(pidfd: int, lock: threading.Lock, closed: list[bool]) -> None:
+    with lock:
+        if not closed[0]:
+            with contextlib.suppress(ProcessLookupError):  # exited already
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+
+
+def _reap(
+    proc: subprocess.Popen[bytes], pidfd: int, lock: threading.Lock, closed: list[bool]
+) -> None:
+    """Kill and wait for a worker nobody watches any more (finalizer, exit)."""
+    _kill(pidfd, lock, closed)
+    try:
+        proc.wait(5.0)
+    except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not take 5 s
+        log.warning("ftcomm worker %d did not exit after SIGKILL", proc.pid)
+    with lock:
+        if not closed[0]:
+            closed[0] = True
+            os.close(pidfd)
+
+
+class WorkerProcess:
+    """A worker process, its socket, its shared memory and the ops in flight on it."""
+
+    def __init__(self, backend: str, runtime: Runtime) -> None:
+        parent_end, child_end = socket.socketpair()
+        env = dict(os.environ)
+        path = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", __package__, str(child_end.fileno()), backend],
+                pass_fds=(child_end.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        except BaseException:
+            parent_end.close()
+            raise
+        finally:
+            child_end.close()
+        self.pid = self.proc.pid
+        self.pidfd = os.pidfd_open(self.pid)
+        self.lock = threading.Lock()
+        self._pidfd_closed = [False]
+        self.channel = Channel(parent_end)
+        self.channel.bind(runtime.loop)
+        self.pool = Pool()
+        self.death: CommError | None = None
+        self.dropped = 0
+        """Replies that matched no op in flight (and were dropped)."""
+        self.on_break: Callable[[CommError], None] | None = None
+        self._calls: dict[int, Call] = {}
+        self._ready = False
+        self._killed = False  # by us, on purpose
+        self._reason: CommError | None = None  # why we killed it, if not on purpose
+        self._runtime = runtime
+        self._finalizer = weakref.finalize(
+            self, _reap, self.proc, self.pidfd, self.lock, self._pidfd_closed
+        )
+
+    def __repr__(self) -> str:
+        state = "dead" if self.death is not None else "alive"
+        return f"<ftcomm worker pid={self.pid} {state} in_flight={len(self._calls)}>"
+
+    # -- handshake (a control thread) ---------------------------------------------
+    def configure(self, spec: ConnectSpec, deadline: float) -> None:
+        """Wait for READY, then build the group in the worker.
+
+        Raises:
+            TimeoutError: the worker did not start or configure by ``deadline``.
+            EOFError: the worker exited.
+            ProtocolError: it sent a malformed frame.
+            RemoteError: building the group failed in the worker.
+        """
+        if not self._ready:
+            frame = self.channel.read_frame(deadline)
+            if not isinstance(frame, Ready) or frame.pid != self.pid:
+                raise ProtocolError(f"expected READY from pid {self.pid}, got {frame}")
+            self._ready = True
+        op_id = next(_ids)
+        s = spec
+        self.channel.send_blocking(
+            Configure(
+                op_id,
+                str(s.store),
+                s.rank,
+                s.world_size,
+                max(0.0, deadline - time.monotonic()),
+                s.replica_id,
+                s.quorum_id,
+                s.group_rank,
+                s.group_world_size,
+                s.global_ranks,
+            ),
+            deadline,
+        )
+        reply = self.channel.read_frame(deadline)
+        if isinstance(reply, Failed) and reply.op_id == op_id:
+            raise RemoteError(reply)
+        if not isinstance(reply, Done) or reply.op_id != op_id:
+            raise ProtocolError(f"expected the reply to CONFIGURE {op_id}, got {reply}")
+
+    def start(self) -> None:
+        """Hand the worker to the owner loop: replies and its exit are read there."""
+        self._runtime.call_soon(self._watch)
+
+    def _watch(self) -> None:
+        loop = self._runtime.loop
+        with self.lock:
+            if self._pidfd_closed[0]:
+                return
+            loop.add_reader(self.pidfd, self._exited)
+        self.channel.start(loop, self._on_frames, self._on_eof, self._on_protocol_error)
+
+    def abandon(self) -> None:
+        """Kill the worker and wait for it here (a thread that may block)."""
+        self._killed = True
+        self.channel.close()
+        self.pool.close()
+        self._finalizer()
+
+    # -- ops (any thread) ---------------------------------------------------------
+    def submit(self, op: str, staged: Staged, options: dict[str, Scalar]) -> Call:
+        """Send one OP; the returned call ends with the worker's reply."""
+        call = Call(self, next(_ids), staged)
+        with self.lock:
+            if self.death is None:
+                self._calls[call.op_id] = call
+        if self.death is None:
+            try:
+                self.channel.send_bytes(encode_op(call.op_id, op, staged.descs, options))
+                return call
+            except OSError:
+                pass  # the worker is going: the owner loop says how
+            with self.lock:
+                self._calls.pop(call.op_id, None)
+        call.finish(self.death or WorkerDied("the worker's socket is closed", pid=self.pid))
+        return call
+
+    def kill(self) -> None:
+        """Kill the worker on purpose; non-blocking. Its ops end with ``CommAborted``."""
+        self._killed = True
+        _kill(self.pidfd, self.lock, self._pidfd_closed)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._calls)
+
+    # -- owner loop ------------------------------------------------------------------
+    def _on_frames(self, frames: list[Frame]) -> None:
+        for frame in frames:
+            if not isinstance(frame, (Done, Failed)):
+                self._on_protocol_error(
+                    ProtocolError(f"the worker sent an unexpected {type(frame).__name__} frame")
+                )
+                return
+            if frame.op_id == 0 and isinstance(frame, Failed):
+                # The worker rejected something we sent, and exits.
+                cls = ProtocolError if frame.type == "ProtocolError" else WorkerDied
+                self._reason = cls(f"the worker failed: {frame.type}: {frame.message}")
+                self._kill_later()
+                return
+            with self.lock:
+                call = self._calls.pop(frame.op_id, None)
+            if call is None:
+                self.dropped += 1
+                log.debug("ftcomm worker %d: dropped a reply to op %d", self.pid, frame.op_id)
+                continue
+            segment = call.staged.segment
+            if segment is not None:
+                segment.unlink()  # the worker has it mapped: the name can go
+            if isinstance(frame, Failed):
+                self.pool.give_back(segment)
+                call.finish(RemoteError(frame))
+            elif not call.staged.copy_back:
+                self.pool.give_back(segment)
+                call.finish(None)
+            else:
+                call._copying = True
+                nbytes = sum(dst.numel() * dst.element_size() for dst, _ in call.staged.copy_back)
+                if nbytes <= _INLINE_COPY or not self.channel.on_loop:
+                    self._copy_back(call)
+                else:
+                    self._runtime.run_blocking(self._copy_back, call)
+
+    def _copy_back(self, call: Call) -> None:
+        try:
+            call.staged.copy_out()
+        except BaseException as exc:  # pragma: no cover - a copy between valid views
+            call.finish(exc)
+            raise
+        else:
+            call.finish(None)
+        finally:
+            call._copying = False
+            self.pool.give_back(call.staged.segment)
+
+    def _on_protocol_error(self, error: ProtocolError) -> None:
+        self._reason = ProtocolError(f"the worker sent a malformed frame: {error.message}")
+        _kill(self.pidfd, self.lock, self._pidfd_closed)
+
+    def _on_eof(self) -> None:
+        self._kill_later()
+
+    def _kill_later(self) -> None:
+        self._runtime.loop.call_later(_EOF_GRACE, _kill, self.pidfd, self.lock, self._pidfd_closed)
+
+    def _exited(self) -> None:
+        code = self.proc.poll()
+        if code is None:  # pragma: no cover - a pidfd is readable only once it exited
+            return
+        text, exitcode, signum = describe_exit(code)
+        if self._reason is not None:
+            error: CommError = self._reason
+        elif self._killed:
+            error = CommAborted(f"the worker was stopped by its group ({text})")
+        else:
+            error = WorkerDied(text, exitcode=exitcode, signal=signum, pid=self.pid)
+        self._die(error)
+
+    def _die(self, error: CommError) -> None:
+        with self.lock:
+            self.death = error  # every call in flight polls as failed from here
+            calls = list(self._calls.values())
+            self._calls.clear()
+            if not self._pidfd_closed[0]:
+                self._runtime.loop.remove_reader(self.pidfd)
+                self._pidfd_closed[0] = True
+                os.close(self.pidfd)
+        self._finalizer.detach()
+        self.channel.close()
+        self.pool.close()
+        for call in calls:
+            call.finish(error)
+        on_break = self.on_break
+        if on_break is not None and not self._killed:
+            on_break(error)

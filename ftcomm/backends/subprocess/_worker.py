@@ -1,0 +1,197 @@
+"""The worker: a child process that runs one native group for its parent.
+
+Started as ``python -m ftcomm.backends.subprocess FD BACKEND`` with
+one end of a socketpair as ``FD`` (the only descriptor it inherits). It says
+READY, builds the group on CONFIGURE, and then runs every OP as it arrives:
+the op is issued on the worker's loop at once (ops pipeline: no reply is
+awaited before the next is read) and its DONE or FAILED is written by
+whichever thread sees it end -- the native op's own -- without a hop back
+to the loop.
+
+It exits, always through ``os._exit`` (a native group with an op in flight
+can block an orderly interpreter exit until the op's timeout):
+
+* on SHUTDOWN (code 0) or ABORT (:data:`EXIT_ABORTED`);
+* when its parent's end closes (:data:`EXIT_ORPHANED`), after taking the
+  shared-memory names it mapped out of ``/dev/shm``;
+* on a malformed frame (:data:`EXIT_PROTOCOL`), after a FAILED frame with op
+  id 0 that names the problem.
+
+SIGINT is ignored: a Ctrl-C at the terminal reaches the parent, whose exit
+then ends the worker through its closed socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import traceback
+
+import torch
+
+from ..._protocol import (
+    Abort,
+    Configure,
+    Done,
+    Failed,
+    Frame,
+    Op,
+    Ready,
+    Shutdown,
+    TensorDesc,
+)
+from ..._runtime.loop import new_event_loop
+from ..._store import parse_store_addr
+from ...errors import ProtocolError
+from .. import backend_class
+from .._base import Backend, ConnectSpec
+from . import _ops
+from ._channel import Channel
+from ._shm import Mappings
+
+EXIT_OK = 0
+EXIT_CRASHED = 1
+EXIT_PROTOCOL = 3
+EXIT_ORPHANED = 4
+EXIT_ABORTED = 5
+
+
+def failed(op_id: int, exc: BaseException) -> Failed:
+    """The FAILED frame that reports ``exc``."""
+    text = "".join(traceback.format_exception(exc))
+    return Failed(op_id, type(exc).__name__, str(exc)[:4096], text[-16384:])
+
+
+class Worker:
+    """The worker's state: its channel, its group and the segments it mapped."""
+
+    def __init__(self, channel: Channel, backend_cls: type[Backend]) -> None:
+        self.channel = channel
+        self.backend_cls = backend_cls
+        self.backend: Backend | None = None
+        self.configuring = False
+        self.maps = Mappings()
+        self.tensors: dict[tuple[TensorDesc, ...], list[torch.Tensor]] = {}
+        """Descriptors -> the tensors they map to: the parent reuses its
+        segments, so the same descriptors come op after op."""
+        self.loop = asyncio.get_running_loop()
+        self.exit: asyncio.Future[int] = self.loop.create_future()
+
+    async def run(self) -> int:
+        self.channel.send(Ready(os.getpid()))
+        self.channel.start(self.loop, self.on_frames, self.on_eof, self.on_protocol_error)
+        return await self.exit
+
+    def finish(self, code: int) -> None:
+        if not self.exit.done():
+            self.exit.set_result(code)
+
+    # -- frames -----------------------------------------------------------------
+    def on_frames(self, frames: list[Frame]) -> None:
+        for frame in frames:
+            if self.exit.done():
+                return
+            if isinstance(frame, Op):
+                self.run_op(frame)
+            elif isinstance(frame, Configure):
+                self.configure(frame)
+            elif isinstance(frame, Shutdown):
+                self.finish(EXIT_OK)
+            elif isinstance(frame, Abort):
+                self.finish(EXIT_ABORTED)
+            else:
+                self.on_protocol_error(
+                    ProtocolError(f"a worker does not take {type(frame).__name__} frames")
+                )
+
+    def on_eof(self) -> None:
+        self.maps.unlink_all()
+        self.finish(EXIT_ORPHANED)
+
+    def on_protocol_error(self, error: ProtocolError) -> None:
+        self.reply(failed(0, error))
+        self.finish(EXIT_PROTOCOL)
+
+    def reply(self, frame: Frame) -> None:
+        """Send a reply from any thread; a parent that is gone gets none."""
+        with contextlib.suppress(OSError):  # the reader sees the stream end, and exits
+            self.channel.send(frame)
+
+    # -- configure ----------------------------------------------------------------
+    def configure(self, frame: Configure) -> None:
+        if self.backend is not None or self.configuring:
+            self.reply(failed(frame.op_id, RuntimeError("this worker is already configured")))
+            return
+        self.configuring = True
+        try:
+            spec = ConnectSpec(
+                parse_store_addr(frame.store),
+                frame.rank,
+                frame.world_size,
+                frame.timeout,
+                frame.replica_id,
+                frame.quorum_id,
+                frame.group_rank,
+                frame.group_world_size,
+                frame.global_ranks,
+            )
+        except (TypeError, ValueError) as exc:
+            self.reply(failed(frame.op_id, exc))
+            return
+        # Connecting blocks: off the loop, which keeps watching the parent.
+        fut = self.loop.run_in_executor(None, self.backend_cls.connect, spec)
+        fut.add_done_callback(lambda f: self.configured(frame.op_id, f))
+
+    def configured(self, op_id: int, fut: asyncio.Future[Backend]) -> None:
+        exc = fut.exception()
+        if exc is not None:
+            self.reply(failed(op_id, exc))
+            return
+        self.backend = fut.result()
+        self.reply(Done(op_id))
+
+    # -- ops ------------------------------------------------------------------------
+    def run_op(self, frame: Op) -> None:
+        op_id = frame.op_id
+        backend = self.backend
+        try:
+            if backend is None:
+                raise RuntimeError("OP before the group was configured")
+            tensors = self.tensors.get(frame.tensors)
+            if tensors is None:
+                if len(self.tensors) >= 256:
+                    self.tensors.clear()
+                tensors = [self.maps.tensor(desc) for desc in frame.tensors]
+                self.tensors[frame.tensors] = tensors
+            native = _ops.run(backend, frame.op, tensors, frame.options)
+        except Exception as exc:
+            self.reply(failed(op_id, exc))
+            return
+        native.on_done(
+            lambda error: self.reply(Done(op_id) if error is None else failed(op_id, error))
+        )
+
+
+def main(argv: list[str]) -> int:
+    """Run the worker on the inherited socket ``argv[1]`` for backend ``argv[2]``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fd, name = int(argv[1]), argv[2]
+    sock = socket.socket(fileno=fd)
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+
+    async def serve() -> int:
+        return await Worker(Channel(sock), backend_class(name)).run()
+
+    try:
+        code = loop.run_until_complete(serve())
+    except BaseException:
+        traceback.print_exc()
+        code = EXIT_CRASHED
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
