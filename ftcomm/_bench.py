@@ -509,6 +509,84 @@ def format_table(plan: Plan, report: Report, notes: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+# -- recovery: configure-to-first-op and dead-worker detection, at world size 1 --------
+async def _first_op(group: Any, addr: str) -> float:
+    """Seconds from ``configure`` to the end of the first allreduce."""
+    started = time.perf_counter()
+    await group.configure(addr, 0, 1)
+    await group.allreduce(torch.ones(1))
+    return time.perf_counter() - started
+
+
+async def _spare_ready(group: Any, timeout: float = 30.0) -> None:
+    """Wait until the group's spare worker has said READY (it imports torch first)."""
+    import select
+
+    rt = group._runtime
+    await asyncio.to_thread(rt.control.wait_idle, timeout)
+    spare = group._launcher._spare
+    if spare is not None:
+        await asyncio.to_thread(select.select, [spare.channel.fd], [], [], timeout)
+
+
+async def _recovery(port: int, samples: int) -> dict[str, Seconds]:
+    import ftcomm
+
+    out: dict[str, Seconds] = {}
+    n = iter(range(1 << 30))
+
+    def addr() -> str:
+        return f"{HOST}:{port}/recovery-{next(n)}"
+
+    for _ in range(samples):
+        async with ftcomm.Group("gloo", timeout=_OP_TIMEOUT) as g:
+            out.setdefault("in-process gloo", []).append(await _first_op(g, addr()))
+        async with ftcomm.Group(
+            "gloo", subprocess=True, spare_worker=False, timeout=_OP_TIMEOUT
+        ) as g:
+            out.setdefault("subproc, new worker", []).append(await _first_op(g, addr()))
+    async with ftcomm.Group("gloo", subprocess=True, timeout=_OP_TIMEOUT) as g:
+        await g.configure(addr(), 0, 1)
+        for _ in range(samples):
+            await _spare_ready(g)
+            out.setdefault("subproc, spare worker", []).append(await _first_op(g, addr()))
+        for _ in range(samples):
+            await _spare_ready(g)
+            await _first_op(g, addr())
+            cfg: Any = g._config
+            worker = cfg.backend.worker
+            killed = time.perf_counter()
+            os.kill(worker.pid, 9)
+            await asyncio.wrap_future(worker.exited)
+            out.setdefault("dead worker noticed", []).append(time.perf_counter() - killed)
+            if not isinstance(g.errored(), ftcomm.WorkerDied):
+                raise RuntimeError(f"a killed worker gave {g.errored()!r}, not WorkerDied")
+    if _torchft_missing() is None:
+        pgs: Any = importlib.import_module("torchft.process_group")
+        for _ in range(samples):
+            pg = pgs.ProcessGroupBabyGloo(timeout=timedelta(seconds=_OP_TIMEOUT))
+            started = time.perf_counter()
+            pg.configure(addr(), "0", 0, 1)
+            pg.allreduce([torch.ones(1)], dist.AllreduceOptions()).wait()
+            out.setdefault("torchft baby", []).append(time.perf_counter() - started)
+            pg.shutdown()
+    return out
+
+
+def format_recovery(times: Mapping[str, Seconds]) -> str:
+    lines = [
+        "recovery (world size 1, this process):",
+        f"{'what':<28} {'p50_ms':>9} {'max_ms':>9}",
+    ]
+    for what, values in times.items():
+        lines.append(f"{what:<28} {percentile(values, 50) * 1e3:9.1f} {max(values) * 1e3:9.1f}")
+    lines.append(
+        "(configure: to the end of the first allreduce; 'dead worker noticed': from "
+        "SIGKILL to the worker reaped and the group errored with WorkerDied)"
+    )
+    return "\n".join(lines)
+
+
 # -- CLI --------------------------------------------------------------------------------
 def _default_loop() -> str:
     try:
@@ -557,6 +635,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout", type=float, default=300.0, help="give up after this many seconds (300)"
     )
+    p.add_argument(
+        "--recovery-samples",
+        type=_non_negative,
+        default=5,
+        help="samples of configure-to-first-op and dead-worker detection (5; 0: skip)",
+    )
     return p
 
 
@@ -586,4 +670,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     notes.append(f"took {time.monotonic() - started:.1f} s")
     print(format_table(plan, report, notes), flush=True)
+    if args.recovery_samples:
+        store = TCPStore(host_name=HOST, port=0, is_master=True, wait_for_workers=False)
+        try:
+            times = asyncio.run(_recovery(store.port, args.recovery_samples))
+        finally:
+            del store
+        print(format_recovery(times), flush=True)
     return 0

@@ -11,6 +11,8 @@ the reaper thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -262,29 +264,50 @@ class Group:
 
         Never blocks and is safe to call twice (or on an unconfigured group).
         On Gloo the native op cannot be stopped in process: it ends at its own
-        deadline, on the reaper thread.
+        deadline, on the reaper thread. With ``subprocess=True`` the worker is
+        killed, and this returns once it has been reaped (a few ms).
         """
-        self._abort()
+        await self._until_closed(self._abort())
 
-    def _abort(self) -> None:
+    def _abort(self) -> Backend | None:
+        """Abort; return the backend being closed."""
         cfg = self._config
-        if cfg is not None:
-            cfg.table.break_(CommAborted("the group was aborted by abort()", rank=cfg.backend.rank))
+        if cfg is None:
+            return None
+        cfg.table.break_(CommAborted("the group was aborted by abort()", rank=cfg.backend.rank))
+        return cfg.backend
+
+    async def _until_closed(self, backend: Backend | None, timeout: float = 2.0) -> None:
+        """Wait (bounded) until ``backend`` has closed: its worker is reaped."""
+        closed = backend.closed() if backend is not None else None
+        if closed is not None:
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.wrap_future(closed), timeout)
+
+    def _wait_closed(self, backend: Backend | None, timeout: float = 2.0) -> None:
+        """:meth:`_until_closed` for a thread without a loop (not the owner loop's)."""
+        closed = backend.closed() if backend is not None else None
+        if closed is not None and not self._runtime.in_loop_thread():
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                closed.result(timeout)
 
     async def shutdown(self) -> None:
         """Tear the group down; in-flight ops end with ``CommAborted``.
 
         Afterwards the group is unconfigured (ops raise ``NotConfigured``) and
-        may be configured again. Never blocks; safe to call twice.
+        may be configured again. Never blocks; safe to call twice. With
+        ``subprocess=True`` it returns once the worker has been reaped.
         """
-        self._shutdown()
+        await self._until_closed(self._shutdown())
 
-    def _shutdown(self) -> None:
+    def _shutdown(self) -> Backend | None:
+        """Shut down; return the backend being closed."""
         cfg = self._config
         rank = cfg.backend.rank if cfg is not None else None
         self._teardown(CommAborted("the group was shut down", rank=rank))
         if self._launcher is not None:
             self._launcher.close()
+        return cfg.backend if cfg is not None else None
 
     def errored(self) -> CommError | None:
         """The error that broke the current configuration, or ``None``."""
@@ -358,7 +381,7 @@ class Group:
                 if inject is None:
                     native = start(cfg.backend, seconds)
                 else:
-                    native = inject(op, lambda: start(cfg.backend, seconds))
+                    native = inject(op, lambda: start(cfg.backend, seconds), cfg.backend)
             except RuntimeError as exc:  # rejected before anything was sent
                 error = table.error
                 if error is not None:  # the group broke (and closed) meanwhile

@@ -10,7 +10,7 @@ import pytest
 from torch._C._distributed_c10d import TCPStore
 
 from ftcomm._runtime.loop import get_runtime, new_event_loop
-from ftcomm.testing._world import _children, _fds, _threads
+from ftcomm.testing._world import _children, _fds, _segments, _threads
 
 os.environ.setdefault("FTCOMM_DEBUG", "1")
 # multiprocessing's long-lived helper process: start it now, so that it belongs
@@ -32,9 +32,10 @@ def pytest_asyncio_loop_factories(
 
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
-    """Every test leaves no thread, child process, fd or owner-loop stall behind."""
+    """Every test leaves no thread, child process (running or unreaped), fd,
+    shared-memory segment or owner-loop stall behind."""
     rt = get_runtime()
-    threads, fds, children = _threads(), _fds(), _children()
+    threads, fds, children, segments = _threads(), _fds(), _children(zombies=True), _segments()
     stalls = len(rt.watchdog.stalls) if rt.watchdog else 0
     yield
     assert rt.workers.wait_idle(15.0), "an ftcomm worker thread is still blocked"
@@ -45,7 +46,9 @@ def no_leaks() -> Iterator[None]:
         if thread.ident not in threads and not thread.name.startswith("ftcomm-"):
             thread.join(5.0)  # a thread that is finishing gets a bounded moment
     assert not (_threads() - threads), f"threads left behind: {threading.enumerate()}"
-    assert not (_children() - children), f"child processes left behind: {_children() - children}"
+    left = _children(zombies=True) - children
+    assert not left, f"child processes left behind (running or unreaped): {left}"
+    assert not (_segments() - segments), f"/dev/shm segments left: {_segments() - segments}"
     leaked = _fds() - fds
     assert not leaked, (
         f"fds left behind: {[os.path.realpath(f'/proc/self/fd/{fd}') for fd in leaked]}"

@@ -10,6 +10,7 @@ is the only call that blocks, and it runs on a worker thread.
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -60,6 +61,12 @@ class Backend(abc.ABC):
     def close(self) -> list[object]:
         """Let go of the native objects; the caller hands them to the reaper."""
         return []
+
+    def closed(self) -> concurrent.futures.Future[None] | None:
+        """A future that completes once :meth:`close` has fully taken effect
+        (a worker process killed and reaped), or ``None`` when closing is
+        immediate (in-process groups: their native objects go to the reaper)."""
+        return None
 
     def watch(self, on_break: Callable[[CommError], None]) -> None:  # noqa: B027 (a hook)
         """Have ``on_break(error)`` called (any thread) if the group breaks on

@@ -13,11 +13,14 @@ import enum
 import os
 import random
 import signal
+import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._protocol import HEADER, MAGIC, VERSION
+from .._protocol import Kind as ProtoKind
 from .._runtime import faults as _seam
 from .._runtime.loop import get_runtime
 from .._runtime.native import Done, NativeOp
@@ -41,6 +44,23 @@ class Kind(str, enum.Enum):
     BREAK_STORE = "break_store"
     """The world's store stops taking connections just before the op (which then
     runs): every later ``configure()``, on any rank, fails."""
+    WORKER_KILL = "worker_kill"
+    """SIGKILL the group's worker process (``subprocess=True``), then issue the
+    op: it fails with ``WorkerDied``."""
+    WORKER_STOP = "worker_stop"
+    """SIGSTOP the group's worker, then issue the op: its deadline kills the
+    worker, and it fails with ``CommTimeout``."""
+    WORKER_CLOSE = "worker_close"
+    """Close the parent's end of the socket to the worker, then issue the op:
+    the worker exits, and the op fails with ``WorkerDied``."""
+    CORRUPT_FRAME = "corrupt_frame"
+    """Send the worker a malformed frame, then issue the op: the worker
+    rejects it and exits, and the op fails with ``ProtocolError``."""
+
+
+WORKER_KINDS = frozenset(
+    {Kind.WORKER_KILL, Kind.WORKER_STOP, Kind.WORKER_CLOSE, Kind.CORRUPT_FRAME}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +111,22 @@ class Fault:
     @classmethod
     def break_store(cls, rank: int, op: int) -> Fault:
         return cls(Kind.BREAK_STORE, rank, op)
+
+    @classmethod
+    def worker_kill(cls, rank: int, op: int) -> Fault:
+        return cls(Kind.WORKER_KILL, rank, op)
+
+    @classmethod
+    def worker_stop(cls, rank: int, op: int) -> Fault:
+        return cls(Kind.WORKER_STOP, rank, op)
+
+    @classmethod
+    def worker_close(cls, rank: int, op: int) -> Fault:
+        return cls(Kind.WORKER_CLOSE, rank, op)
+
+    @classmethod
+    def corrupt_frame(cls, rank: int, op: int) -> Fault:
+        return cls(Kind.CORRUPT_FRAME, rank, op)
 
 
 @dataclass(frozen=True)
@@ -244,12 +280,15 @@ class Injector:
         self.issued = 0
         self.applied: list[Fault] = []
 
-    def __call__(self, op: str, issue: _seam.Issue) -> NativeOp:
+    def __call__(self, op: str, issue: _seam.Issue, backend: object = None) -> NativeOp:
         index, self.issued = self.issued, self.issued + 1
         fault = self.faults.get(index)
         if fault is None:
             return issue()
         self.applied.append(fault)
+        if fault.kind in WORKER_KINDS:
+            _hurt_worker(fault.kind, backend)
+            return issue()
         if fault.kind in (Kind.KILL, Kind.STOP):
             self._tell(("fired", index))  # the harness tells a planned death from a crash
             os.kill(os.getpid(), signal.SIGKILL if fault.kind is Kind.KILL else signal.SIGSTOP)
@@ -269,6 +308,27 @@ class Injector:
             raise RuntimeError("this fault needs a world run by ftcomm.testing.run_world")
         self.control.send(message)
         self.control.recv()
+
+
+def _hurt_worker(kind: Kind, backend: object) -> None:
+    from ..backends.subprocess import SubprocessBackend
+
+    if not isinstance(backend, SubprocessBackend):
+        raise RuntimeError(f"a {kind.value} fault needs a group with subprocess=True")
+    worker = backend.worker
+    if kind is Kind.WORKER_KILL:
+        os.kill(worker.pid, signal.SIGKILL)
+        # Issue only once the worker is gone: the op meets a dead worker.
+        worker.proc.wait()
+    elif kind is Kind.WORKER_STOP:
+        os.kill(worker.pid, signal.SIGSTOP)
+    elif kind is Kind.WORKER_CLOSE:
+        worker.channel.sock.shutdown(socket.SHUT_RDWR)
+    else:
+        # A valid header whose payload is not JSON: the worker's decoder
+        # refuses it as soon as it has read it.
+        bad = b"not json"
+        worker.channel.send_bytes(HEADER.pack(MAGIC, VERSION, ProtoKind.OP, 1, len(bad)) + bad)
 
 
 def install(plan: FaultPlan, rank: int, control: Any = None) -> Injector:

@@ -53,9 +53,9 @@ class _PerThread:
     def __init__(self) -> None:
         self.by_thread: dict[int, Injector] = {}
 
-    def __call__(self, op: str, issue: _seam.Issue) -> NativeOp:
+    def __call__(self, op: str, issue: _seam.Issue, backend: object) -> NativeOp:
         injector = self.by_thread.get(threading.get_ident())
-        return issue() if injector is None else injector(op, issue)
+        return issue() if injector is None else injector(op, issue, backend)
 
 
 def run_thread_world(

@@ -133,15 +133,24 @@ def _stat(pid: object) -> list[str]:
         return []
 
 
-def _children() -> set[int]:
-    """Live (not zombie) child processes of this process, from /proc."""
+def _children(zombies: bool = False) -> set[int]:
+    """Child processes of this process, from /proc: live ones, or also
+    zombies (exited, never reaped)."""
     me, found = str(os.getpid()), set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             fields = _stat(entry)
-            if fields[1:2] == [me] and fields[0] != "Z":
+            if fields[1:2] == [me] and (zombies or fields[0] != "Z"):
                 found.add(int(entry))
     return found
+
+
+def _segments() -> set[str]:
+    """ftcomm's shared-memory segments in ``/dev/shm`` (every process's)."""
+    try:
+        return {name for name in os.listdir("/dev/shm") if name.startswith("ftcomm-")}
+    except FileNotFoundError:  # pragma: no cover - Linux always has it
+        return set()
 
 
 def _leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str | None:
@@ -155,6 +164,11 @@ def _leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str
         return f"{rt.workers.busy + rt.control.busy} ftcomm worker call(s) still blocked"
     if _children() - children:
         return f"child processes left running: {sorted(_children() - children)}"
+    if _children(zombies=True) - children:
+        return f"child processes left unreaped: {sorted(_children(zombies=True) - children)}"
+    mine = {name for name in _segments() if name.startswith(f"ftcomm-{os.getpid()}-")}
+    if mine:
+        return f"shared-memory segments left in /dev/shm: {sorted(mine)}"
     if rt.reaper.pending:
         # A native group with an op in flight until its own (long) timeout:
         # in-process Gloo cannot be stopped earlier, by design. Its sockets

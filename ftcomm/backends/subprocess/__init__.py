@@ -19,6 +19,7 @@ torch takes 1.5-2 s on the CI machine.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import threading
 import time
@@ -61,6 +62,9 @@ class SubprocessBackend(Backend):
     def close(self) -> list[object]:
         self.worker.kill()  # its death is read (and reaped) on the owner loop
         return []
+
+    def closed(self) -> concurrent.futures.Future[None]:
+        return self.worker.exited
 
     def watch(self, on_break: Callable[[CommError], None]) -> None:
         self.worker.on_break = on_break

@@ -24,6 +24,7 @@ Rules:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -201,6 +202,9 @@ class WorkerProcess:
         self.channel.bind(runtime.loop)
         self.pool = Pool()
         self.death: CommError | None = None
+        self.exited: concurrent.futures.Future[None] = concurrent.futures.Future()
+        """Completes once the worker has exited and been reaped, and its
+        socket and shared memory are closed."""
         self.dropped = 0
         """Replies that matched no op in flight (and were dropped)."""
         self.on_break: Callable[[CommError], None] | None = None
@@ -273,6 +277,7 @@ class WorkerProcess:
         self.channel.close()
         self.pool.close()
         self._finalizer()
+        self._mark_exited()
 
     # -- ops (any thread) ---------------------------------------------------------
     def submit(self, op: str, staged: Staged, options: dict[str, Scalar]) -> Call:
@@ -362,8 +367,8 @@ class WorkerProcess:
 
     def _exited(self) -> None:
         code = self.proc.poll()
-        if code is None:  # pragma: no cover - a pidfd is readable only once it exited
-            return
+        if code is None:  # another thread is reaping it: the pidfd stays readable, so
+            return  # the loop calls us again
         text, exitcode, signum = describe_exit(code)
         if self._reason is not None:
             error: CommError = self._reason
@@ -387,6 +392,11 @@ class WorkerProcess:
         self.pool.close()
         for call in calls:
             call.finish(error)
+        self._mark_exited()
         on_break = self.on_break
         if on_break is not None and not self._killed:
             on_break(error)
+
+    def _mark_exited(self) -> None:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            self.exited.set_result(None)

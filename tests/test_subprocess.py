@@ -1,0 +1,370 @@
+"""The subprocess backend: worker lifecycle, its death, stale replies, drills.
+
+In-process tests drive one worker through a world-size-1 Gloo group (a real
+store server in this process); drills run 2-rank worlds in real processes on
+the fault-injection harness (``Fault.worker_*``, ``Fault.corrupt_frame``),
+and every one ends with a fresh ``configure`` and a correct op on a new
+worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+from helpers import StoreServer
+
+import ftcomm
+from ftcomm import CommAborted, CommTimeout, NotConfigured, ProtocolError, WorkerDied
+from ftcomm._protocol import Done, Ready
+from ftcomm._runtime.loop import get_runtime
+from ftcomm.backends.subprocess import SubprocessBackend
+from ftcomm.backends.subprocess._client import WorkerProcess
+from ftcomm.testing import Fault, FaultPlan, Kind, RankContext, run_world
+from ftcomm.testing._world import _segments
+
+
+@pytest.fixture
+def store() -> Iterator[StoreServer]:
+    server = StoreServer()
+    yield server
+    server.close()
+
+
+def _worker(group: ftcomm.Group) -> WorkerProcess:
+    cfg = group._config
+    assert cfg is not None
+    assert isinstance(cfg.backend, SubprocessBackend)
+    return cfg.backend.worker
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _is_child(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+
+
+async def _until_dead(worker: WorkerProcess, timeout: float = 5.0) -> None:
+    await asyncio.wait_for(asyncio.wrap_future(worker.exited), timeout)
+
+
+@pytest_asyncio.fixture
+async def group(store: StoreServer) -> AsyncIterator[ftcomm.Group]:
+    async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10) as g:
+        await g.configure(f"127.0.0.1:{store.port}/g0", 0, 1)
+        yield g
+
+
+# -- lifecycle -------------------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_configure_starts_a_worker_and_shutdown_reaps_it(store: StoreServer) -> None:
+    g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10)
+    await g.configure(f"127.0.0.1:{store.port}/a", 0, 1)
+    worker = _worker(g)
+    assert _is_child(worker.pid)
+    assert "subprocess" in repr(g)
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert torch.equal(await g.allreduce(t), torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    await g.shutdown()
+    assert worker.exited.done()
+    assert not _alive(worker.pid)
+    assert worker.proc.returncode == -signal.SIGKILL
+    with pytest.raises(NotConfigured):
+        g.allreduce(t)
+    await g.shutdown()  # twice: a no-op
+
+
+@pytest.mark.asyncio
+async def test_each_configure_gets_a_fresh_worker_the_spare_when_there_is_one(
+    store: StoreServer,
+) -> None:
+    rt = get_runtime()
+    async with ftcomm.Group("gloo", subprocess=True, timeout=10) as g:
+        await g.configure(f"127.0.0.1:{store.port}/a", 0, 1)
+        first = _worker(g)
+        launcher = g._launcher
+        assert launcher is not None
+        # The spare is started on a control thread once the configuration is up.
+        assert await asyncio.to_thread(rt.control.wait_idle, 10.0)
+        spare = launcher.spare_pid
+        assert spare is not None
+        assert spare != first.pid
+        assert _is_child(spare)
+
+        await g.configure(f"127.0.0.1:{store.port}/b", 0, 1)
+        second = _worker(g)
+        assert second.pid == spare  # the spare became the worker
+        await _until_dead(first)  # the old worker was killed and reaped
+        assert torch.equal(await g.allreduce(torch.ones(3)), torch.ones(3))
+        assert await asyncio.to_thread(rt.control.wait_idle, 10.0)
+        assert launcher.spare_pid not in (None, first.pid, second.pid)
+    # shutdown (by the context manager) stopped the worker and the spare
+    assert await asyncio.to_thread(rt.workers.wait_idle, 10.0)
+    assert launcher.spare_pid is None
+    assert not _alive(second.pid)
+    assert not _alive(spare)
+
+
+@pytest.mark.asyncio
+async def test_worker_death_while_idle_errors_the_group_at_once(group: ftcomm.Group) -> None:
+    worker = _worker(group)
+    started = time.monotonic()
+    os.kill(worker.pid, signal.SIGKILL)
+    await _until_dead(worker)
+    noticed = time.monotonic() - started
+    error = group.errored()
+    assert isinstance(error, WorkerDied)
+    assert (error.signal, error.exitcode, error.pid) == (signal.SIGKILL, None, worker.pid)
+    assert noticed < 1.0, noticed  # within 100 ms here; generous for a loaded CI machine
+    with pytest.raises(CommAborted, match="errored"):
+        group.allreduce(torch.ones(1))
+
+
+@pytest.mark.asyncio
+async def test_worker_death_mid_op_fails_the_op_with_worker_died(group: ftcomm.Group) -> None:
+    worker = _worker(group)
+    os.kill(worker.pid, signal.SIGSTOP)  # the op cannot complete: it stays in flight
+    works = [group.allreduce(torch.ones(2)), group.broadcast(torch.ones(2), root=0)]
+    assert not any(w.done() for w in works)
+    assert group.num_active_work() == 2
+    started = time.monotonic()
+    os.kill(worker.pid, signal.SIGKILL)
+    for work in works:
+        with pytest.raises(WorkerDied, match="SIGKILL") as info:
+            await work
+        assert info.value.op in ("allreduce", "broadcast")
+        assert info.value.seq is not None
+    assert time.monotonic() - started < 1.0
+    assert group.num_active_work() == 0
+
+
+@pytest.mark.asyncio
+async def test_abort_kills_the_worker_and_configure_recovers(
+    group: ftcomm.Group, store: StoreServer
+) -> None:
+    worker = _worker(group)
+    os.kill(worker.pid, signal.SIGSTOP)
+    work = group.allreduce(torch.ones(2))
+    await group.abort()
+    assert worker.exited.done()  # abort() returns once the worker is reaped
+    with pytest.raises(CommAborted):
+        await work
+    assert isinstance(group.errored(), CommAborted)
+    await group.configure(f"127.0.0.1:{store.port}/g1", 0, 1)
+    assert _worker(group).pid != worker.pid
+    assert torch.equal(await group.allreduce(torch.full((2,), 3.0)), torch.full((2,), 3.0))
+
+
+@pytest.mark.asyncio
+async def test_deadline_kills_a_stopped_worker(group: ftcomm.Group) -> None:
+    worker = _worker(group)
+    os.kill(worker.pid, signal.SIGSTOP)
+    t = torch.ones(4)
+    before = t.clone()
+    started = time.monotonic()
+    with pytest.raises(CommTimeout):
+        await group.allreduce(t, timeout=0.3)
+    assert 0.29 <= time.monotonic() - started < 1.3
+    await _until_dead(worker)
+    assert worker.proc.returncode == -signal.SIGKILL
+    assert torch.equal(t, before)  # a failed op never writes into the caller's tensor
+
+
+@pytest.mark.asyncio
+async def test_cancel_kills_the_worker(group: ftcomm.Group) -> None:
+    worker = _worker(group)
+    os.kill(worker.pid, signal.SIGSTOP)
+    t = torch.ones(2)
+    with pytest.raises(TimeoutError):  # the cancel scope cancels the awaiting task
+        async with asyncio.timeout(0.2):
+            await group.allreduce(t, timeout=30)
+    await _until_dead(worker)
+    assert worker.proc.returncode == -signal.SIGKILL
+    assert isinstance(group.errored(), CommAborted)
+    assert torch.equal(t, torch.ones(2))
+
+
+# -- replies -----------------------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_a_reply_to_no_op_in_flight_is_dropped(group: ftcomm.Group) -> None:
+    worker = _worker(group)
+    rt = get_runtime()
+    os.kill(worker.pid, signal.SIGSTOP)  # hold the real reply back
+    t = torch.full((3,), 2.0)
+    work = group.allreduce(t)
+    (op_id,) = worker._calls
+    # A reply for an op id nobody sent, as a late reply from an abandoned op would be.
+    await asyncio.wrap_future(rt.submit(_on_loop(worker._on_frames, [Done(op_id + 1000)])))
+    assert worker.dropped == 1
+    assert not work.done()
+    os.kill(worker.pid, signal.SIGCONT)
+    assert torch.equal(await work, torch.full((3,), 2.0))
+    # The same reply again (a duplicate): dropped, and the op keeps its result.
+    await asyncio.wrap_future(rt.submit(_on_loop(worker._on_frames, [Done(op_id)])))
+    assert worker.dropped == 2
+    assert work.exception() is None
+
+
+@pytest.mark.asyncio
+async def test_an_unexpected_frame_from_the_worker_is_a_protocol_error(
+    group: ftcomm.Group,
+) -> None:
+    worker = _worker(group)
+    rt = get_runtime()
+    await asyncio.wrap_future(rt.submit(_on_loop(worker._on_frames, [Ready(worker.pid)])))
+    await _until_dead(worker)
+    error = group.errored()
+    assert isinstance(error, ProtocolError)
+    assert "unexpected Ready" in str(error)
+
+
+async def _on_loop(fn: Any, *args: Any) -> None:
+    fn(*args)
+
+
+@pytest.mark.asyncio
+async def test_configure_that_fails_leaves_no_worker(store: StoreServer) -> None:
+    # World size 2 with nobody else joining: the worker's group construction
+    # times out; the worker is killed and reaped (the leak fixture checks).
+    async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10) as g:
+        with pytest.raises((CommTimeout, ftcomm.CommFailed)):
+            await g.configure(f"127.0.0.1:{store.port}/lonely", 0, 2, timeout=2.5)
+        assert g.errored() is None
+        assert g._config is None
+
+
+# -- drills: real processes, the harness's worker faults ---------------------------------------
+FAULT_AT = 1  # op 0 succeeds, op 1 meets the fault
+EXPECTED = {
+    "worker_kill": ("WorkerDied", ("CommFailed", "CommTimeout")),
+    "worker_stop": ("CommTimeout", ("CommFailed", "CommTimeout")),
+    "worker_close": ("WorkerDied", ("CommFailed", "CommTimeout")),
+    "corrupt_frame": ("ProtocolError", ("CommFailed", "CommTimeout")),
+}
+
+
+async def survive_worker_fault(ctx: RankContext, deadline: float) -> dict[str, Any]:
+    r, n = ctx.rank, ctx.world_size
+    out: dict[str, Any] = {}
+    async with ftcomm.Group("gloo", subprocess=True, timeout=deadline) as g:
+        await g.configure(ctx.addr("g0"), r, n)
+        out["pid0"] = _worker(g).pid
+        assert torch.equal(await g.allreduce(torch.ones(2)), torch.full((2,), float(n)))
+        t = torch.full((2,), float(r + 1))
+        started = time.monotonic()
+        try:
+            await g.allreduce(t)
+            out["error"] = None
+        except ftcomm.CommError as exc:
+            out["error"] = type(exc).__name__
+        out["elapsed"] = time.monotonic() - started
+        out["errored"] = type(g.errored()).__name__
+        out["untouched"] = bool(torch.equal(t, torch.full((2,), float(r + 1))))
+        await g.configure(ctx.addr("g1"), r, n)
+        out["pid1"] = _worker(g).pid
+        result = await g.allreduce(torch.full((3,), float(10 * r + 7)))
+        out["after"] = result.tolist()
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(EXPECTED))
+def test_drill_worker_fault_then_recover(kind: str) -> None:
+    deadline = 2.0
+    plan = FaultPlan.of(Fault(Kind(kind), 0, FAULT_AT))
+    results = run_world(survive_worker_fault, 2, args=(deadline,), plan=plan, timeout=60)
+    expected = float(sum(10 * r + 7 for r in range(2)))
+    faulted, peer = EXPECTED[kind]
+    for rank, out in enumerate(results):
+        assert out["after"] == [expected] * 3, (rank, out)
+        assert out["pid1"] != out["pid0"], (rank, out)
+        assert out["untouched"], (rank, out)  # the failed op wrote nothing back
+    r0, r1 = results
+    assert r0["error"] == faulted, r0
+    assert r0["errored"] == faulted, r0
+    assert r1["error"] in peer, r1
+    if faulted == "CommTimeout":
+        assert deadline - 0.01 <= r0["elapsed"] < deadline + 1.0, r0
+    else:
+        assert r0["elapsed"] < 1.0, r0  # noticed at once, not at the deadline
+
+
+async def stale_reply(ctx: RankContext) -> dict[str, Any]:
+    """Op 1 times out on rank 0 (rank 1 joins late); op 2 must carry op 2's data."""
+    r, n = ctx.rank, ctx.world_size
+    out: dict[str, Any] = {}
+    async with ftcomm.Group("gloo", subprocess=True, timeout=10) as g:
+        await g.configure(ctx.addr("g0"), r, n)
+        first = torch.full((4,), 100.0 + r)
+        if r == 0:
+            try:
+                await g.allreduce(first, timeout=0.5)
+                out["op1"] = "ok"
+            except CommTimeout:
+                out["op1"] = "CommTimeout"
+            ctx.signal("timed-out")
+        else:
+            await ctx.wait_for("timed-out")
+            try:  # rank 0's worker is gone: this fails, it cannot succeed
+                await g.allreduce(first, timeout=5)
+                out["op1"] = "ok"
+            except ftcomm.CommError as exc:
+                out["op1"] = type(exc).__name__
+        await g.configure(ctx.addr("g1"), r, n)
+        second = torch.full((4,), float(r + 1))
+        out["op2"] = (await g.allreduce(second)).tolist()
+        out["op1_tensor"] = first.tolist()
+    return out
+
+
+def test_drill_stale_reply_never_reaches_a_later_op() -> None:
+    r0, r1 = run_world(stale_reply, 2, timeout=60)
+    assert r0["op1"] == "CommTimeout", r0
+    assert r1["op1"] in ("CommFailed", "CommTimeout"), r1
+    assert r0["op2"] == r1["op2"] == [3.0] * 4, (r0, r1)  # op 2's sum, not op 1's (201)
+    assert r0["op1_tensor"] == [100.0] * 4
+    assert r1["op1_tensor"] == [101.0] * 4
+
+
+async def crash_with_a_worker(ctx: RankContext, record: str) -> None:
+    async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10) as g:
+        await g.configure(ctx.addr(), ctx.rank, ctx.world_size)
+        await g.allreduce(torch.ones(1 << 16))  # a segment in the pool
+        worker = _worker(g)
+        await asyncio.to_thread(Path(record).write_text, f"{worker.pid} {os.getpid()}")
+        await g.allreduce(torch.ones(4))  # the plan SIGKILLs this rank here
+
+
+def test_a_crashed_parent_takes_its_worker_and_segments_with_it(tmp_path: Path) -> None:
+    record = tmp_path / "pids"
+    plan = FaultPlan.of(Fault.kill(0, 1))
+    run_world(
+        crash_with_a_worker, 1, args=(str(record),), plan=plan, expect_exit={0: -9}, timeout=60
+    )
+    worker_pid, rank_pid = map(int, record.read_text().split())
+    try:
+        pidfd = os.pidfd_open(worker_pid)
+    except ProcessLookupError:
+        pidfd = None  # gone already
+    if pidfd is not None:
+        try:  # readable once the worker has exited: it saw its socket close
+            readable, _, _ = select.select([pidfd], [], [], 5.0)
+        finally:
+            os.close(pidfd)
+        assert readable, f"worker {worker_pid} outlived its parent"
+    assert not {s for s in _segments() if s.startswith(f"ftcomm-{rank_pid}-")}
