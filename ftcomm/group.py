@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -239,7 +240,16 @@ class Group:
             lambda _, until: self._runtime.dispose(*backend.close(), until=until),
         )
         self._config = _Config(backend, table, str(addr), _SUM in backend.reduce_ops)
-        backend.watch(lambda error: table.break_(error._located(rank, None, None)))
+        # Weakly: the worker's reader holds this callback, and must not keep a
+        # group that was dropped without shutdown() (and its worker) alive.
+        table_ref = weakref.ref(table)
+
+        def on_break(error: CommError) -> None:
+            live = table_ref()
+            if live is not None:
+                live.break_(error._located(rank, None, None))
+
+        backend.watch(on_break)
         if self._launcher is not None and self._launcher.keep_spare:
             self._runtime.run_control(self._launcher.refill)
 

@@ -262,7 +262,7 @@ EXPECTED = {
 async def survive_worker_fault(ctx: RankContext, deadline: float) -> dict[str, Any]:
     r, n = ctx.rank, ctx.world_size
     out: dict[str, Any] = {}
-    async with ftcomm.Group("gloo", subprocess=True, timeout=deadline) as g:
+    async with ftcomm.Group("gloo", subprocess=True, timeout=deadline, configure_timeout=30) as g:
         await g.configure(ctx.addr("g0"), r, n)
         out["pid0"] = _worker(g).pid
         assert torch.equal(await g.allreduce(torch.ones(2)), torch.full((2,), float(n)))
@@ -368,3 +368,149 @@ def test_a_crashed_parent_takes_its_worker_and_segments_with_it(tmp_path: Path) 
             os.close(pidfd)
         assert readable, f"worker {worker_pid} outlived its parent"
     assert not {s for s in _segments() if s.startswith(f"ftcomm-{rank_pid}-")}
+
+
+# -- found by review: each failed before its fix --------------------------------------------------
+@pytest.mark.asyncio
+async def test_an_op_cancelled_while_its_outputs_are_copied_back_writes_nothing_after(
+    group: ftcomm.Group, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from ftcomm.backends.subprocess import _client
+
+    monkeypatch.setattr(_client, "_CHUNK", 4096)  # a long copy-back, 4 KiB at a time
+    n = 16 << 20  # 64 MiB
+    out = torch.zeros(n)
+    work = group.allgather(torch.ones(n), out=[out])
+    call = work._native
+    worker = _worker(group)
+    seen: dict[str, Any] = {}
+
+    def cancel_mid_copy(native: object) -> None:  # another thread, while this one copies
+        deadline = time.monotonic() + 20
+        while not getattr(native, "_copying", False) and time.monotonic() < deadline:
+            os.sched_yield()
+        seen["cancelled"] = work.cancel()
+        seen["snapshot"] = out.clone()
+
+    canceller = threading.Thread(target=cancel_mid_copy, args=(call,))
+    canceller.start()
+    try:
+        with pytest.raises(CommAborted):
+            await work
+    finally:
+        canceller.join(30)
+    assert seen["cancelled"] is True
+    assert torch.equal(out, seen["snapshot"])  # nothing written once cancel() returned
+    assert not torch.equal(out, torch.ones(n))  # and the copy was indeed cut short
+    await _until_dead(worker)
+    del call  # it holds the op's segment (an fd) until collected
+
+
+def _sync_chain(pg: Any) -> str:
+    """A future callback that waits for another op: it must not deadlock."""
+    from torch.distributed import AllreduceOptions
+
+    seen: list[str] = []
+
+    def then(_: Any) -> None:
+        pg.allreduce([torch.ones(2)], AllreduceOptions()).wait()
+        seen.append("ok")
+
+    fut = pg.allreduce([torch.ones(2)], AllreduceOptions()).get_future()
+    fut.then(then).wait()
+    return seen[0]
+
+
+def test_a_future_callback_may_wait_for_another_op(store: StoreServer) -> None:
+    from ftcomm.c10d import ProcessGroupBabyGloo
+
+    pg = ProcessGroupBabyGloo(timeout=5.0)
+    try:
+        pg.configure(f"127.0.0.1:{store.port}/cb", "0", 0, 1)
+        started = time.monotonic()
+        assert _sync_chain(pg) == "ok"
+        assert time.monotonic() - started < 4.0  # not ended by the 5 s deadline
+        assert pg.errored() is None
+    finally:
+        pg.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_group_dropped_without_shutdown_does_not_keep_its_worker(
+    store: StoreServer,
+) -> None:
+    import gc
+
+    g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10)
+    await g.configure(f"127.0.0.1:{store.port}/drop", 0, 1)
+    worker = _worker(g)
+    del g
+    gc.collect()
+    await _until_dead(worker)
+    assert worker.proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.asyncio
+async def test_a_dead_spare_is_replaced_not_used(store: StoreServer) -> None:
+    rt = get_runtime()
+    async with ftcomm.Group("gloo", subprocess=True, timeout=10) as g:
+        await g.configure(f"127.0.0.1:{store.port}/a", 0, 1)
+        assert await asyncio.to_thread(rt.control.wait_idle, 10.0)
+        launcher = g._launcher
+        assert launcher is not None
+        spare = launcher.spare_pid
+        assert spare is not None
+        os.kill(spare, signal.SIGKILL)
+        await g.configure(f"127.0.0.1:{store.port}/b", 0, 1)
+        assert _worker(g).pid != spare
+        assert torch.equal(await g.allreduce(torch.ones(2)), torch.ones(2))
+
+
+_EXIT_WITH_OP_IN_FLIGHT = """
+import asyncio, os, signal, sys, torch, ftcomm
+from torch._C._distributed_c10d import TCPStore
+async def main():
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=30)
+    await g.configure(f"127.0.0.1:{store.port}/x", 0, 1)
+    worker = g._config.backend.worker
+    os.kill(worker.pid, signal.SIGSTOP)
+    g.allreduce(torch.ones(1 << 16))  # a linked segment, never answered
+    print(os.getpid(), worker.pid, flush=True)
+    if sys.argv[1] == "fork":  # a forked child keeps the parent's socket end open
+        if os.fork() == 0:
+            os.read(0, 1)  # until the test closes our stdin
+            os._exit(0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(0)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "fork"])
+def test_the_parent_going_away_takes_worker_and_segments_with_it(how: str) -> None:
+    import subprocess
+    import sys
+
+    with subprocess.Popen(
+        [sys.executable, "-c", _EXIT_WITH_OP_IN_FLIGHT, how],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None
+        parent, worker = map(int, proc.stdout.readline().split())
+        pidfd = os.pidfd_open(worker) if _alive(worker) else None
+        proc.wait(30)
+        if pidfd is not None:
+            if how == "fork":  # a stopped worker only sees its parent's exit once resumed
+                os.kill(worker, signal.SIGCONT)
+            try:
+                readable, _, _ = select.select([pidfd], [], [], 10.0)
+            finally:
+                os.close(pidfd)
+            assert readable, f"worker {worker} outlived its parent ({how})"
+        assert not {s for s in _segments() if s.startswith(f"ftcomm-{parent}-")}
+        # leaving the block closes our end of its stdin: a forked child ends

@@ -26,6 +26,7 @@ import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any, ClassVar, TypeAlias, cast
 
 from ..errors import ProtocolError
@@ -239,7 +240,7 @@ class Op:
         opts = {
             _text(k, "option name", empty=False): _option(k, v) for k, v in self.options.items()
         }
-        object.__setattr__(self, "options", opts)
+        object.__setattr__(self, "options", MappingProxyType(opts))  # shared when cached
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,7 +348,8 @@ def encode_op(
     """
     _int(op_id, "op_id", hi=MAX_OP_ID)
     try:
-        key = (op, tensors, *options.items())
+        # True, 1 and 1.0 are equal keys but different payloads: key on types too.
+        key = (op, tensors, *((k, type(v), v) for k, v in options.items()))
         payload = _op_payloads.get(key)
     except TypeError:  # an unhashable option value: let Op() name it
         key, payload = None, None

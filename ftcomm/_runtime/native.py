@@ -26,7 +26,9 @@ class NativeOp(Protocol):
     It may also have ``wait(seconds) -> bool``: block the calling thread up to
     ``seconds`` and say whether the op has ended. A thread without an event
     loop (``Work.wait``, the c10d facade) then sleeps there instead of on
-    ``on_done``.
+    ``on_done``. And ``abandon()``: the op has ended with an error (a
+    deadline, an abort); once it returns, nothing may write into the op's
+    tensors any more (the subprocess backend stops copying results back).
     """
 
     def poll(self) -> bool:

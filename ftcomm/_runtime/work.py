@@ -434,9 +434,13 @@ class Work(Generic[R]):
             self._state = _OK if error is None else _FAILED
         if broke is not None:
             table._after_break(broke, pending, self.deadline)
-        if error is not None and native is not None and not native.poll():
-            # it may block whoever drops it last, until its native deadline
-            table.runtime.dispose(native, until=self.deadline)
+        if error is not None and native is not None:
+            abandon = getattr(native, "abandon", None)
+            if abandon is not None:  # results must not arrive once the error is out
+                abandon()
+            if not native.poll():
+                # it may block whoever drops it last, until its native deadline
+                table.runtime.dispose(native, until=self.deadline)
         # Waiters may run user code that keeps an error whose traceback reaches
         # this frame: it must not hold the native op (and its group) then.
         del native

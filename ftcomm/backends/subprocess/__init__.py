@@ -23,6 +23,7 @@ import concurrent.futures
 import functools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
@@ -32,11 +33,12 @@ from torch.distributed import ReduceOp
 from ..._protocol import DTYPES, Scalar
 from ..._runtime.loop import get_runtime
 from ..._runtime.native import NativeOp
-from ...errors import CommError
+from ...errors import CommError, ProtocolError
 from .. import backend_class
 from .._base import Backend, ConnectSpec
 from ._client import Call, WorkerProcess
 from ._ops import reduce_op_name
+from ._shm import PoolClosed
 
 __all__ = ["Launcher", "SubprocessBackend"]
 
@@ -79,9 +81,13 @@ class SubprocessBackend(Backend):
         timeout: float,
         **options: Scalar,
     ) -> Call:
-        staged = self.worker.pool.stage(tensors)
+        worker = self.worker
+        try:
+            staged = worker.pool.stage(tensors)
+        except (PoolClosed, OSError) as exc:  # the worker is gone, or /dev/shm is full
+            return worker.failed(exc)
         options["timeout"] = timeout
-        return self.worker.submit(op, staged, options)
+        return worker.submit(op, staged, options)
 
     def allreduce(
         self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType, timeout: float
@@ -210,16 +216,24 @@ class Launcher:
         """
         deadline = time.monotonic() + spec.timeout
         with self._lock:
-            worker, self._spare = self._spare, None
-        if worker is None:
-            worker = WorkerProcess(self.backend, get_runtime())
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            try:
+                spare.ready(deadline)
+            except (EOFError, OSError, ProtocolError):  # it died while it waited
+                spare.abandon()
+                spare = None
+        worker = spare or WorkerProcess(self.backend, get_runtime())
         try:
             worker.configure(spec, deadline)
         except BaseException:
             worker.abandon()
             raise
         worker.start()
-        return self.cls(worker, spec.rank, spec.world_size)
+        backend = self.cls(worker, spec.rank, spec.world_size)
+        # A group dropped without shutdown() must not keep its worker running.
+        weakref.finalize(backend, worker.kill)
+        return backend
 
     def refill(self) -> None:
         """Start a spare if there is none (blocks for a fork/exec: a control thread)."""

@@ -1,4 +1,7 @@
-"""``python -m ftcomm.backends.subprocess FD BACKEND``: a worker (see :mod:`._worker`)."""
+"""``python -m ftcomm.backends.subprocess FD BACKEND PARENT_PID``: a worker.
+
+See :mod:`ftcomm.backends.subprocess._worker`.
+"""
 
 import os
 import sys

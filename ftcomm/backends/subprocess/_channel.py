@@ -128,9 +128,9 @@ class Channel:
 
         The loop does this when the socket turns readable; a thread that is
         spinning on a reply may do it too and save a wake-up of the loop.
-        Frames go to ``on_frames`` on the thread that read them, one reader
-        at a time (a second one returns at once); the end of the stream and
-        protocol errors always go to the loop. Returns whether frames came.
+        Frames go to ``on_frames`` on the thread that read them (one reader
+        at a time reads; a second one returns at once); the end of the stream
+        and protocol errors always go to the loop. Returns whether frames came.
         """
         if not self._pump_lock.acquire(blocking=False):
             return False
@@ -151,11 +151,15 @@ class Channel:
             except ProtocolError as exc:
                 self._end(exc)
                 return False
-            if frames:
-                self._on_frames(frames)
-            return bool(frames)
         finally:
             self._pump_lock.release()
+        # Handed on outside the lock: what they wake may run user code (a
+        # future's callbacks) that must not hold up the loop's reads. Two
+        # readers may hand on their batches in either order; replies are
+        # matched by op id, so order does not matter.
+        if frames:
+            self._on_frames(frames)
+        return bool(frames)
 
     def _end(self, error: ProtocolError | None) -> None:
         loop = self._loop

@@ -61,6 +61,9 @@ _ids = itertools.count(1)
 _INLINE_COPY = 1 << 20
 """Outputs up to this many bytes are copied back on the owner loop; larger
 ones on a worker thread, so the loop is never held for long."""
+_CHUNK = 1 << 20
+"""Outputs are copied back this many bytes at a time, checking in between
+that the op has not been abandoned."""
 _EOF_GRACE = 0.5
 """How long a worker that closed its socket may take to exit before it is killed."""
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
@@ -102,7 +105,9 @@ class Call:
     of the subprocess backend."""
 
     __slots__ = (
+        "_abandoned",
         "_callbacks",
+        "_copy_lock",
         "_copying",
         "_done",
         "_error",
@@ -119,6 +124,8 @@ class Call:
         self._copying = False  # a success whose outputs are being copied back
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[BaseException | None], None]] = []
+        self._copy_lock = threading.Lock()
+        self._abandoned = False  # the op ended with an error: copy nothing back
 
     def poll(self) -> bool:
         if self._done:
@@ -133,6 +140,13 @@ class Call:
 
     def outcome(self) -> BaseException | None:
         return self._error if self._done else self._worker.death
+
+    def abandon(self) -> None:
+        """The op has ended with an error: never copy its outputs back. Waits for
+        a chunk being copied (at most ``_CHUNK`` bytes), so that nothing is
+        written into the caller's tensors once this returns."""
+        with self._copy_lock:
+            self._abandoned = True
 
     def on_done(self, callback: Callable[[BaseException | None], None]) -> None:
         with self._worker.lock:
@@ -160,10 +174,15 @@ def _kill(pidfd: int, lock: threading.Lock, closed: list[bool]) -> None:
 
 
 def _reap(
-    proc: subprocess.Popen[bytes], pidfd: int, lock: threading.Lock, closed: list[bool]
+    proc: subprocess.Popen[bytes],
+    pidfd: int,
+    lock: threading.Lock,
+    closed: list[bool],
+    pool: Pool,
 ) -> None:
     """Kill and wait for a worker nobody watches any more (finalizer, exit)."""
     _kill(pidfd, lock, closed)
+    pool.close()
     try:
         proc.wait(5.0)
     except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not take 5 s
@@ -184,7 +203,14 @@ class WorkerProcess:
         env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", __package__, str(child_end.fileno()), backend],
+                [
+                    sys.executable,
+                    "-m",
+                    __package__,
+                    str(child_end.fileno()),
+                    backend,
+                    str(os.getpid()),
+                ],
                 pass_fds=(child_end.fileno(),),
                 stdin=subprocess.DEVNULL,
                 env=env,
@@ -214,7 +240,7 @@ class WorkerProcess:
         self._reason: CommError | None = None  # why we killed it, if not on purpose
         self._runtime = runtime
         self._finalizer = weakref.finalize(
-            self, _reap, self.proc, self.pidfd, self.lock, self._pidfd_closed
+            self, _reap, self.proc, self.pidfd, self.lock, self._pidfd_closed, self.pool
         )
 
     def __repr__(self) -> str:
@@ -222,6 +248,20 @@ class WorkerProcess:
         return f"<ftcomm worker pid={self.pid} {state} in_flight={len(self._calls)}>"
 
     # -- handshake (a control thread) ---------------------------------------------
+    def ready(self, deadline: float) -> None:
+        """Wait for the worker's READY (once).
+
+        Raises:
+            TimeoutError: it did not come by ``deadline``.
+            EOFError: the worker exited.
+            ProtocolError: it sent something else.
+        """
+        if not self._ready:
+            frame = self.channel.read_frame(deadline)
+            if not isinstance(frame, Ready) or frame.pid != self.pid:
+                raise ProtocolError(f"expected READY from pid {self.pid}, got {frame}")
+            self._ready = True
+
     def configure(self, spec: ConnectSpec, deadline: float) -> None:
         """Wait for READY, then build the group in the worker.
 
@@ -231,11 +271,7 @@ class WorkerProcess:
             ProtocolError: it sent a malformed frame.
             RemoteError: building the group failed in the worker.
         """
-        if not self._ready:
-            frame = self.channel.read_frame(deadline)
-            if not isinstance(frame, Ready) or frame.pid != self.pid:
-                raise ProtocolError(f"expected READY from pid {self.pid}, got {frame}")
-            self._ready = True
+        self.ready(deadline)
         op_id = next(_ids)
         s = spec
         self.channel.send_blocking(
@@ -297,6 +333,14 @@ class WorkerProcess:
         call.finish(self.death or WorkerDied("the worker's socket is closed", pid=self.pid))
         return call
 
+    def failed(self, cause: BaseException) -> Call:
+        """A call that never went out: it ends at once, with the worker's
+        death if there is one, else with ``cause``."""
+        call = Call(self, next(_ids), Staged(None, (), []))
+        error = self.death or RuntimeError(f"the op could not be staged: {cause}")
+        call.finish(error)
+        return call
+
     def kill(self) -> None:
         """Kill the worker on purpose; non-blocking. Its ops end with ``CommAborted``."""
         self._killed = True
@@ -308,6 +352,7 @@ class WorkerProcess:
 
     # -- owner loop ------------------------------------------------------------------
     def _on_frames(self, frames: list[Frame]) -> None:
+        inline = _INLINE_COPY if self.channel.on_loop else None  # None: no limit
         for frame in frames:
             if not isinstance(frame, (Done, Failed)):
                 self._on_protocol_error(
@@ -330,7 +375,8 @@ class WorkerProcess:
             if segment is not None:
                 segment.unlink()  # the worker has it mapped: the name can go
             if isinstance(frame, Failed):
-                self.pool.give_back(segment)
+                # Not back to the pool: a native op that failed by timing out
+                # may still be running in the worker, on this segment.
                 call.finish(RemoteError(frame))
             elif not call.staged.copy_back:
                 self.pool.give_back(segment)
@@ -338,14 +384,25 @@ class WorkerProcess:
             else:
                 call._copying = True
                 nbytes = sum(dst.numel() * dst.element_size() for dst, _ in call.staged.copy_back)
-                if nbytes <= _INLINE_COPY or not self.channel.on_loop:
+                if inline is None or nbytes <= inline:
+                    if inline is not None:
+                        inline -= nbytes  # the loop's budget for this batch
                     self._copy_back(call)
                 else:
                     self._runtime.run_blocking(self._copy_back, call)
 
     def _copy_back(self, call: Call) -> None:
+        """Copy an op's outputs into the caller's tensors, chunk by chunk,
+        unless (and until) the op is abandoned; then end the call."""
         try:
-            call.staged.copy_out()
+            for dst, src in call.staged.copy_back:
+                flat_dst, flat_src = dst.view(-1), src.view(-1)
+                step = max(1, _CHUNK // max(1, dst.element_size()))
+                for start in range(0, flat_dst.numel(), step):
+                    with call._copy_lock:
+                        if call._abandoned:
+                            return
+                        flat_dst[start : start + step].copy_(flat_src[start : start + step])
         except BaseException as exc:  # pragma: no cover - a copy between valid views
             call.finish(exc)
             raise
@@ -363,7 +420,11 @@ class WorkerProcess:
         self._kill_later()
 
     def _kill_later(self) -> None:
-        self._runtime.loop.call_later(_EOF_GRACE, _kill, self.pidfd, self.lock, self._pidfd_closed)
+        """Kill the worker if it has not exited in ``_EOF_GRACE`` (any thread)."""
+        loop = self._runtime.loop
+        self._runtime.call_soon(
+            loop.call_later, _EOF_GRACE, _kill, self.pidfd, self.lock, self._pidfd_closed
+        )
 
     def _exited(self) -> None:
         code = self.proc.poll()

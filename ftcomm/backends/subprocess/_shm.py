@@ -64,6 +64,10 @@ _DTYPES = {
 _BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
 
 
+class PoolClosed(Exception):
+    """The pool's worker is gone: no segment is handed out any more."""
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The descriptor's name for ``dtype``.
 
@@ -224,7 +228,7 @@ class Pool:
         size = _size_class(nbytes)
         with self._lock:
             if self._closed:
-                raise RuntimeError("the worker's shared memory is closed")
+                raise PoolClosed("the worker's shared memory is closed")
             free = self._free.get(size)
             if free:
                 return free.pop()

@@ -1,6 +1,6 @@
 """The worker: a child process that runs one native group for its parent.
 
-Started as ``python -m ftcomm.backends.subprocess FD BACKEND`` with
+Started as ``python -m ftcomm.backends.subprocess FD BACKEND PARENT_PID`` with
 one end of a socketpair as ``FD`` (the only descriptor it inherits). It says
 READY, builds the group on CONFIGURE, and then runs every OP as it arrives:
 the op is issued on the worker's loop at once (ops pipeline: no reply is
@@ -12,8 +12,8 @@ It exits, always through ``os._exit`` (a native group with an op in flight
 can block an orderly interpreter exit until the op's timeout):
 
 * on SHUTDOWN (code 0) or ABORT (:data:`EXIT_ABORTED`);
-* when its parent's end closes (:data:`EXIT_ORPHANED`), after taking the
-  shared-memory names it mapped out of ``/dev/shm``;
+* when its parent's end closes or its parent exits (:data:`EXIT_ORPHANED`),
+  after taking the shared-memory names it mapped out of ``/dev/shm``;
 * on a malformed frame (:data:`EXIT_PROTOCOL`), after a FAILED frame with op
   id 0 that names the problem.
 
@@ -69,7 +69,7 @@ def failed(op_id: int, exc: BaseException) -> Failed:
 class Worker:
     """The worker's state: its channel, its group and the segments it mapped."""
 
-    def __init__(self, channel: Channel, backend_cls: type[Backend]) -> None:
+    def __init__(self, channel: Channel, backend_cls: type[Backend], parent: int) -> None:
         self.channel = channel
         self.backend_cls = backend_cls
         self.backend: Backend | None = None
@@ -80,11 +80,25 @@ class Worker:
         segments, so the same descriptors come op after op."""
         self.loop = asyncio.get_running_loop()
         self.exit: asyncio.Future[int] = self.loop.create_future()
+        self.parent = parent
 
     async def run(self) -> int:
-        self.channel.send(Ready(os.getpid()))
-        self.channel.start(self.loop, self.on_frames, self.on_eof, self.on_protocol_error)
-        return await self.exit
+        # The parent's exit, seen directly: a process it forked may hold its
+        # end of the socket open, so the end of the stream alone is not enough.
+        try:
+            parent = os.pidfd_open(self.parent)
+        except ProcessLookupError:
+            return EXIT_ORPHANED
+        try:
+            if os.getppid() != self.parent:  # it died before we watched it
+                return EXIT_ORPHANED
+            self.loop.add_reader(parent, self.on_eof)
+            self.channel.send(Ready(os.getpid()))
+            self.channel.start(self.loop, self.on_frames, self.on_eof, self.on_protocol_error)
+            return await self.exit
+        finally:
+            self.loop.remove_reader(parent)
+            os.close(parent)
 
     def finish(self, code: int) -> None:
         if not self.exit.done():
@@ -177,15 +191,16 @@ class Worker:
 
 
 def main(argv: list[str]) -> int:
-    """Run the worker on the inherited socket ``argv[1]`` for backend ``argv[2]``."""
+    """Run the worker on the inherited socket ``argv[1]`` for backend ``argv[2]``,
+    for the parent whose pid is ``argv[3]``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    fd, name = int(argv[1]), argv[2]
+    fd, name, parent = int(argv[1]), argv[2], int(argv[3])
     sock = socket.socket(fileno=fd)
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
 
     async def serve() -> int:
-        return await Worker(Channel(sock), backend_class(name)).run()
+        return await Worker(Channel(sock), backend_class(name), parent).run()
 
     try:
         code = loop.run_until_complete(serve())
