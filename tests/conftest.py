@@ -35,7 +35,8 @@ def no_leaks() -> Iterator[None]:
     """Every test leaves no thread, child process (running or unreaped), fd,
     shared-memory segment or owner-loop stall behind."""
     rt = get_runtime()
-    threads, fds, children, segments = _threads(), _fds(), _children(zombies=True), _segments()
+    threads, fds, children = _threads(), _fds(), _children(zombies=True)
+    segments = {s for s in _segments() if s.startswith(f"ftcomm-{os.getpid()}-")}
     stalls = len(rt.watchdog.stalls) if rt.watchdog else 0
     yield
     assert rt.workers.wait_idle(15.0), "an ftcomm worker thread is still blocked"
@@ -48,7 +49,8 @@ def no_leaks() -> Iterator[None]:
     assert not (_threads() - threads), f"threads left behind: {threading.enumerate()}"
     left = _children(zombies=True) - children
     assert not left, f"child processes left behind (running or unreaped): {left}"
-    assert not (_segments() - segments), f"/dev/shm segments left: {_segments() - segments}"
+    mine = {s for s in _segments() if s.startswith(f"ftcomm-{os.getpid()}-")}
+    assert not (mine - segments), f"/dev/shm segments left: {mine - segments}"
     leaked = _fds() - fds
     assert not leaked, (
         f"fds left behind: {[os.path.realpath(f'/proc/self/fd/{fd}') for fd in leaked]}"

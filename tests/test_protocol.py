@@ -5,6 +5,7 @@ raises ``ProtocolError``, nothing else."""
 from __future__ import annotations
 
 import json
+import math
 import struct
 
 import pytest
@@ -28,7 +29,9 @@ from ftcomm._protocol import (
     Ready,
     Shutdown,
     TensorDesc,
+    _frames,
     encode,
+    encode_op,
 )
 from ftcomm.errors import ProtocolError
 
@@ -387,3 +390,195 @@ def test_the_header_is_sixteen_bytes_big_endian() -> None:
     )
     assert data[16:] == b"{}"
     assert MAX_PAYLOAD == 1 << 20
+
+
+# -- the codec caches: an OP payload seen before is not checked again --------------------
+op_frames: st.SearchStrategy[Op] = st.builds(
+    Op,
+    op_id=op_ids,
+    op=names,
+    tensors=st.lists(tensor_descs(), max_size=4).map(tuple),
+    options=st.dictionaries(names, scalars, max_size=6),
+)
+
+
+def _seg(i: int = 0, dtype: str = "float32", shape: tuple[int, ...] = (4,)) -> TensorDesc:
+    stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+    return TensorDesc(f"ftcomm-123-{i}-0a1b2c3d", dtype, shape, stride, offset=16 * i)
+
+
+# What the subprocess backend sends, op after op (see backends/subprocess/__init__.py).
+PAYLOADS: list[tuple[str, tuple[TensorDesc, ...], dict[str, object]]] = [
+    ("allreduce", (_seg(0),), {"reduce_op": "SUM", "timeout": 20.0}),
+    ("allreduce", (_seg(0),), {"reduce_op": "MAX", "timeout": 20.0}),
+    ("allgather", (_seg(0), _seg(1), _seg(2)), {"timeout": 5.5}),
+    ("broadcast", (_seg(0, "int64", (2, 3)),), {"root": 1, "timeout": 60.0}),
+    (
+        "alltoall_base",
+        (_seg(0), _seg(1)),
+        {"output_split_sizes": (1, 3), "input_split_sizes": (2, 2), "timeout": 20.0},
+    ),
+    ("barrier", (), {"timeout": 20.0}),
+    ("send", (TensorDesc("empty", "bool", (0,), (1,)),), {"peer": 0, "tag": 7, "timeout": 1.0}),
+]
+
+
+@FAST
+@given(st.sampled_from(PAYLOADS), op_ids, op_ids)
+def test_encode_op_gives_the_bytes_of_encode(
+    payload: tuple[str, tuple[TensorDesc, ...], dict[str, object]], first: int, then: int
+) -> None:
+    op, tensors, options = payload
+    assert encode_op(first, op, tensors, options) == encode(Op(first, op, tensors, options))
+    cached = len(_frames._op_payloads)
+    assert cached >= 1
+    # The same payload under another op id: from the cache, still the same bytes.
+    data = encode_op(then, op, tensors, options)
+    assert len(_frames._op_payloads) == cached  # a hit: nothing new was stored
+    assert data == encode(Op(then, op, tensors, options))
+    assert Decoder().feed(data) == [Op(then, op, tensors, options)]
+
+
+@FAST
+@given(op_frames, op_ids)
+def test_encode_op_gives_the_bytes_of_encode_for_any_op(frame: Op, then: int) -> None:
+    # A fresh cache per example: values equal in Python but not in JSON are
+    # the next test's.
+    _frames._op_payloads.clear()
+    args = (frame.op, frame.tensors, frame.options)
+    assert encode_op(frame.op_id, *args) == encode(frame)
+    assert encode_op(then, *args) == encode(Op(then, *args))
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        (1, True),
+        (True, 1),
+        (1, 1.0),
+        (0.0, -0.0),
+        (-0.0, 0.0),
+        ((1,), (True,)),
+    ],
+    ids=["int-bool", "bool-int", "int-float", "zero-negzero", "negzero-zero", "ints-bools"],
+)
+def test_encode_op_tells_options_that_are_equal_in_python_apart(
+    first: object, then: object
+) -> None:
+    _frames._op_payloads.clear()
+    encode_op(1, "allreduce", (), {"x": first})
+    try:
+        want = encode(Op(2, "allreduce", (), {"x": then}))
+    except ProtocolError:
+        with pytest.raises(ProtocolError):
+            encode_op(2, "allreduce", (), {"x": then})
+        return
+    assert encode_op(2, "allreduce", (), {"x": then}) == want
+
+
+def test_encode_op_refuses_what_encode_refuses_after_a_cached_payload() -> None:
+    op, tensors, options = PAYLOADS[0]
+    encode_op(1, op, tensors, options)  # cached now
+    with pytest.raises(ProtocolError, match="op_id"):
+        encode_op(2**64, op, tensors, options)
+    with pytest.raises(ProtocolError, match="op_id"):
+        encode_op(-1, op, tensors, options)
+    with pytest.raises(ProtocolError, match="op"):
+        encode_op(2, "", tensors, options)
+    with pytest.raises(ProtocolError, match="timeout"):
+        encode_op(2, op, tensors, {**options, "timeout": math.nan})
+    with pytest.raises(ProtocolError, match="option x"):
+        encode_op(2, op, tensors, {**options, "x": (1, -1)})
+    with pytest.raises(ProtocolError, match="option x"):
+        encode_op(2, op, tensors, {**options, "x": [1, {"nested": 1}]})
+    assert encode_op(3, op, tensors, options) == encode(Op(3, op, tensors, options))
+
+
+@FAST
+@given(op_frames, op_ids)
+def test_decoder_gives_a_repeated_op_payload_under_each_op_id(frame: Op, then: int) -> None:
+    decoder = Decoder()
+    again = Op(then, frame.op, frame.tensors, frame.options)
+    first, second = decoder.feed(encode(frame) + encode(again))
+    assert first == frame
+    assert second == again
+    assert (first.op_id, second.op_id) == (frame.op_id, then)
+    assert (second.op, second.tensors, second.options) == (first.op, first.tensors, first.options)
+    assert len(decoder._ops) == 1  # the second came from the cache
+
+
+def test_decoder_decodes_a_payload_one_byte_off_afresh() -> None:
+    seg = _seg(0)
+    a = Op(1, "allreduce", (seg,), {"reduce_op": "SUM", "timeout": 20.0})
+    other_seg = TensorDesc("ftcomm-123-1-0a1b2c3d", seg.dtype, seg.shape, seg.stride, seg.offset)
+    b = Op(2, "allreduce", (other_seg,), {"reduce_op": "SUM", "timeout": 20.0})
+    c = Op(3, "allreduce", (seg,), {"reduce_op": "SUM", "timeout": 30.0})
+    pa, pb, pc = (encode(f)[HEADER.size :] for f in (a, b, c))
+    for other in (pb, pc):  # each differs from a's payload in exactly one byte
+        assert len(other) == len(pa)
+        assert sum(x != y for x, y in zip(pa, other, strict=True)) == 1
+    decoder = Decoder()
+    stream = encode(a) + encode(b) + encode(Op(4, a.op, a.tensors, a.options)) + encode(c)
+    got = decoder.feed(stream)
+    assert got == [a, b, Op(4, a.op, a.tensors, a.options), c]
+    assert got[1].tensors[0].handle == "ftcomm-123-1-0a1b2c3d"
+    assert got[3].options["timeout"] == 30.0
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "match"),
+    [
+        (b"float32", b"float33", "dtype"),
+        (b'"offset":0', b'"offset":-', "not JSON"),
+        (b'"shape":[4]', b'"shape":[4.', "not JSON"),
+        (b'"device":"cpu"', b'"device":"cpx"', "device"),
+        (b'"op":"allreduce"', b'"oq":"allreduce"', "unknown fields"),
+    ],
+    ids=["dtype", "offset", "shape", "device", "field"],
+)
+def test_decoder_refuses_a_malformed_payload_after_a_good_one(
+    old: bytes, new: bytes, match: str
+) -> None:
+    good = Op(1, "allreduce", (_seg(0),), {"reduce_op": "SUM", "timeout": 20.0})
+    payload = encode(good)[HEADER.size :]
+    assert payload.count(old) == 1
+    assert len(old) == len(new)
+    bad = payload.replace(old, new)
+    decoder = Decoder()
+    assert decoder.feed(encode(good)) == [good]  # cached
+    with pytest.raises(ProtocolError, match=match):
+        decoder.feed(header(Kind.OP, len(bad), op_id=2) + bad)
+
+
+@settings(max_examples=500, deadline=None, database=None)
+@given(op_frames, st.data())
+def test_a_cached_decoder_decodes_a_changed_payload_like_a_fresh_one(
+    frame: Op, data: st.DataObject
+) -> None:
+    good = encode(frame)
+    i = data.draw(st.integers(HEADER.size, len(good) - 1))
+    changed = bytearray(good)
+    changed[i] = data.draw(st.integers(0, 255).filter(lambda b: b != good[i]))
+    cached = Decoder()
+    assert cached.feed(good) == [frame]
+    try:
+        fresh = Decoder().feed(bytes(changed))
+    except ProtocolError:
+        with pytest.raises(ProtocolError):
+            cached.feed(bytes(changed))
+        return
+    assert cached.feed(bytes(changed)) == fresh
+
+
+def test_the_caches_stay_bounded() -> None:
+    decoder = Decoder()
+    for i in range(1000):
+        op = Op(i + 1, "allreduce", (_seg(i),), {"reduce_op": "SUM", "timeout": 20.0})
+        data = encode_op(op.op_id, op.op, op.tensors, op.options)
+        assert data == encode(op)
+        assert decoder.feed(data) == [op]
+        assert 1 <= len(decoder._ops) <= 256
+        assert 1 <= len(_frames._op_payloads) <= 256
+    # Still correct after the caches were emptied and refilled.
+    last = Op(5000, "allreduce", (_seg(999),), {"reduce_op": "SUM", "timeout": 20.0})
+    assert decoder.feed(encode_op(5000, last.op, last.tensors, last.options)) == [last]

@@ -348,8 +348,9 @@ def encode_op(
     """
     _int(op_id, "op_id", hi=MAX_OP_ID)
     try:
-        # True, 1 and 1.0 are equal keys but different payloads: key on types too.
-        key = (op, tensors, *((k, type(v), v) for k, v in options.items()))
+        # True, 1 and 1.0 (or 0.0 and -0.0) are equal keys but different
+        # payloads: key on each value's type and repr.
+        key = (op, tensors, *((k, type(v), repr(v)) for k, v in options.items()))
         payload = _op_payloads.get(key)
     except TypeError:  # an unhashable option value: let Op() name it
         key, payload = None, None

@@ -403,9 +403,9 @@ class WorkerProcess:
                         if call._abandoned:
                             return
                         flat_dst[start : start + step].copy_(flat_src[start : start + step])
-        except BaseException as exc:  # pragma: no cover - a copy between valid views
-            call.finish(exc)
-            raise
+        except Exception as exc:  # pragma: no cover - a copy between valid views
+            log.exception("ftcomm worker %d: copying op %d's outputs failed", self.pid, call.op_id)
+            call.finish(exc)  # this op fails; the other replies of the batch go on
         else:
             call.finish(None)
         finally:
