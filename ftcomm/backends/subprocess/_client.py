@@ -453,10 +453,10 @@ class WorkerProcess:
         self.pool.close()
         for call in calls:
             call.finish(error)
-        self._mark_exited()
         on_break = self.on_break
         if on_break is not None and not self._killed:
             on_break(error)
+        self._mark_exited()  # last: whoever waits for it sees the group errored
 
     def _mark_exited(self) -> None:
         with contextlib.suppress(concurrent.futures.InvalidStateError):
