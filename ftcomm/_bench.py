@@ -201,6 +201,22 @@ async def _open_subprocess(env: ChildEnv) -> Runner:
     return AwaitingRunner("subproc", {"allreduce": group.allreduce}, group.shutdown)
 
 
+async def _open_subprocess_shared(env: ChildEnv) -> Runner:
+    """The subprocess backend on tensors already in shared memory (no copies)."""
+    import ftcomm
+
+    group = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=_OP_TIMEOUT)
+    await group.configure(env.store_addr("subprocess-shm-bench"), env.rank, WORLD_SIZE)
+
+    def allreduce(t: torch.Tensor) -> Awaitable[object]:
+        storage = t.untyped_storage()
+        if not storage.is_shared():
+            storage.share_memory_()  # once per tensor, as for a trainer's long-lived buffers
+        return group.allreduce(t)
+
+    return AwaitingRunner("sub+shm", {"allreduce": allreduce}, group.shutdown)
+
+
 async def _open_facade(env: ChildEnv) -> Runner:
     from torch.distributed import AllreduceOptions
 
@@ -283,6 +299,7 @@ CASES: list[Case] = [
     Case("ftcomm", _open_ftcomm),
     Case("facade", _open_facade),
     Case("subproc", _open_subprocess),
+    Case("sub+shm", _open_subprocess_shared),
     Case("baby", _open_baby),
     Case("torchft", _open_torchft, _torchft_missing),
     Case("tft-baby", _open_torchft_baby, _torchft_missing),
@@ -342,6 +359,14 @@ async def _measure(rank: int, port: int, plan: Plan, store: Store) -> Report:
     by_name = {case.impl: case for case in CASES}
     runners: dict[str, Runner] = {}
     report = Report()
+    # One tensor per case and workload, kept across rounds: a case may change
+    # its tensor's memory (sub+shm moves it into shared memory) without
+    # touching another's. They stay 0: no inf or denormals.
+    tensors = {
+        (w.label, impl): torch.zeros(w.numel, dtype=torch.float32)
+        for w in plan.workloads
+        for impl in plan.cases
+    }
     try:
         for impl in plan.cases:
             runners[impl] = await by_name[impl].open(env)
@@ -349,10 +374,10 @@ async def _measure(rank: int, port: int, plan: Plan, store: Store) -> Report:
         for rnd in range(plan.rounds):
             order = list(plan.cases) if rnd % 2 == 0 else list(reversed(plan.cases))
             for w in plan.workloads:
-                tensor = torch.zeros(w.numel, dtype=torch.float32)  # stays 0: no inf/denormals
                 for impl in order:
                     barrier()
                     runner = runners[impl]
+                    tensor = tensors[(w.label, impl)]
                     if w.warmup:
                         await runner.time_ops(w.op, tensor, w.warmup)
                     lat = await runner.time_ops(w.op, tensor, w.iters)

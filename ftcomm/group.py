@@ -60,8 +60,10 @@ class Group:
             configuration. Aborts are then total: a deadline, a cancel,
             ``abort()`` or ``configure()`` kills the worker, so nothing writes
             into the tensors afterwards; and the worker's death is an error
-            at once (``WorkerDied``). Tensors are copied through shared memory
-            (docs/design.md).
+            at once (``WorkerDied``). Tensors are copied through shared memory,
+            and results copied back only on success; a tensor already in
+            shared memory (``t.share_memory_()``) is used in place, without
+            copies (docs/design.md).
         timeout: default deadline of every op, in seconds or a timedelta.
         configure_timeout: how long ``configure()`` may take (default: ``timeout``).
         spare_worker: with ``subprocess=True``, keep one worker started ahead

@@ -514,3 +514,65 @@ def test_the_parent_going_away_takes_worker_and_segments_with_it(how: str) -> No
             assert readable, f"worker {worker} outlived its parent ({how})"
         assert not {s for s in _segments() if s.startswith(f"ftcomm-{parent}-")}
         # leaving the block closes our end of its stdin: a forked child ends
+
+
+# -- tensors already in shared memory: passed in place, by file descriptor ------------------------
+async def shared_in_place(ctx: RankContext) -> dict[str, Any]:
+    r, n = ctx.rank, ctx.world_size
+    async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=20) as g:
+        await g.configure(ctx.addr(), r, n)
+        worker = _worker(g)
+        t = torch.arange(8, dtype=torch.float32) + r
+        t.share_memory_()
+        ptr = t.data_ptr()
+        sums = [(await g.allreduce(t)).clone() for _ in range(3)]
+        out: dict[str, Any] = {
+            "sums": [s.tolist() for s in sums],
+            "same_storage": t.data_ptr() == ptr,
+            "segments": worker.pool.segments,  # nothing was copied
+            "storages_sent": len(worker.pool.shared._sent),  # its fd went once
+        }
+        # A view at an offset into the same storage: broadcast from rank 0.
+        view = t[2:5]
+        view.fill_(float(100 + r))
+        await g.broadcast(view, root=0)
+        out["view"] = view.tolist()
+        out["around"] = [t[1].item(), t[5].item()]
+        out["storages_sent_after_view"] = len(worker.pool.shared._sent)
+    return out
+
+
+def test_shared_tensors_are_reduced_in_place_without_copies() -> None:
+    results = run_world(shared_in_place, 2, timeout=60)
+    base = [float(2 * i + 1) for i in range(8)]  # (i + 0) + (i + 1)
+    for rank, out in enumerate(results):
+        assert out["sums"] == [base, [2 * x for x in base], [4 * x for x in base]], out
+        assert out["same_storage"], out
+        assert out["segments"] == 0, out
+        assert out["storages_sent"] == 1, out
+        assert out["view"] == [100.0] * 3, (rank, out)
+        assert out["around"] == [4 * base[1], 4 * base[5]], (rank, out)
+        assert out["storages_sent_after_view"] == 1, out
+
+
+def _fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.asyncio
+async def test_the_worker_unmaps_shared_storages_that_died(group: ftcomm.Group) -> None:
+    import gc
+
+    worker = _worker(group)
+    await group.allreduce(torch.ones(1))
+    before = _fd_count(worker.pid)
+    for i in range(20):
+        t = torch.full((1024,), float(i))
+        t.share_memory_()
+        assert torch.equal(await group.allreduce(t), torch.full((1024,), float(i)))
+        del t
+        gc.collect()  # the storage dies: the next op tells the worker
+    await group.allreduce(torch.ones(1))  # carries the last one's release
+    assert worker.pool.shared.take_dead() == ()  # every death was passed on
+    # Each mapping holds an fd in the worker: released ones are closed.
+    assert _fd_count(worker.pid) <= before + 2

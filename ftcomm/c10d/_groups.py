@@ -487,7 +487,8 @@ class _Baby(ProcessGroupWrapper):
     anywhere afterwards, and the worker's death fails every op in flight at
     once with ``WorkerDied``. Tensors are copied through shared memory: the
     caller's own tensors are never moved, and are written only when an op
-    succeeds.
+    succeeds. Tensors already in shared memory (``t.share_memory_()``, worth
+    it for long-lived buffers) are used in place, without copies.
     """
 
     _subprocess = True

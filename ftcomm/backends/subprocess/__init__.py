@@ -87,6 +87,7 @@ class SubprocessBackend(Backend):
         except (PoolClosed, OSError) as exc:  # the worker is gone, or /dev/shm is full
             return worker.failed(exc)
         options["timeout"] = timeout
+        options.update(staged.options)
         return worker.submit(op, staged, options)
 
     def allreduce(

@@ -13,24 +13,30 @@ A thread waiting for a reply may read too (:meth:`Channel.pump`).
 
 from __future__ import annotations
 
+import array
 import asyncio
+import collections
 import contextlib
+import os
 import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..._protocol import MAX_PAYLOAD, Decoder, Frame, encode
 from ...errors import ProtocolError
 
 _READ = 1 << 16
+_MAX_FDS = 64
 
 
 class Channel:
     """Frames over one connected stream socket."""
 
-    def __init__(self, sock: socket.socket, max_payload: int = MAX_PAYLOAD) -> None:
+    def __init__(
+        self, sock: socket.socket, max_payload: int = MAX_PAYLOAD, *, receive_fds: bool = False
+    ) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
@@ -39,7 +45,9 @@ class Channel:
         self._lock = threading.Lock()
         self._pump_lock = threading.Lock()
         self._loop_thread: int | None = None
-        self._backlog = bytearray()
+        self._backlog: collections.deque[tuple[bytes, tuple[int, ...]]] = collections.deque()
+        self._fds: list[int] = []  # received with SCM_RIGHTS, not yet taken
+        self._receive_fds = receive_fds
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._reading = False
@@ -138,8 +146,11 @@ class Channel:
             if not self._reading:
                 return False
             try:
-                data = self.sock.recv(_READ)
+                data = self._recv() if self._receive_fds else self.sock.recv(_READ)
             except (BlockingIOError, InterruptedError):
+                return False
+            except ProtocolError as exc:
+                self._end(exc)
                 return False
             except OSError:  # reset by a peer that died: the same as its end closing
                 data = b""
@@ -160,6 +171,20 @@ class Channel:
         if frames:
             self._on_frames(frames)
         return bool(frames)
+
+    def _recv(self) -> bytes:
+        """``recv`` that also keeps the descriptors that came with the bytes."""
+        data, ancillary, flags, _ = self.sock.recvmsg(
+            _READ, socket.CMSG_SPACE(_MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC
+        )
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                self._fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            raise ProtocolError(f"more than {_MAX_FDS} descriptors came with one read")
+        return data
 
     def _end(self, error: ProtocolError | None) -> None:
         loop = self._loop
@@ -194,25 +219,33 @@ class Channel:
         """
         self.send_bytes(encode(frame))
 
-    def send_bytes(self, data: bytes) -> None:
-        """Write raw bytes (a frame, or on purpose, a corrupt one)."""
+    def send_bytes(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        """Write raw bytes (a frame, or on purpose, a corrupt one), and with
+        them the file descriptors ``fds`` (``SCM_RIGHTS``: the peer gets copies)."""
         with self._lock:
             if self._closed:
                 raise ConnectionResetError("the channel to the worker is closed")
             if not self._backlog:
-                try:
-                    sent = self.sock.send(data)
-                except (BlockingIOError, InterruptedError):
-                    sent = 0
+                sent = self._send(data, fds)
                 if sent == len(data):
                     return
-                self._backlog += data[sent:]
+                # The descriptors travel with the first byte sent.
+                self._backlog.append((data[sent:], () if sent else tuple(fds)))
                 loop = self._loop
                 if loop is None:
                     raise RuntimeError("Channel.send() before bind(): use send_blocking()")
                 loop.call_soon_threadsafe(self._arm)
             else:
-                self._backlog += data
+                self._backlog.append((data, tuple(fds)))
+
+    def _send(self, data: bytes, fds: Sequence[int]) -> int:
+        try:
+            if fds:
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                return self.sock.sendmsg([data], rights)
+            return self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            return 0
 
     def _arm(self) -> None:
         with self._lock:
@@ -221,15 +254,30 @@ class Channel:
 
     def _flush(self) -> None:
         with self._lock:
-            try:
-                sent = self.sock.send(self._backlog)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:  # the peer is gone: the reader reports it
-                sent = len(self._backlog)
-            del self._backlog[:sent]
-            if not self._backlog and self._loop is not None:
+            while self._backlog:
+                data, fds = self._backlog[0]
+                try:
+                    sent = self._send(data, fds)
+                except OSError:  # the peer is gone: the reader reports it
+                    self._backlog.clear()
+                    break
+                if sent < len(data):
+                    self._backlog[0] = (data[sent:], () if sent else fds)
+                    return
+                self._backlog.popleft()
+            if self._loop is not None:
                 self._loop.remove_writer(self.fd)
+
+    def take_fds(self, n: int) -> list[int]:
+        """The next ``n`` descriptors received (their frame has arrived).
+
+        Raises:
+            ProtocolError: fewer than ``n`` came.
+        """
+        if n > len(self._fds):
+            raise ProtocolError(f"a frame names {n} descriptors, {len(self._fds)} came")
+        taken, self._fds = self._fds[:n], self._fds[n:]
+        return taken
 
     def close(self) -> None:
         """Stop reading and writing and close the socket (the loop's thread, or
@@ -239,6 +287,9 @@ class Channel:
                 return
             self._closed = True
             self._backlog.clear()
+            for fd in self._fds:
+                os.close(fd)
+            self._fds.clear()
             loop = self._loop
             if loop is not None and not loop.is_closed():
                 loop.remove_writer(self.fd)

@@ -324,7 +324,8 @@ class WorkerProcess:
                 self._calls[call.op_id] = call
         if self.death is None:
             try:
-                self.channel.send_bytes(encode_op(call.op_id, op, staged.descs, options))
+                frame = encode_op(call.op_id, op, staged.descs, options)
+                self.channel.send_bytes(frame, staged.fds)
                 return call
             except OSError:
                 pass  # the worker is going: the owner loop says how

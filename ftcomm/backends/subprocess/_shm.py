@@ -18,7 +18,10 @@ Rules:
    and nothing is left behind if both processes then die. The worker unlinks
    the names it mapped when its parent goes away; the parent unlinks the rest
    when the pool closes.
-3. Segments are files under ``/dev/shm`` opened with ``O_EXCL`` and mode 0600,
+3. A tensor whose storage is already in shared memory is not copied: its
+   file descriptor goes to the worker once (:class:`SharedStorages`), and
+   the worker maps the caller's storage itself.
+4. Segments are files under ``/dev/shm`` opened with ``O_EXCL`` and mode 0600,
    not :class:`multiprocessing.shared_memory.SharedMemory`, whose resource
    tracker is a process of its own and would own (and report) them.
 """
@@ -31,8 +34,10 @@ import mmap
 import os
 import secrets
 import threading
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -106,6 +111,8 @@ def _aligned(n: int) -> int:
 
 EMPTY = "empty"
 """The handle of a tensor with no elements (nothing to map)."""
+FD_PREFIX = "fd:"
+"""The handle of a caller's storage already in shared memory: ``fd:<inode>``."""
 
 
 class Segment:
@@ -183,10 +190,71 @@ class Staged:
     descs: tuple[TensorDesc, ...]
     copy_back: list[tuple[torch.Tensor, torch.Tensor]]
     """(caller's tensor, its view in the segment), for the op's outputs."""
+    fds: tuple[int, ...] = ()
+    """Descriptors of shared storages the worker has not seen yet, sent with
+    the OP (``SCM_RIGHTS``), in the order of ``options["fds"]``."""
+    options: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """``fds`` (their inodes) and ``release`` (inodes of storages that died)."""
 
-    def copy_out(self) -> None:
-        for dst, src in self.copy_back:
-            dst.copy_(src)
+
+def _shared_fd(t: torch.Tensor) -> tuple[int, int] | None:
+    """(fd, inode) of ``t``'s storage if it is in fd-backed shared memory."""
+    storage = t.untyped_storage()
+    if t.device.type != "cpu" or t.numel() == 0 or not storage.is_shared():
+        return None
+    try:
+        fd, _ = storage._share_fd_cpu_()  # its own fd: no move, no copy
+    except RuntimeError:  # shared by file name (another sharing strategy): copy it
+        return None
+    return fd, os.fstat(fd).st_ino
+
+
+class SharedStorages:
+    """The storages in shared memory that one worker has mapped, by inode.
+
+    Each is sent once (its fd rides with the first OP that uses it); when
+    the caller's storage dies, the next OP tells the worker to unmap it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sent: dict[int, Any] = {}  # inode -> weakref.finalize of its storage
+        self._dead: list[int] = []
+
+    def place(self, t: torch.Tensor, fd: int, ino: int, new: list[tuple[int, int]]) -> TensorDesc:
+        with self._lock:
+            if ino not in self._sent and all(ino != i for _, i in new):
+                new.append((fd, ino))
+        return TensorDesc(
+            f"{FD_PREFIX}{ino}",
+            dtype_name(t.dtype),
+            tuple(t.shape),
+            tuple(t.stride()),
+            int(t.storage_offset()),
+        )
+
+    def sent(self, t: torch.Tensor, ino: int) -> None:
+        """``ino``'s fd went out: watch its storage (weakly) for its end."""
+        with self._lock:
+            if ino not in self._sent:
+                self._sent[ino] = weakref.finalize(t.untyped_storage(), self._died, ino)
+
+    def _died(self, ino: int) -> None:
+        with self._lock:
+            if self._sent.pop(ino, None) is not None:
+                self._dead.append(ino)
+
+    def take_dead(self) -> tuple[int, ...]:
+        with self._lock:
+            dead, self._dead = self._dead, []
+        return tuple(dead)
+
+    def close(self) -> None:
+        with self._lock:
+            finalizers, self._sent = list(self._sent.values()), {}
+            self._dead.clear()
+        for finalizer in finalizers:
+            finalizer.detach()
 
 
 class Pool:
@@ -197,6 +265,7 @@ class Pool:
         self._free: dict[int, list[Segment]] = {}
         self._all: list[Segment] = []
         self._closed = False
+        self.shared = SharedStorages()
 
     def stage(self, tensors: Sequence[tuple[torch.Tensor, str]]) -> Staged:
         """Lay an op's tensors out in one segment.
@@ -208,21 +277,36 @@ class Pool:
             ValueError: a dtype the protocol cannot carry.
             OSError: shared memory is exhausted.
         """
+        shared = [_shared_fd(t) for t, _ in tensors]
         offsets, total = [], 0
-        for t, _ in tensors:
+        for (t, _), fd in zip(tensors, shared, strict=True):
             offsets.append(total)
-            total = _aligned(total + t.numel() * t.element_size())
+            if fd is None:
+                total = _aligned(total + t.numel() * t.element_size())
         segment = self._take(total) if total else None
         descs: list[TensorDesc] = []
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for (t, role), offset in zip(tensors, offsets, strict=True):
+        new: list[tuple[int, int]] = []
+        for (t, role), offset, fd in zip(tensors, offsets, shared, strict=True):
+            if fd is not None:  # in place: the worker maps the caller's storage
+                descs.append(self.shared.place(t, fd[0], fd[1], new))
+                continue
             view, desc = _place(segment, t, offset)
             if role != "out":
                 view.copy_(t)
             if role != "in":
                 copy_back.append((t, view))
             descs.append(desc)
-        return Staged(segment, tuple(descs), copy_back)
+        options: dict[str, tuple[int, ...]] = {}
+        if new:
+            options["fds"] = tuple(ino for _, ino in new)
+            for (t, _), fd in zip(tensors, shared, strict=True):
+                if fd is not None:
+                    self.shared.sent(t, fd[1])
+        dead = self.shared.take_dead()
+        if dead:
+            options["release"] = dead
+        return Staged(segment, tuple(descs), copy_back, tuple(fd for fd, _ in new), options)
 
     def _take(self, nbytes: int) -> Segment:
         size = _size_class(nbytes)
@@ -253,6 +337,7 @@ class Pool:
             self._closed = True
             segments, self._all = self._all, []
             self._free.clear()
+        self.shared.close()
         for segment in segments:
             segment.unlink()
 
@@ -268,6 +353,21 @@ class Mappings:
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
 
+    def adopt(self, ino: int, fd: int) -> None:
+        """Map a caller's shared storage received as ``fd`` (closed here)."""
+        try:
+            size = os.fstat(fd).st_size
+            if os.fstat(fd).st_ino != ino:
+                raise ValueError(f"fd {fd} is not inode {ino}")
+            buf = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._maps[f"{FD_PREFIX}{ino}"] = buf
+
+    def release(self, ino: int) -> None:
+        """The caller's storage died: unmap it once its views are gone."""
+        self._maps.pop(f"{FD_PREFIX}{ino}", None)
+
     def tensor(self, desc: TensorDesc) -> torch.Tensor:
         """The tensor ``desc`` describes, over the parent's segment.
 
@@ -279,6 +379,8 @@ class Mappings:
             return torch.empty(desc.shape, dtype=dtype)
         buf = self._maps.get(desc.handle)
         if buf is None:
+            if desc.handle.startswith(FD_PREFIX):
+                raise ValueError(f"no storage was sent for {desc.handle!r}")
             buf = self._attach(desc.handle)
         itemsize = dtype.itemsize
         span = 1 + sum((n - 1) * s for n, s in zip(desc.shape, desc.stride, strict=True))
@@ -302,4 +404,5 @@ class Mappings:
     def unlink_all(self) -> None:
         """The parent is gone: take the names we know out of ``/dev/shm``."""
         for name in self._maps:
-            _unlink(name)
+            if not name.startswith(FD_PREFIX):  # a caller's storage: not ours to unlink
+                _unlink(name)

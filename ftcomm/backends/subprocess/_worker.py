@@ -30,6 +30,7 @@ import signal
 import socket
 import sys
 import traceback
+from collections.abc import Mapping
 
 import torch
 
@@ -41,6 +42,7 @@ from ..._protocol import (
     Frame,
     Op,
     Ready,
+    Scalar,
     Shutdown,
     TensorDesc,
 )
@@ -169,10 +171,28 @@ class Worker:
         self.reply(Done(op_id))
 
     # -- ops ------------------------------------------------------------------------
+    def storages(self, options: Mapping[str, Scalar]) -> None:
+        """Unmap the caller's storages that died, map the ones sent with this OP."""
+        release = options.get("release")
+        if isinstance(release, tuple) and release:
+            for ino in release:
+                self.maps.release(ino)
+            self.tensors.clear()  # cached views may reach an unmapped storage
+        new = options.get("fds")
+        if isinstance(new, tuple) and new:
+            fds = self.channel.take_fds(len(new))
+            try:
+                for ino in new:
+                    self.maps.adopt(ino, fds.pop(0))  # closes it
+            finally:
+                for fd in fds:  # left over by a failure: not ours to keep
+                    os.close(fd)
+
     def run_op(self, frame: Op) -> None:
         op_id = frame.op_id
         backend = self.backend
         try:
+            self.storages(frame.options)  # first: its descriptors came with this frame
             if backend is None:
                 raise RuntimeError("OP before the group was configured")
             tensors = self.tensors.get(frame.tensors)
@@ -200,7 +220,7 @@ def main(argv: list[str]) -> int:
     asyncio.set_event_loop(loop)
 
     async def serve() -> int:
-        return await Worker(Channel(sock), backend_class(name), parent).run()
+        return await Worker(Channel(sock, receive_fds=True), backend_class(name), parent).run()
 
     try:
         code = loop.run_until_complete(serve())
