@@ -14,6 +14,7 @@ import os
 import select
 import signal
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -446,8 +447,14 @@ async def test_a_group_dropped_without_shutdown_does_not_keep_its_worker(
     g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10)
     await g.configure(f"127.0.0.1:{store.port}/drop", 0, 1)
     worker = _worker(g)
+    backend = weakref.ref(g._config.backend)  # type: ignore[union-attr]
     del g
     gc.collect()
+    alive = backend()
+    if alive is not None:  # say what holds it, rather than time out below
+        holders = [type(r).__name__ + ": " + repr(r)[:200] for r in gc.get_referrers(alive)]
+        del alive
+        pytest.fail(f"the dropped group's backend is still referenced by {holders}")
     await _until_dead(worker)
     assert worker.proc.returncode == -signal.SIGKILL
 

@@ -300,7 +300,7 @@ class Work(Generic[R]):
         native = self._native
         if native is None:
             return
-        spin_until = time.perf_counter() + SPIN_SECONDS
+        spin_until = time.perf_counter() + getattr(native, "spin", SPIN_SECONDS)
         while self._state == _PENDING:
             if native.poll():
                 self._complete(native.outcome())
@@ -375,7 +375,8 @@ class Work(Generic[R]):
         if self._state != _PENDING or native is None:
             return True
         now = time.perf_counter()
-        spin_until = now + (SPIN_SECONDS if timeout is None else min(SPIN_SECONDS, timeout))
+        spin = getattr(native, "spin", SPIN_SECONDS)
+        spin_until = now + (spin if timeout is None else min(spin, timeout))
         end = None if timeout is None else now + timeout
         while self._state == _PENDING:
             if native.poll():

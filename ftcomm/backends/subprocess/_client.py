@@ -127,6 +127,12 @@ class Call:
         self._copy_lock = threading.Lock()
         self._abandoned = False  # the op ended with an error: copy nothing back
 
+    spin = 0.0
+    """How long a waiter polls before it sleeps (``Work`` reads it): not at
+    all. The op runs in another process that needs the core more than a
+    poller does (measured, 2 ranks on 2 cores: p50 ~700 us polling 2 ms,
+    ~600 us not polling)."""
+
     def poll(self) -> bool:
         if self._done:
             return True

@@ -29,6 +29,8 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Mapping
 
@@ -47,6 +49,8 @@ from ..._protocol import (
     TensorDesc,
 )
 from ..._runtime.loop import new_event_loop
+from ..._runtime.native import Done as Ended
+from ..._runtime.native import NativeOp
 from ..._store import parse_store_addr
 from ...errors import ProtocolError
 from .. import backend_class
@@ -54,6 +58,12 @@ from .._base import Backend, ConnectSpec
 from . import _ops
 from ._channel import Channel
 from ._shm import Mappings
+
+SPIN = float(os.environ.get("FTCOMM_WORKER_SPIN_US", "2000")) / 1e6
+"""How long the worker polls an op it issued (yielding the core between
+polls) before it waits for the op's completion callback, which costs a
+wake-up of its own. Measured, 2 ranks on 2 cores, 1-float allreduce p50:
+~600 us without polling, ~450 us with 2 ms."""
 
 EXIT_OK = 0
 EXIT_CRASHED = 1
@@ -205,9 +215,28 @@ class Worker:
         except Exception as exc:
             self.reply(failed(op_id, exc))
             return
-        native.on_done(
-            lambda error: self.reply(Done(op_id) if error is None else failed(op_id, error))
-        )
+        once = threading.Lock()
+
+        def ended(error: BaseException | None) -> None:
+            if once.acquire(blocking=False):  # the poll and the callback may both see it
+                self.reply(Done(op_id) if error is None else failed(op_id, error))
+
+        self.watch(native, ended, time.perf_counter() + SPIN)
+
+    def watch(self, native: NativeOp, ended: Ended, until: float) -> None:
+        """Poll ``native`` on the loop until ``until``, then wait for its callback.
+
+        A method, not a closure that reschedules itself: such a closure is a
+        reference cycle, and would keep the op's tensors (and the caller's
+        shared storages they map) until the garbage collector runs.
+        """
+        if native.poll():
+            ended(native.outcome())
+        elif time.perf_counter() < until:
+            os.sched_yield()  # the core to Gloo's thread first
+            self.loop.call_soon(self.watch, native, ended, until)
+        else:
+            native.on_done(ended)
 
 
 def main(argv: list[str]) -> int:
