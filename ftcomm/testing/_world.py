@@ -156,9 +156,11 @@ def _segments() -> set[str]:
 def _leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str | None:
     """What the rank left behind, once ftcomm's blocking work has ended."""
     # A finished call leaves the pool's books just after its future completes.
-    rt.workers.wait_idle(5.0)
-    rt.control.wait_idle(5.0)
-    rt.callbacks.wait_idle(5.0)
+    # Bounded by the calls' own deadlines: a configure against a broken store may
+    # block its control thread up to 2 * timeout + 2 s (see Group.configure).
+    rt.workers.wait_idle(15.0)
+    rt.control.wait_idle(15.0)
+    rt.callbacks.wait_idle(15.0)
     rt.reaper.wait_short(10.0)
     if rt.workers.busy or rt.control.busy:
         return f"{rt.workers.busy + rt.control.busy} ftcomm worker call(s) still blocked"
