@@ -55,10 +55,6 @@ class Channel:
         self._on_eof: Callable[[], None] = lambda: None
         self._on_error: Callable[[ProtocolError], None] = lambda error: None
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     # -- before start(): a thread with a deadline ------------------------------
     def send_blocking(self, frame: Frame, deadline: float) -> None:
         """Write one frame, waiting for room until ``deadline`` (monotonic).
