@@ -30,7 +30,7 @@ from typing import ClassVar
 import torch
 from torch.distributed import ReduceOp
 
-from ..._protocol import DTYPES, Scalar
+from ..._protocol import Scalar
 from ..._runtime.loop import get_runtime
 from ..._runtime.native import NativeOp
 from ...errors import CommError, ProtocolError
@@ -38,7 +38,7 @@ from .. import backend_class
 from .._base import Backend, ConnectSpec
 from ._client import Call, WorkerProcess
 from ._ops import reduce_op_name
-from ._shm import PoolClosed
+from ._shm import CARRIED, PoolClosed
 
 __all__ = ["Launcher", "SubprocessBackend"]
 
@@ -165,7 +165,6 @@ def subprocess_class(name: str) -> type[SubprocessBackend]:
         ValueError, NotImplementedError: as :func:`~ftcomm.backends.backend_class`.
     """
     inner = backend_class(name)
-    carried = frozenset(getattr(torch, d) for d in DTYPES)
     return type(
         f"Subprocess{inner.__name__}",
         (SubprocessBackend,),
@@ -174,7 +173,7 @@ def subprocess_class(name: str) -> type[SubprocessBackend]:
             "name": inner.name,
             # Shared memory carries CPU tensors (IPC handles: their own device).
             "device_type": "cpu" if inner.device_type == "*" else inner.device_type,
-            "dtypes": carried if inner.dtypes is None else inner.dtypes & carried,
+            "dtypes": CARRIED if inner.dtypes is None else inner.dtypes & CARRIED,
             "reduce_ops": inner.reduce_ops,
         },
     )

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ..._protocol import TensorDesc
+from ..._protocol import DTYPES, TensorDesc
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ftcomm-"
@@ -49,24 +49,10 @@ ALIGN = 64
 MIN_SEGMENT = mmap.PAGESIZE
 
 _names = itertools.count()
-_DTYPES = {
-    getattr(torch, name): name
-    for name in (
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint8",
-        "bool",
-        "complex64",
-        "complex128",
-    )
-}
+_DTYPES: dict[torch.dtype, str] = {getattr(torch, name): name for name in DTYPES}
 _BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
+CARRIED = frozenset(_DTYPES)
+"""The dtypes a descriptor can name (the protocol's :data:`~ftcomm._protocol.DTYPES`)."""
 
 
 class PoolClosed(Exception):
