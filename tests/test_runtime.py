@@ -18,6 +18,7 @@ import pytest
 from helpers import ScriptedOp, issue
 
 import ftcomm
+from ftcomm._runtime import loop as loop_mod
 from ftcomm._runtime.deadline import to_seconds
 from ftcomm._runtime.loop import Runtime, get_runtime
 from ftcomm._runtime.threads import WorkerPool
@@ -182,6 +183,85 @@ async def test_timers_and_memory_stay_flat_over_100k_ops() -> None:
     assert len(table) == 0
     assert max(counts) <= 2, counts  # the table's one timer (+ the debug watchdog's beat)
     assert end_mem - base_mem < 256 * 1024, f"grew by {end_mem - base_mem} bytes"
+
+
+def test_watchdog_excuses_time_the_owner_thread_queued_for_a_cpu() -> None:
+    # On an oversubscribed machine the owner thread can sit runnable but off
+    # the CPU. The kernel's counters are mocked to say it queued the whole
+    # time, so a 0.3 s late beat is not the callback's stall.
+    rt = Runtime("asyncio")
+    try:
+        rt.set_debug(0.05)
+        watchdog = rt.watchdog
+        assert watchdog is not None
+        watchdog._clock.read = lambda: (0.0, time.monotonic())  # type: ignore[method-assign]
+        done = threading.Event()
+        rt.call_soon(lambda: (time.sleep(0.3), done.set()))
+        assert done.wait(5)
+        assert watchdog.stalls == []
+    finally:
+        rt.close()
+
+
+def test_watchdog_excuses_time_another_thread_held_the_gil() -> None:
+    # The CI failure this guards against: a callback released the GIL for a
+    # syscall and then waited ~0.2 s to get it back while another thread ran
+    # C code that holds it (a gc.collect(), here a builtin sum). Every Python
+    # thread, the watchdog too, was stopped; the callback held nothing.
+    rt = Runtime("asyncio")
+    try:
+        rt.set_debug(0.2)
+        watchdog = rt.watchdog
+        assert watchdog is not None
+        inside, done = threading.Event(), threading.Event()
+
+        def callback() -> None:
+            inside.set()
+            time.sleep(0.02)  # wakes while the main thread holds the GIL
+            time.sleep(0.1)  # late by then, and still inside the callback
+            done.set()
+
+        rt.call_soon(callback)
+        assert inside.wait(5)
+        t0 = time.monotonic()
+        sum(range(30_000_000))  # C code that holds the GIL throughout
+        held_gil = time.monotonic() - t0
+        assert done.wait(5)
+        assert held_gil > 0.25, f"the GIL was held only {held_gil:.3f} s: nothing was tested"
+        assert watchdog.stalls == [], watchdog.stalls[0]
+    finally:
+        rt.close()
+
+
+def test_watchdog_reports_a_callback_that_holds_the_gil_on_a_cpu() -> None:
+    # The other side of the excuse: a callback running C code that holds the
+    # GIL stops the watchdog too, but it is on a CPU the whole time.
+    rt = Runtime("asyncio")
+    try:
+        rt.set_debug(0.1)
+        watchdog = rt.watchdog
+        assert watchdog is not None
+        if watchdog._clock.read() == (0.0, 0.0):
+            pytest.skip("no /proc/self/task/<tid>/schedstat: GIL holders are excused")
+        done = threading.Event()
+        rt.call_soon(lambda: (sum(range(30_000_000)), time.sleep(0.05), done.set()))
+        assert done.wait(10)
+        assert watchdog.stalls, "a callback on a CPU for ~0.3 s went unnoticed"
+        assert watchdog.stalls[0].seconds > 0.1
+    finally:
+        rt.close()
+
+
+def test_the_scheduler_counters_are_read_from_the_kernel() -> None:
+    clock = loop_mod.CpuClock(threading.get_native_id())
+    if clock.read() == (0.0, 0.0):
+        pytest.skip("no /proc/self/task/<tid>/schedstat on this kernel")
+    on_cpu, queued = clock.read()
+    sum(range(2_000_000))  # about 20 ms on a CPU
+    on_cpu2, queued2 = clock.read()
+    assert on_cpu2 - on_cpu > 0.005
+    assert queued2 >= queued >= 0.0
+    assert loop_mod.CpuClock(None).read() == (0.0, 0.0)
 
 
 def test_watchdog_reports_a_callback_that_holds_the_loop() -> None:
