@@ -201,20 +201,15 @@ async def _open_subprocess(env: ChildEnv) -> Runner:
     return AwaitingRunner("subproc", {"allreduce": group.allreduce}, group.shutdown)
 
 
-async def _open_subprocess_shared(env: ChildEnv) -> Runner:
-    """The subprocess backend on tensors already in shared memory (no copies)."""
+async def _open_subprocess_copied(env: ChildEnv) -> Runner:
+    """The subprocess backend copying every tensor in and out (never moving it)."""
     import ftcomm
 
-    group = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=_OP_TIMEOUT)
-    await group.configure(env.store_addr("subprocess-shm-bench"), env.rank, WORLD_SIZE)
-
-    def allreduce(t: torch.Tensor) -> Awaitable[object]:
-        storage = t.untyped_storage()
-        if not storage.is_shared():
-            storage.share_memory_()  # once per tensor, as for a trainer's long-lived buffers
-        return group.allreduce(t)
-
-    return AwaitingRunner("sub+shm", {"allreduce": allreduce}, group.shutdown)
+    group = ftcomm.Group(
+        "gloo", subprocess=True, spare_worker=False, timeout=_OP_TIMEOUT, share_min_bytes=None
+    )
+    await group.configure(env.store_addr("subprocess-copy-bench"), env.rank, WORLD_SIZE)
+    return AwaitingRunner("sub+copy", {"allreduce": group.allreduce}, group.shutdown)
 
 
 async def _open_facade(env: ChildEnv) -> Runner:
@@ -299,7 +294,7 @@ CASES: list[Case] = [
     Case("ftcomm", _open_ftcomm),
     Case("facade", _open_facade),
     Case("subproc", _open_subprocess),
-    Case("sub+shm", _open_subprocess_shared),
+    Case("sub+copy", _open_subprocess_copied),
     Case("baby", _open_baby),
     Case("torchft", _open_torchft, _torchft_missing),
     Case("tft-baby", _open_torchft_baby, _torchft_missing),
@@ -360,7 +355,7 @@ async def _measure(rank: int, port: int, plan: Plan, store: Store) -> Report:
     runners: dict[str, Runner] = {}
     report = Report()
     # One tensor per case and workload, kept across rounds: a case may change
-    # its tensor's memory (sub+shm moves it into shared memory) without
+    # its tensor's memory (subproc moves it into shared memory) without
     # touching another's. They stay 0: no inf or denormals.
     tensors = {
         (w.label, impl): torch.zeros(w.numel, dtype=torch.float32)

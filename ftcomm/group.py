@@ -63,16 +63,27 @@ class Group:
             at once (``WorkerDied``). Tensors are copied through shared memory,
             and results copied back only on success; a tensor already in
             shared memory (``t.share_memory_()``) is used in place, without
-            copies (docs/design.md).
+            copies (docs/design.md). See ``share_min_bytes`` for large ones.
         timeout: default deadline of every op, in seconds or a timedelta.
         configure_timeout: how long ``configure()`` may take (default: ``timeout``).
         spare_worker: with ``subprocess=True``, keep one worker started ahead
             so that ``configure()`` after a failure does not wait for Python
             and torch to start (about 1.7 s here). Costs one idle process.
+        share_min_bytes: with ``subprocess=True``, a CPU tensor whose storage
+            holds at least this many bytes (default 1 MiB) and comes back for
+            a second op has its storage moved into shared memory in place
+            (``Tensor.share_memory_()``: same values, same tensor object, new
+            memory), and is used in place from then on instead of being
+            copied in and out on every op. What that changes for the caller:
+            ``tensor.is_shared()`` becomes true, and an op that fails may have
+            written part of its result, as in-process Gloo may. Storages
+            torch does not own (``from_numpy``) and pinned memory are always
+            copied. ``None``: never move, always copy.
 
     Raises:
         TypeError: an argument has the wrong type.
-        ValueError: an unknown backend or a bad timeout.
+        ValueError: an unknown backend, a bad timeout or a negative
+            ``share_min_bytes``.
         NotImplementedError: ``"nccl"`` or ``"xccl"``.
 
     Use ``async with Group(...) as group:`` to shut it down on exit.
@@ -86,12 +97,20 @@ class Group:
         timeout: Timeout = 60.0,
         configure_timeout: Timeout | None = None,
         spare_worker: bool = True,
+        share_min_bytes: int | None = 1 << 20,
     ) -> None:
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
         for name, flag in (("subprocess", subprocess), ("spare_worker", spare_worker)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        if share_min_bytes is not None:
+            if isinstance(share_min_bytes, bool) or not isinstance(share_min_bytes, int):
+                raise TypeError(
+                    f"share_min_bytes must be an int or None, got {type(share_min_bytes).__name__}"
+                )
+            if share_min_bytes < 0:
+                raise ValueError(f"share_min_bytes must be >= 0, got {share_min_bytes}")
         self._timeout = to_seconds(timeout, "timeout")
         self._configure_timeout = resolve(configure_timeout, self._timeout, "configure_timeout")
         self._launcher: Launcher | None = None
@@ -99,7 +118,7 @@ class Group:
         if subprocess:
             from .backends.subprocess import Launcher
 
-            self._launcher = Launcher(backend, spare=spare_worker)
+            self._launcher = Launcher(backend, spare=spare_worker, share_min_bytes=share_min_bytes)
             self._connect = self._launcher.connect
         else:
             self._connect = backend_class(backend).connect

@@ -254,13 +254,17 @@ def test_watchdog_reports_a_callback_that_holds_the_gil_on_a_cpu() -> None:
 
 def test_the_scheduler_counters_are_read_from_the_kernel() -> None:
     clock = loop_mod.CpuClock(threading.get_native_id())
-    if clock.read() == (0.0, 0.0):
-        pytest.skip("no /proc/self/task/<tid>/schedstat on this kernel")
-    on_cpu, queued = clock.read()
-    sum(range(2_000_000))  # about 20 ms on a CPU
-    on_cpu2, queued2 = clock.read()
-    assert on_cpu2 - on_cpu > 0.005
-    assert queued2 >= queued >= 0.0
+    try:
+        if clock.read() == (0.0, 0.0):
+            pytest.skip("no /proc/self/task/<tid>/schedstat on this kernel")
+        on_cpu, queued = clock.read()
+        sum(range(2_000_000))  # about 20 ms on a CPU
+        on_cpu2, queued2 = clock.read()
+        assert on_cpu2 - on_cpu > 0.005
+        assert queued2 >= queued >= 0.0
+    finally:
+        clock.close()
+    assert clock.read() == (0.0, 0.0)  # closed: no fd, no figures
     assert loop_mod.CpuClock(None).read() == (0.0, 0.0)
 
 

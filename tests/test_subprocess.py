@@ -29,6 +29,7 @@ from ftcomm._protocol import Done, Ready
 from ftcomm._runtime.loop import get_runtime
 from ftcomm.backends.subprocess import SubprocessBackend
 from ftcomm.backends.subprocess._client import WorkerProcess
+from ftcomm.backends.subprocess._shm import Pool
 from ftcomm.testing import Fault, FaultPlan, Kind, RankContext, run_world
 from ftcomm.testing._world import _segments
 
@@ -574,6 +575,98 @@ def test_shared_tensors_are_reduced_in_place_without_copies() -> None:
         assert out["view"] == [100.0] * 3, (rank, out)
         assert out["around"] == [4 * base[1], 4 * base[5]], (rank, out)
         assert out["storages_sent_after_view"] == 1, out
+
+
+# -- large storages that come back: moved into shared memory, then in place ----------------
+async def moved_in_place(ctx: RankContext) -> dict[str, Any]:
+    import numpy as np
+
+    r, n = ctx.rank, ctx.world_size
+    out: dict[str, Any] = {}
+    async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=20) as g:
+        await g.configure(ctx.addr(), r, n)
+        worker = _worker(g)
+        big = torch.full((1 << 18,), float(r + 1))  # 1 MiB: moved on its second op
+        ptr = big.data_ptr()
+        await g.allreduce(big)  # 3.0 everywhere
+        out["shared_after_first"] = big.is_shared()
+        await g.allreduce(big)  # moved, then reduced in place: 6.0
+        out["shared_after_second"] = big.is_shared() and big.data_ptr() != ptr
+        segments = worker.pool.segments
+        view = big[100:200]  # a view of the moved storage, in place too
+        view.fill_(float(10 * (r + 1)))
+        await g.allreduce(view)
+        out["values"] = [big[0].item(), big[150].item(), big[-1].item()]
+        out["new_segments"] = worker.pool.segments - segments  # nothing copied
+        out["storages_sent"] = len(worker.pool.shared._sent)
+        # Memory torch does not own is never moved: numpy keeps seeing the result.
+        arr = np.full(1 << 18, float(r + 1), dtype=np.float32)
+        wrapped = torch.from_numpy(arr)
+        for _ in range(3):
+            await g.allreduce(wrapped)
+        out["numpy"] = (wrapped.is_shared(), float(arr[0]))
+    async with ftcomm.Group(
+        "gloo", subprocess=True, spare_worker=False, timeout=20, share_min_bytes=None
+    ) as g:
+        await g.configure(ctx.addr("never"), r, n)
+        t = torch.full((1 << 18,), float(r + 1))
+        for _ in range(3):
+            await g.allreduce(t)
+        out["never"] = (t.is_shared(), t[0].item())
+    return out
+
+
+def test_a_large_storage_used_again_moves_into_shared_memory() -> None:
+    results = run_world(moved_in_place, 2, timeout=60)
+    for out in results:
+        assert not out["shared_after_first"], out
+        assert out["shared_after_second"], out
+        assert out["values"] == [6.0, 30.0, 6.0], out
+        assert out["new_segments"] == 0, out
+        assert out["storages_sent"] == 1, out
+        assert out["numpy"] == (False, 3.0 * 2 * 2), out
+        assert out["never"] == (False, 3.0 * 2 * 2), out
+
+
+def test_a_storage_an_op_still_copies_is_not_moved() -> None:
+    pool = Pool(share_min_bytes=4096)
+    t = torch.ones(1024)  # 4 KiB
+    try:
+        first = pool.stage([(t, "inout")])  # seen once: copied
+        second = pool.stage([(t, "inout")])  # seen again, but `first` copies it
+        assert not t.is_shared()
+        assert first.copy_back
+        assert second.copy_back
+        first.unpin()
+        first.unpin()  # idempotent
+        second.unpin()
+        third = pool.stage([(t, "inout")])  # nothing copies it now: moved
+        assert t.is_shared()
+        assert torch.equal(t, torch.ones(1024))
+        assert not third.copy_back
+        assert len(third.fds) == 1
+        assert third.pins == ()
+    finally:
+        pool.close()
+
+
+def test_small_foreign_or_unwanted_storages_are_never_moved() -> None:
+    import numpy as np
+
+    pool, never = Pool(share_min_bytes=4096), Pool(share_min_bytes=None)
+    small = torch.ones(1023)  # under 4 KiB
+    foreign = torch.from_numpy(np.ones(1024, dtype=np.float32))
+    big = torch.ones(1024)
+    try:
+        for _ in range(3):
+            for p, t in ((pool, small), (pool, foreign), (never, big)):
+                staged = p.stage([(t, "inout")])
+                assert staged.copy_back
+                staged.unpin()
+        assert [small.is_shared(), foreign.is_shared(), big.is_shared()] == [False] * 3
+    finally:
+        pool.close()
+        never.close()
 
 
 def _fd_count(pid: int) -> int:

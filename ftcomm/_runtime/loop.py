@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import logging
 import os
 import sys
@@ -86,22 +87,30 @@ class CpuClock:
 
     :meth:`read` gives ``(on_cpu, queued)``: seconds the thread has run, and
     seconds it has been runnable but waiting for a CPU. Both are 0 where the
-    kernel does not say (not Linux, or no schedstat).
+    kernel does not say (not Linux, or no schedstat). The file stays open
+    until :meth:`close` (one fd, not one per read: leak checks snapshot fds
+    while the watchdog runs).
     """
 
     def __init__(self, native_id: int | None) -> None:
-        path = f"/proc/self/task/{native_id}/schedstat"
-        self._path = path if native_id is not None and os.path.exists(path) else None
+        self._fd = -1
+        if native_id is not None:
+            with contextlib.suppress(OSError):
+                self._fd = os.open(f"/proc/self/task/{native_id}/schedstat", os.O_RDONLY)
 
     def read(self) -> tuple[float, float]:
-        if self._path is None:
+        if self._fd < 0:
             return 0.0, 0.0
         try:
-            with open(self._path, "rb") as f:
-                on_cpu, queued = f.read().split()[:2]
+            on_cpu, queued = os.pread(self._fd, 128, 0).split()[:2]
             return int(on_cpu) / 1e9, int(queued) / 1e9
         except (OSError, ValueError):
             return 0.0, 0.0
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 # Innermost frames of an owner loop that is waiting for events, not running a
@@ -138,9 +147,9 @@ class Watchdog:
         self.threshold = threshold
         self.stalls: list[Stall] = []
         self._runtime = runtime
+        # Read by the watchdog thread only, which closes it when it ends.
         self._clock = CpuClock(runtime.native_id)
-        # (monotonic time, on_cpu, queued) at the last beat, set as one tuple.
-        self._mark = (time.monotonic(), *self._clock.read())
+        self._beat = time.monotonic()
         self._stop = threading.Event()
         self._period = threshold / 4
         runtime.call_soon(self._tick)
@@ -148,32 +157,39 @@ class Watchdog:
         self._thread.start()
 
     def _tick(self) -> None:
-        on_cpu, queued = self._clock.read()
-        self._mark = (time.monotonic(), on_cpu, queued)
+        self._beat = time.monotonic()
         if not self._stop.is_set():
             self._runtime.loop.call_later(self._period, self._tick)
 
     def _watch(self) -> None:
+        try:
+            self._check()
+        finally:
+            self._clock.close()
+
+    def _check(self) -> None:
         reported = 0.0
-        window = 0.0  # the beat whose staleness `late_self` belongs to
-        late_self = 0.0  # how late this thread woke, since that beat
-        previous = time.monotonic()
+        # This thread's wakes read the owner's counters; a beat's figures run
+        # from the last wake before it was seen, a period at most ahead of it.
+        prev = (time.monotonic(), *self._clock.read())
+        window, base = self._beat, prev
+        late_self = 0.0  # how late this thread woke since `base`
         while not self._stop.wait(self._period):
             now = time.monotonic()
-            beat, cpu0, queued0 = self._mark
+            on_cpu, queued = self._clock.read()
+            beat = self._beat
             if beat != window:
-                window, late_self = beat, 0.0
-            late_self += max(0.0, now - max(beat, previous + self._period))
-            previous = now
+                window, base, late_self = beat, prev, 0.0
+            late_self += max(0.0, now - (prev[0] + self._period))
+            prev = (now, on_cpu, queued)
             late = now - beat
             if late <= self.threshold or beat == reported:
                 continue
             frame = sys._current_frames().get(self._runtime.thread_id or -1)
             if frame is None or _idle(frame):
                 continue  # a late beat, not a callback holding the loop
-            on_cpu, queued = self._clock.read()
-            queued = max(0.0, queued - queued0)
-            off_cpu = max(0.0, late - queued - (on_cpu - cpu0))
+            queued = max(0.0, queued - base[2])
+            off_cpu = max(0.0, now - base[0] - queued - (on_cpu - base[1]))
             excused = queued + min(late_self, off_cpu)
             if late - excused <= self.threshold:
                 continue

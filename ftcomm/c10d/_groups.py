@@ -485,10 +485,11 @@ class _Baby(ProcessGroupWrapper):
     does not wait for Python and torch to start); a deadline, ``abort()`` or
     ``configure()`` kills the worker, so an aborted op writes nothing
     anywhere afterwards, and the worker's death fails every op in flight at
-    once with ``WorkerDied``. Tensors are copied through shared memory: the
-    caller's own tensors are never moved, and are written only when an op
-    succeeds. Tensors already in shared memory (``t.share_memory_()``, worth
-    it for long-lived buffers) are used in place, without copies.
+    once with ``WorkerDied``. A tensor is copied through shared memory the
+    first time, and written only when its op succeeds; a storage of 1 MiB or
+    more that comes back for another op is moved into shared memory once
+    (``share_memory_()``) and used in place from then on, as are tensors
+    already there (see :class:`ftcomm.Group`'s ``share_min_bytes``).
     """
 
     _subprocess = True

@@ -188,15 +188,21 @@ class Launcher:
             wait for a new process to import torch. The group starts it (with
             :meth:`refill`) once a configuration is up, and again after each;
             it costs one idle process.
+        share_min_bytes: a CPU storage of at least this many bytes that comes
+            back for a second op is moved into shared memory in place and used
+            in place from then on (``None``: always copy; see ``_shm.py``).
 
     Raises:
         ValueError, NotImplementedError: as :func:`~ftcomm.backends.backend_class`.
     """
 
-    def __init__(self, backend: str, *, spare: bool = True) -> None:
+    def __init__(
+        self, backend: str, *, spare: bool = True, share_min_bytes: int | None = 1 << 20
+    ) -> None:
         self.cls = subprocess_class(backend)
         self.backend = backend
         self.keep_spare = spare
+        self.share_min_bytes = share_min_bytes
         self._lock = threading.Lock()
         self._spare: WorkerProcess | None = None
         self._generation = 0  # close() bumps it: a refill started before does not count
@@ -229,6 +235,7 @@ class Launcher:
         except BaseException:
             worker.abandon()
             raise
+        worker.pool.share_min_bytes = self.share_min_bytes
         worker.start()
         backend = self.cls(worker, spec.rank, spec.world_size)
         # A group dropped without shutdown() must not keep its worker running.

@@ -168,6 +168,8 @@ class Call:
             self._error = error
             self._done = True
             callbacks, self._callbacks = self._callbacks, []
+        if not self._copying:  # else the copy-back unpins when it stops
+            self.staged.unpin()
         for callback in callbacks:
             callback(error)
 
@@ -401,6 +403,7 @@ class WorkerProcess:
     def _copy_back(self, call: Call) -> None:
         """Copy an op's outputs into the caller's tensors, chunk by chunk,
         unless (and until) the op is abandoned; then end the call."""
+        error: Exception | None = None
         try:
             for dst, src in call.staged.copy_back:
                 flat_dst, flat_src = dst.view(-1), src.view(-1)
@@ -408,16 +411,18 @@ class WorkerProcess:
                 for start in range(0, flat_dst.numel(), step):
                     with call._copy_lock:
                         if call._abandoned:
-                            return
+                            return  # it has ended already, with an error
                         flat_dst[start : start + step].copy_(flat_src[start : start + step])
         except Exception as exc:  # pragma: no cover - a copy between valid views
             log.exception("ftcomm worker %d: copying op %d's outputs failed", self.pid, call.op_id)
-            call.finish(exc)  # this op fails; the other replies of the batch go on
-        else:
-            call.finish(None)
+            error = exc  # this op fails; the other replies of the batch go on
         finally:
+            # Before the call ends: its waiter may issue the next op on the
+            # same storage at once, and must find it neither pinned nor copying.
             call._copying = False
+            call.staged.unpin()
             self.pool.give_back(call.staged.segment)
+        call.finish(error)
 
     def _on_protocol_error(self, error: ProtocolError) -> None:
         self._reason = ProtocolError(f"the worker sent a malformed frame: {error.message}")

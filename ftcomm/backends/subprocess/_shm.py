@@ -21,7 +21,15 @@ Rules:
 3. A tensor whose storage is already in shared memory is not copied: its
    file descriptor goes to the worker once (:class:`SharedStorages`), and
    the worker maps the caller's storage itself.
-4. Segments are files under ``/dev/shm`` opened with ``O_EXCL`` and mode 0600,
+4. A large storage (``Pool.share_min_bytes``, default 1 MiB) that comes back
+   for a second op is moved into shared memory in place
+   (``share_memory_()``) and goes by rule 3 from then on, the way training
+   loops reuse their gradient buckets: two copies per op (~1.5 ms each per
+   16 MiB on a busy 2-core box) become none, for one move. A storage used
+   once is only copied. Never moved: storages torch does not own
+   (``torch.from_numpy``, ``frombuffer``: not resizable), pinned memory, and
+   a storage that some op is still copying in or out of (:data:`_pins`).
+5. Segments are files under ``/dev/shm`` opened with ``O_EXCL`` and mode 0600,
    not :class:`multiprocessing.shared_memory.SharedMemory`, whose resource
    tracker is a process of its own and would own (and report) them.
 """
@@ -168,6 +176,26 @@ def _place(
     return placed
 
 
+# Caller storages being copied in or out by some op, process-wide (any pool):
+# data_ptr -> how many ops. A storage is never moved while it is pinned, so no
+# copy reads or writes memory that a move has freed. Under `_pins_lock`, which
+# also covers deciding and making a move.
+_pins: dict[int, int] = {}
+_pins_lock = threading.Lock()
+# Large storages that went through a pool once: the second time, they move.
+_seen: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
+
+
+def _unpin(pins: Sequence[int]) -> None:
+    """Drop one pin of each storage. Under ``_pins_lock``."""
+    for ptr in pins:
+        left = _pins[ptr] - 1
+        if left:
+            _pins[ptr] = left
+        else:
+            del _pins[ptr]
+
+
 @dataclass(eq=False)
 class Staged:
     """An op's tensors, copied into one segment: what to send and what to copy back."""
@@ -181,6 +209,15 @@ class Staged:
     the OP (``SCM_RIGHTS``), in the order of ``options["fds"]``."""
     options: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """``fds`` (their inodes) and ``release`` (inodes of storages that died)."""
+    pins: tuple[int, ...] = ()
+    """The caller storages this op copies (:data:`_pins`), until :meth:`unpin`."""
+
+    def unpin(self) -> None:
+        """Nothing is copied into or out of the caller's storages any more
+        (idempotent)."""
+        with _pins_lock:
+            pins, self.pins = self.pins, ()
+            _unpin(pins)
 
 
 def _shared_fd(t: torch.Tensor) -> tuple[int, int] | None:
@@ -246,12 +283,33 @@ class SharedStorages:
 class Pool:
     """The parent's segments for one worker (thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, share_min_bytes: int | None = 1 << 20) -> None:
         self._lock = threading.Lock()
         self._free: dict[int, list[Segment]] = {}
         self._all: list[Segment] = []
         self._closed = False
         self.shared = SharedStorages()
+        self.share_min_bytes = share_min_bytes
+        """Move a storage of at least this many bytes into shared memory when
+        it comes back for a second op (rule 4); ``None``: never."""
+
+    def _in_place(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """(fd, inode) if ``t`` goes in place, moving its storage if it should
+        (rule 4); ``None`` if it is copied. Under ``_pins_lock``."""
+        shared = _shared_fd(t)
+        limit = self.share_min_bytes
+        if shared is not None or limit is None or t.device.type != "cpu":
+            return shared
+        storage = t.untyped_storage()
+        if storage.nbytes() < max(limit, 1) or not storage.resizable() or t.is_pinned():
+            return None
+        if storage not in _seen:
+            _seen.add(storage)
+            return None
+        if storage.data_ptr() in _pins:
+            return None  # an op is copying it: moving would free what it reads
+        t.share_memory_()  # type: ignore[no-untyped-call]
+        return _shared_fd(t)
 
     def stage(self, tensors: Sequence[tuple[torch.Tensor, str]]) -> Staged:
         """Lay an op's tensors out in one segment.
@@ -263,7 +321,28 @@ class Pool:
             ValueError: a dtype the protocol cannot carry.
             OSError: shared memory is exhausted.
         """
-        shared = [_shared_fd(t) for t, _ in tensors]
+        with _pins_lock:
+            shared = [self._in_place(t) for t, _ in tensors]
+            pins = tuple(
+                t.untyped_storage().data_ptr()
+                for (t, _), fd in zip(tensors, shared, strict=True)
+                if fd is None and t.numel()
+            )
+            for ptr in pins:
+                _pins[ptr] = _pins.get(ptr, 0) + 1
+        try:
+            return self._stage(tensors, shared, pins)
+        except BaseException:
+            with _pins_lock:
+                _unpin(pins)
+            raise
+
+    def _stage(
+        self,
+        tensors: Sequence[tuple[torch.Tensor, str]],
+        shared: Sequence[tuple[int, int] | None],
+        pins: tuple[int, ...],
+    ) -> Staged:
         offsets, total = [], 0
         for (t, _), fd in zip(tensors, shared, strict=True):
             offsets.append(total)
@@ -292,7 +371,7 @@ class Pool:
         dead = self.shared.take_dead()
         if dead:
             options["release"] = dead
-        return Staged(segment, tuple(descs), copy_back, tuple(fd for fd, _ in new), options)
+        return Staged(segment, tuple(descs), copy_back, tuple(fd for fd, _ in new), options, pins)
 
     def _take(self, nbytes: int) -> Segment:
         size = _size_class(nbytes)
