@@ -791,6 +791,15 @@ async def test_two_ranks_reject_bad_arguments(
         pytest.param(
             {"configure_timeout": False}, TypeError, r"^configure_timeout must be", id="cfg-bool"
         ),
+        pytest.param(
+            {"share_min_bytes": -1}, ValueError, r"^share_min_bytes must be >= 0", id="share-neg"
+        ),
+        pytest.param(
+            {"share_min_bytes": 1.5}, TypeError, r"^share_min_bytes must be an int", id="share-f"
+        ),
+        pytest.param(
+            {"share_min_bytes": True}, TypeError, r"^share_min_bytes must be an int", id="share-b"
+        ),
     ],
 )
 @pytest.mark.asyncio
