@@ -100,7 +100,11 @@ frames: st.SearchStrategy[Frame] = st.one_of(
         tensors=st.lists(tensor_descs(), max_size=4).map(tuple),
         options=st.dictionaries(names, scalars, max_size=6),
     ),
-    st.builds(Done, op_id=op_ids),
+    st.builds(
+        Done,
+        op_id=op_ids,
+        event=st.one_of(st.just(""), st.binary(min_size=1, max_size=64).map(bytes.hex)),
+    ),
     st.builds(Failed, op_id=op_ids, type=names, message=texts, traceback=texts),
     st.builds(Abort, op_id=op_ids),
     st.builds(Shutdown, op_id=op_ids),

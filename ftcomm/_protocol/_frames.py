@@ -58,6 +58,7 @@ DTYPES = frozenset(
 """The tensor dtypes a descriptor may name (``torch.<name>``)."""
 
 _DEVICE = re.compile(r"(cpu|cuda|xpu)(:[0-9]{1,4})?\Z")
+_HEX = re.compile(r"(?:[0-9a-f]{2}){1,512}\Z")
 _MAX_TEXT = 1 << 16  # one string field (a traceback is the longest)
 _MAX_DIMS = 64
 
@@ -249,6 +250,14 @@ class Done:
 
     kind: ClassVar[Kind] = Kind.DONE
     op_id: int
+    event: str = ""
+    """For an op on accelerator tensors: the IPC handle (hex) of an event
+    recorded on the worker's stream after the op, which the caller's stream
+    waits on. Empty otherwise, and then the payload is ``{}``."""
+
+    def __post_init__(self) -> None:
+        if self.event and (type(self.event) is not str or not _HEX.match(self.event)):
+            raise ProtocolError("event must be an even-length lowercase hex string")
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,7 +315,7 @@ def _payload(frame: Frame) -> dict[str, Any]:
 
 
 _EMPTY = b"{}"
-_NO_FIELDS = (Done, Abort, Shutdown)
+_NO_FIELDS = (Abort, Shutdown)
 _CACHED = 256
 """How many distinct OP payloads an encoder or decoder remembers.
 
@@ -329,7 +338,7 @@ def encode(frame: Frame) -> bytes:
             :data:`MAX_PAYLOAD` (the peer would refuse it).
     """
     _int(frame.op_id, "op_id", hi=MAX_OP_ID)
-    if isinstance(frame, _NO_FIELDS):
+    if isinstance(frame, _NO_FIELDS) or (isinstance(frame, Done) and not frame.event):
         return _frame_bytes(frame.kind, frame.op_id, _EMPTY)
     payload = json.dumps(_payload(frame), separators=(",", ":"), allow_nan=False).encode()
     if len(payload) > MAX_PAYLOAD:
@@ -388,6 +397,8 @@ def _decode_payload(kind: int, op_id: int, payload: bytes) -> Frame:
         raise ProtocolError(f"payload is not JSON: {exc}") from None
     cls = _BY_KIND[kind]
     names = {f.name for f in fields(cls)} - {"op_id"}
+    if kind == Kind.DONE and body == {}:
+        names = set()  # the event is optional: {} (the usual payload) has none
     body = _exact(body, cls.__name__, names)
     try:
         frame: Frame = cls(op_id=op_id, **body)

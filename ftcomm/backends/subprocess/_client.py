@@ -383,10 +383,25 @@ class WorkerProcess:
             segment = call.staged.segment
             if segment is not None:
                 segment.unlink()  # the worker has it mapped: the name can go
+            device = call.staged.device
+            if isinstance(frame, Done) and (device is not None) != bool(frame.event):
+                error = ProtocolError(
+                    f"op {frame.op_id}: a DONE's event does not match its tensors"
+                )
+                call.finish(error)
+                self._on_protocol_error(error)
+                return
             if isinstance(frame, Failed):
                 # Not back to the pool: a native op that failed by timing out
                 # may still be running in the worker, on this segment.
                 call.finish(RemoteError(frame))
+            elif device is not None:  # CUDA: the caller's stream waits, not the CPU
+                try:
+                    self.pool.device.replied(frame.op_id, device, frame.event)
+                except Exception as exc:  # the event could not be waited on
+                    call.finish(exc)
+                else:
+                    call.finish(None)
             elif not call.staged.copy_back:
                 self.pool.give_back(segment)
                 call.finish(None)

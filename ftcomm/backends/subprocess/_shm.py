@@ -49,7 +49,8 @@ from typing import Any
 
 import torch
 
-from ..._protocol import DTYPES, TensorDesc
+from ..._protocol import DTYPES, Scalar, TensorDesc
+from ._device import DeviceStaged, DeviceStorages
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ftcomm-"
@@ -207,10 +208,14 @@ class Staged:
     fds: tuple[int, ...] = ()
     """Descriptors of shared storages the worker has not seen yet, sent with
     the OP (``SCM_RIGHTS``), in the order of ``options["fds"]``."""
-    options: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    """``fds`` (their inodes) and ``release`` (inodes of storages that died)."""
+    options: dict[str, Scalar] = field(default_factory=dict)
+    """``fds`` (their inodes) and ``release`` (inodes of storages that died);
+    for CUDA tensors, those of :class:`~._device.DeviceStorages`."""
     pins: tuple[int, ...] = ()
     """The caller storages this op copies (:data:`_pins`), until :meth:`unpin`."""
+    device: DeviceStaged | None = None
+    """For an op on CUDA tensors (passed by IPC handle): the caller's stream
+    and event."""
 
     def unpin(self) -> None:
         """Nothing is copied into or out of the caller's storages any more
@@ -290,6 +295,8 @@ class Pool:
         self._closed = False
         self.shared = SharedStorages()
         self.share_min_bytes = share_min_bytes
+        self.device = DeviceStorages()
+        """CUDA storages shared with the worker (IPC handles, not copies)."""
         """Move a storage of at least this many bytes into shared memory when
         it comes back for a second op (rule 4); ``None``: never."""
 
@@ -321,6 +328,10 @@ class Pool:
             ValueError: a dtype the protocol cannot carry.
             OSError: shared memory is exhausted.
         """
+        device_of = self.device.calls.device_of
+        devices = [device_of(t) for t, _ in tensors]
+        if any(d is not None for d in devices):
+            return self._stage_device([t for t, _ in tensors], devices)
         with _pins_lock:
             shared = [self._in_place(t) for t, _ in tensors]
             pins = tuple(
@@ -336,6 +347,14 @@ class Pool:
             with _pins_lock:
                 _unpin(pins)
             raise
+
+    def _stage_device(self, tensors: list[torch.Tensor], devices: list[int | None]) -> Staged:
+        options: dict[str, Scalar] = {}
+        descs, device = self.device.stage(tensors, devices, options)
+        dead = self.shared.take_dead()
+        if dead:
+            options["release"] = dead
+        return Staged(None, tuple(descs), [], (), options, (), device)
 
     def _stage(
         self,
@@ -362,7 +381,7 @@ class Pool:
             if role != "in":
                 copy_back.append((t, view))
             descs.append(desc)
-        options: dict[str, tuple[int, ...]] = {}
+        options: dict[str, Scalar] = {}
         if new:
             options["fds"] = tuple(ino for _, ino in new)
             for (t, _), fd in zip(tensors, shared, strict=True):
@@ -403,6 +422,7 @@ class Pool:
             segments, self._all = self._all, []
             self._free.clear()
         self.shared.close()
+        self.device.close()
         for segment in segments:
             segment.unlink()
 

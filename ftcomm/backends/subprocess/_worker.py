@@ -57,6 +57,7 @@ from .. import backend_class
 from .._base import Backend, ConnectSpec
 from . import _ops
 from ._channel import Channel
+from ._device import IPC_PREFIX, DeviceMappings
 from ._shm import Mappings
 
 SPIN = float(os.environ.get("FTCOMM_WORKER_SPIN_US", "2000")) / 1e6
@@ -87,6 +88,8 @@ class Worker:
         self.backend: Backend | None = None
         self.configuring = False
         self.maps = Mappings()
+        self.device = DeviceMappings()
+        """The caller's CUDA storages (IPC), the worker's streams and events."""
         self.tensors: dict[tuple[TensorDesc, ...], list[torch.Tensor]] = {}
         """Descriptors -> the tensors they map to: the parent reuses its
         segments, so the same descriptors come op after op."""
@@ -188,6 +191,9 @@ class Worker:
             for ino in release:
                 self.maps.release(ino)
             self.tensors.clear()  # cached views may reach an unmapped storage
+        if "release_ipc" in options or "events_done" in options:
+            self.device.update(options)
+            self.tensors.clear()
         new = options.get("fds")
         if isinstance(new, tuple) and new:
             fds = self.channel.take_fds(len(new))
@@ -209,19 +215,39 @@ class Worker:
             if tensors is None:
                 if len(self.tensors) >= 256:
                     self.tensors.clear()
-                tensors = [self.maps.tensor(desc) for desc in frame.tensors]
+                tensors = [self.tensor(desc) for desc in frame.tensors]
                 self.tensors[frame.tensors] = tensors
-            native = _ops.run(backend, frame.op, tensors, frame.options)
+            device = _cuda_index(frame.tensors)
+            stream = None
+            if device is None:
+                native = _ops.run(backend, frame.op, tensors, frame.options)
+            else:
+                with self.device.issuing(device, frame.options) as stream:
+                    native = _ops.run(backend, frame.op, tensors, frame.options)
         except Exception as exc:
             self.reply(failed(op_id, exc))
             return
         once = threading.Lock()
 
         def ended(error: BaseException | None) -> None:
-            if once.acquire(blocking=False):  # the poll and the callback may both see it
-                self.reply(Done(op_id) if error is None else failed(op_id, error))
+            if not once.acquire(blocking=False):  # the poll and the callback may both see it
+                return
+            if error is None and stream is not None:
+                try:
+                    reply: Frame = Done(op_id, self.device.ended(op_id, stream))
+                except Exception as exc:
+                    reply = failed(op_id, exc)
+            else:
+                reply = Done(op_id) if error is None else failed(op_id, error)
+            self.reply(reply)
 
         self.watch(native, ended, time.perf_counter() + SPIN)
+
+    def tensor(self, desc: TensorDesc) -> torch.Tensor:
+        ipc = desc.handle.startswith(IPC_PREFIX)
+        if ipc != desc.device.startswith("cuda"):
+            raise ValueError(f"a {desc.device} tensor cannot come as {desc.handle[:40]!r}")
+        return self.device.tensor(desc) if ipc else self.maps.tensor(desc)
 
     def watch(self, native: NativeOp, ended: Ended, until: float) -> None:
         """Poll ``native`` on the loop until ``until``, then wait for its callback.
@@ -237,6 +263,15 @@ class Worker:
             self.loop.call_soon(self.watch, native, ended, until)
         else:
             native.on_done(ended)
+
+
+def _cuda_index(descs: tuple[TensorDesc, ...]) -> int | None:
+    """The CUDA device of an op's tensors (the parent put them all on one),
+    or ``None`` for CPU tensors."""
+    for desc in descs:
+        if desc.device.startswith("cuda"):
+            return int(desc.device.partition(":")[2] or 0)
+    return None
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,363 @@
+"""CUDA tensors in the subprocess backend: IPC handles and events.
+
+No GPU here, so :class:`DeviceCalls` -- every CUDA call the backend makes,
+and nothing else -- is replaced by :class:`FakeCalls`: "device" tensors are
+CPU tensors it registered, "IPC" hands the worker side the very same
+storage, and streams and events are entries in a log. The parent's staging,
+the real codec, the worker's op handling and the parent's reply handling
+all run as they do with a GPU; the log says which stream waited on which
+event, and when. ``test_cuda_end_to_end`` runs the real thing where CUDA is
+available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import itertools
+import os
+import weakref
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+from helpers import StoreServer
+
+import ftcomm
+from ftcomm import ProtocolError
+from ftcomm._protocol import Decoder, Done, Failed, Frame, Op, encode
+from ftcomm.backends.dummy import DummyBackend
+from ftcomm.backends.subprocess._client import Call, WorkerProcess
+from ftcomm.backends.subprocess._device import (
+    DeviceCalls,
+    DeviceMappings,
+    DeviceStorages,
+    IpcRecord,
+)
+from ftcomm.backends.subprocess._shm import Pool
+from ftcomm.backends.subprocess._worker import Worker
+
+
+class FakeStream:
+    def __init__(self, name: str, sid: int) -> None:
+        self.name, self.sid = name, sid
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class FakeCalls(DeviceCalls):
+    """CUDA on the CPU, in one process: what each call did goes in ``log``."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[Any, ...]] = []
+        self.on_device: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
+        self.exported: weakref.WeakValueDictionary[int, torch.UntypedStorage] = (
+            weakref.WeakValueDictionary()
+        )
+        self.caller = FakeStream("caller", 7)
+        self._ids = itertools.count(1)
+
+    def cuda(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as a tensor on "cuda:0"."""
+        self.on_device.add(t.untyped_storage())
+        return t
+
+    def device_of(self, t: torch.Tensor) -> int | None:
+        return 0 if t.untyped_storage() in self.on_device else None
+
+    def share(self, storage: torch.UntypedStorage) -> IpcRecord:
+        key = next(self._ids)
+        self.exported[key] = storage
+        self.log.append(("share", key))
+        return IpcRecord(0, key.to_bytes(8, "big"), storage.nbytes(), 0, b"rc", 3, b"", False)
+
+    def current_stream(self, device: int) -> Any:
+        return self.caller
+
+    def stream_id(self, stream: Any) -> int:
+        return int(stream.sid)
+
+    def record(self, stream: Any) -> tuple[Any, str]:
+        handle = f"{next(self._ids):04x}"
+        self.log.append(("record", stream.name, handle))
+        return object(), handle
+
+    def wait(self, device: int, event: str, stream: Any) -> None:
+        self.log.append(("wait", stream.name, event))
+
+    def open(self, record: IpcRecord) -> torch.UntypedStorage:
+        key = int.from_bytes(record.handle, "big")
+        self.log.append(("open", key))
+        # Another storage object over the same memory, as an IPC mapping is:
+        # it does not keep the caller's storage alive.
+        storage = self.exported[key]
+        memory = (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
+        return torch.frombuffer(memory, dtype=torch.uint8).untyped_storage()
+
+    def empty(self, device: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def new_stream(self, device: int) -> Any:
+        n = next(self._ids)
+        self.log.append(("new_stream", n))
+        return FakeStream(f"worker{n}", n)
+
+    @contextlib.contextmanager
+    def _using(self, stream: Any) -> Iterator[Any]:
+        self.log.append(("enter", stream.name))
+        yield stream
+        self.log.append(("exit", stream.name))
+
+    def using(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return self._using(stream)
+
+
+class FakeChannel:
+    """The worker's socket: replies land in ``sent``."""
+
+    def __init__(self) -> None:
+        self.sent: list[Frame] = []
+
+    def send(self, frame: Frame) -> None:
+        self.sent.append(frame)
+
+    def take_fds(self, n: int) -> list[int]:
+        raise AssertionError("no fds travel with CUDA tensors")
+
+
+def _through_codec(frame: Frame) -> Frame:
+    (decoded,) = Decoder().feed(encode(frame))
+    return decoded
+
+
+class Rig:
+    """The parent's pool and an in-process worker running the dummy backend,
+    joined by the real codec, sharing one :class:`FakeCalls`."""
+
+    def __init__(self) -> None:
+        self.calls = FakeCalls()
+        self.pool = Pool()
+        self.pool.device = DeviceStorages(self.calls)
+        self.channel = FakeChannel()
+        self.worker = Worker(self.channel, DummyBackend, os.getpid())  # type: ignore[arg-type]
+        self.worker.device = DeviceMappings(self.calls)
+        self.worker.backend = DummyBackend(0, 1)
+        self.ids = itertools.count(1)
+
+    async def op(self, name: str, tensors: list[tuple[torch.Tensor, str]]) -> tuple[int, Frame]:
+        """Stage, send, run and answer one op, as the parent and worker do."""
+        staged = self.pool.stage(tensors)
+        options: dict[str, Any] = {"timeout": 10.0, "reduce_op": "SUM", **staged.options}
+        op_id = next(self.ids)
+        frame = _through_codec(Op(op_id, name, staged.descs, options))
+        assert isinstance(frame, Op)
+        self.worker.run_op(frame)
+        # The dummy backend's ops end as they are issued: the worker replies at once.
+        assert len(self.channel.sent) == 1
+        reply = _through_codec(self.channel.sent.pop())
+        if isinstance(reply, Done) and reply.event:
+            assert staged.device is not None
+            self.pool.device.replied(op_id, staged.device, reply.event)
+        return op_id, reply
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+@pytest_asyncio.fixture
+async def rig() -> AsyncIterator[Rig]:
+    r = Rig()
+    yield r
+    r.close()
+
+
+@pytest.mark.asyncio
+async def test_an_op_waits_for_the_callers_stream_and_the_caller_waits_for_it(rig: Rig) -> None:
+    calls = rig.calls
+    src = calls.cuda(torch.arange(8, dtype=torch.float32))
+    out = calls.cuda(torch.zeros(8))
+    _, reply = await rig.op("allgather", [(src, "in"), (out, "out")])
+    assert isinstance(reply, Done)
+    assert reply.event == "0005"
+    assert torch.equal(out, src)  # the worker wrote the caller's memory itself
+    assert calls.log == [
+        ("share", 1),  # each storage once, when first used
+        ("share", 2),
+        ("record", "caller", "0003"),  # on the caller's stream, as the op is issued
+        ("open", 1),
+        ("open", 2),
+        ("new_stream", 4),  # the worker's stream for that caller stream
+        ("wait", "worker4", "0003"),  # waits for the caller's work
+        ("enter", "worker4"),  # and the op is issued on it
+        ("exit", "worker4"),
+        ("record", "worker4", "0005"),  # after the op
+        ("wait", "caller", "0005"),  # the caller's stream waits for that
+    ]
+    assert rig.worker.device.pending_events == 1  # kept until the parent has waited
+
+
+@pytest.mark.asyncio
+async def test_storages_are_shared_once_and_released_when_they_die(rig: Rig) -> None:
+    calls = rig.calls
+    t = calls.cuda(torch.ones(16))
+    for _ in range(3):
+        _, reply = await rig.op("allreduce", [(t, "inout")])
+        assert isinstance(reply, Done)
+    assert [e for e in calls.log if e[0] in ("share", "open")] == [("share", 1), ("open", 1)]
+    assert [e for e in calls.log if e[0] == "new_stream"] == [("new_stream", 3)]  # reused
+    # The parent said it waited on each reply's event: the worker let them go.
+    assert rig.worker.device.pending_events == 1
+    # A view at an offset into the same storage goes by the same handle.
+    view = t[4:12]
+    view.fill_(5.0)
+    rig.calls.log.clear()
+    _, reply = await rig.op("allgather", [(view, "in"), (calls.cuda(torch.zeros(8)), "out")])
+    assert isinstance(reply, Done)
+    shared = [e for e in calls.log if e[0] in ("share", "open")]
+    assert [kind for kind, _ in shared] == ["share", "open"]  # only the new output
+    assert shared[0][1] == shared[1][1]
+    assert rig.worker.device.mapped == 2
+    del t, view
+    gc.collect()  # both storages are gone now (the output was a temporary)
+    _, reply = await rig.op("allreduce", [(calls.cuda(torch.ones(2)), "inout")])
+    assert isinstance(reply, Done)
+    assert rig.worker.device.mapped == 1  # the two released, this op's one mapped
+
+
+@pytest.mark.asyncio
+async def test_an_empty_cuda_tensor_needs_no_storage(rig: Rig) -> None:
+    empty = rig.calls.cuda(torch.empty(0))
+    _, reply = await rig.op("allreduce", [(empty, "inout")])
+    assert isinstance(reply, Done)
+    assert [e for e in rig.calls.log if e[0] in ("share", "open")] == []
+
+
+@pytest.mark.asyncio
+async def test_cpu_and_cuda_tensors_cannot_share_an_op(rig: Rig) -> None:
+    with pytest.raises(ValueError, match="must all be on the CPU or all on one CUDA device"):
+        rig.pool.stage([(rig.calls.cuda(torch.ones(2)), "in"), (torch.zeros(2), "out")])
+    assert rig.calls.log == []  # nothing was shared or recorded
+
+
+@pytest.mark.asyncio
+async def test_the_worker_refuses_malformed_ipc_descriptors(rig: Rig) -> None:
+    t = rig.calls.cuda(torch.ones(4))
+    staged = rig.pool.stage([(t, "inout")])
+    (desc,) = staged.descs
+    bad = [
+        desc.__class__("ipc:99", desc.dtype, desc.shape, desc.stride, 0, "cuda:0"),  # never shared
+        desc.__class__("ipc:x", desc.dtype, desc.shape, desc.stride, 0, "cuda:0"),
+        desc.__class__(desc.handle, desc.dtype, desc.shape, desc.stride, 0, "cpu"),
+        desc.__class__("ipc:5:1.zz.3.0.00.0..0", desc.dtype, desc.shape, desc.stride, 0, "cuda:0"),
+        desc.__class__(desc.handle, desc.dtype, (64,), (1,), 0, "cuda:0"),  # past its storage
+    ]
+    for i, d in enumerate(bad, start=100):
+        rig.worker.run_op(Op(i, "allreduce", (d,), {**staged.options, "timeout": 1.0}))
+        reply = rig.channel.sent.pop()
+        assert isinstance(reply, Failed), d
+        assert reply.type == "ValueError", (d, reply)
+    # Without the caller's event the worker cannot order the op: refused too.
+    rig.worker.run_op(Op(200, "allreduce", staged.descs, {"timeout": 1.0}))
+    reply = rig.channel.sent.pop()
+    assert isinstance(reply, Failed)
+    assert "event and stream" in reply.message
+
+
+def test_ipc_records_round_trip_and_reject_garbage() -> None:
+    record = IpcRecord(1, b"\x00\xff" * 32, 4096, 512, b"/torch_1_2", 7, b"\x01" * 64, True)
+    assert IpcRecord.decode(record.encode()) == record
+    assert IpcRecord.decode(IpcRecord(0, b"h", 0, 0, b"", 0, b"", False).encode()).size == 0
+    for garbage in ("", "1.2.3", "a.00.1.0.00.0.00.0", "0.00.1.0.00.0.00.2", "0.0g.1.0.00.0.00.1"):
+        with pytest.raises(ValueError, match="IPC record"):
+            IpcRecord.decode(garbage)
+
+
+def test_done_carries_an_event_only_as_hex() -> None:
+    assert _through_codec(Done(3, "00ff")) == Done(3, "00ff")
+    assert encode(Done(3)) == encode(Done(3, ""))  # the usual reply keeps its empty payload
+    for bad in ("0", "xyz0", "ABCD", "00" * 513):
+        with pytest.raises(ProtocolError):
+            Done(3, bad)
+
+
+# -- the parent's reply handling, on a real worker process ------------------------------------
+@pytest.fixture
+def store() -> Iterator[StoreServer]:
+    server = StoreServer()
+    yield server
+    server.close()
+
+
+def _device_call(worker: WorkerProcess, calls: FakeCalls) -> Call:
+    """A call in flight on ``worker`` as if it were an op on CUDA tensors."""
+    worker.pool.device = DeviceStorages(calls)
+    staged = worker.pool.stage([(calls.cuda(torch.ones(4)), "inout")])
+    assert staged.device is not None
+    call = Call(worker, 10**9 + len(calls.log), staged)
+    with worker.lock:
+        worker._calls[call.op_id] = call
+    return call
+
+
+@pytest.mark.asyncio
+async def test_the_parent_orders_the_callers_stream_after_a_done(store: StoreServer) -> None:
+    async with ftcomm.Group("dummy", subprocess=True, spare_worker=False, timeout=10) as g:
+        await g.configure(f"127.0.0.1:{store.port}/d", 0, 1)
+        worker = g._config.backend.worker  # type: ignore[union-attr]
+        calls = FakeCalls()
+        call = _device_call(worker, calls)
+        ended: list[BaseException | None] = []
+        call.on_done(ended.append)
+        worker._on_frames([Done(call.op_id, "abcd")])
+        assert ended == [None]
+        assert calls.log[-1] == ("wait", "caller", "abcd")
+        # The next op tells the worker it may drop that event.
+        staged = worker.pool.stage([(calls.cuda(torch.ones(2)), "inout")])
+        assert staged.options["events_done"] == (call.op_id,)
+        # The group still works (on CPU tensors).
+        await g.allreduce(torch.ones(2))
+
+
+@pytest.mark.asyncio
+async def test_a_done_without_its_event_is_a_protocol_error(store: StoreServer) -> None:
+    async with ftcomm.Group("dummy", subprocess=True, spare_worker=False, timeout=10) as g:
+        await g.configure(f"127.0.0.1:{store.port}/d", 0, 1)
+        worker = g._config.backend.worker  # type: ignore[union-attr]
+        call = _device_call(worker, FakeCalls())
+        ended: list[BaseException | None] = []
+        call.on_done(ended.append)
+        worker._on_frames([Done(call.op_id)])  # the caller's stream would not be ordered
+        assert len(ended) == 1
+        assert isinstance(ended[0], ProtocolError)
+        with pytest.raises(ProtocolError):
+            await g.allreduce(torch.ones(2))  # the worker is being killed for it
+        await g.configure(f"127.0.0.1:{store.port}/d2", 0, 1)  # and a new one works
+        await g.allreduce(torch.ones(2))
+
+
+# -- the real thing --------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.asyncio
+async def test_cuda_end_to_end(store: StoreServer) -> None:  # pragma: no cover - needs a GPU
+    async with ftcomm.Group("dummy", subprocess=True, spare_worker=False, timeout=30) as g:
+        await g.configure(f"127.0.0.1:{store.port}/cuda", 0, 1)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            src = torch.arange(4096, device="cuda", dtype=torch.float32)
+            src.mul_(2)  # queued on the caller's stream: the worker must wait for it
+            out = torch.empty_like(src)
+            for _ in range(3):
+                await g.allgather([out], src)
+            got = out.sum()  # queued after the op on the caller's stream
+            # A view at an offset, into another view at an offset.
+            await g.allgather([out[100:110]], src[10:20])
+            window = out[95:115].clone()
+        torch.cuda.synchronize()
+        assert got.item() == float(4096 * 4095)
+        expected = src[95:115].clone()
+        expected[5:15] = src[10:20]
+        assert torch.equal(window, expected)
