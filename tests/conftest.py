@@ -13,6 +13,11 @@ from ftcomm._runtime.loop import get_runtime, new_event_loop
 from ftcomm.testing._world import _children, _fds, _segments, _threads
 
 os.environ.setdefault("FTCOMM_DEBUG", "1")
+# The watchdog is here to catch blocking calls on the owner loop, which block
+# for an op's deadline (a second or more). On the 2-core CI box a callback can
+# also wait 0.1-0.25 s for the GIL while a test thread runs gc.collect(); the
+# watchdog cannot tell that from a blocked callback, so tests allow 0.5 s.
+os.environ.setdefault("FTCOMM_STALL_MS", "500")
 # multiprocessing's long-lived helper process: start it now, so that it belongs
 # to the baseline of every leak check.
 resource_tracker.ensure_running()

@@ -203,32 +203,28 @@ def test_watchdog_excuses_time_the_owner_thread_queued_for_a_cpu() -> None:
         rt.close()
 
 
-def test_watchdog_excuses_time_another_thread_held_the_gil() -> None:
-    # The CI failure this guards against: a callback released the GIL for a
-    # syscall and then waited ~0.2 s to get it back while another thread ran
-    # C code that holds it (a gc.collect(), here a builtin sum). Every Python
-    # thread, the watchdog too, was stopped; the callback held nothing.
+def test_watchdog_reports_a_blocked_callback_while_another_thread_holds_the_gil() -> None:
+    # Waiting for the GIL is not excused: it cannot be told apart from a
+    # callback blocked with the GIL released (here time.sleep), the very
+    # thing the watchdog is for, even while another thread holds the GIL.
     rt = Runtime("asyncio")
     try:
-        rt.set_debug(0.2)
+        rt.set_debug(0.1)
         watchdog = rt.watchdog
         assert watchdog is not None
         inside, done = threading.Event(), threading.Event()
 
-        def callback() -> None:
+        def blocked_callback() -> None:
             inside.set()
-            time.sleep(0.02)  # wakes while the main thread holds the GIL
-            time.sleep(0.1)  # late by then, and still inside the callback
+            time.sleep(0.4)
             done.set()
 
-        rt.call_soon(callback)
+        rt.call_soon(blocked_callback)
         assert inside.wait(5)
-        t0 = time.monotonic()
-        sum(range(30_000_000))  # C code that holds the GIL throughout
-        held_gil = time.monotonic() - t0
+        sum(range(20_000_000))  # C code that keeps the GIL for a while
         assert done.wait(5)
-        assert held_gil > 0.25, f"the GIL was held only {held_gil:.3f} s: nothing was tested"
-        assert watchdog.stalls == [], watchdog.stalls[0]
+        assert watchdog.stalls, "a callback blocked for 0.4 s went unnoticed"
+        assert "blocked_callback" in watchdog.stalls[0].stack
     finally:
         rt.close()
 
