@@ -583,7 +583,9 @@ async def moved_in_place(ctx: RankContext) -> dict[str, Any]:
 
     r, n = ctx.rank, ctx.world_size
     out: dict[str, Any] = {}
-    async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=20) as g:
+    async with ftcomm.Group(
+        "gloo", subprocess=True, spare_worker=False, timeout=20, share_min_bytes=1 << 20
+    ) as g:
         await g.configure(ctx.addr(), r, n)
         worker = _worker(g)
         big = torch.full((1 << 18,), float(r + 1))  # 1 MiB: moved on its second op
@@ -605,14 +607,12 @@ async def moved_in_place(ctx: RankContext) -> dict[str, Any]:
         for _ in range(3):
             await g.allreduce(wrapped)
         out["numpy"] = (wrapped.is_shared(), float(arr[0]))
-    async with ftcomm.Group(
-        "gloo", subprocess=True, spare_worker=False, timeout=20, share_min_bytes=None
-    ) as g:
+    async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=20) as g:
         await g.configure(ctx.addr("never"), r, n)
         t = torch.full((1 << 18,), float(r + 1))
         for _ in range(3):
             await g.allreduce(t)
-        out["never"] = (t.is_shared(), t[0].item())
+        out["never"] = (t.is_shared(), t[0].item())  # the default: always copied
     return out
 
 
@@ -667,6 +667,88 @@ def test_small_foreign_or_unwanted_storages_are_never_moved() -> None:
     finally:
         pool.close()
         never.close()
+
+
+def test_a_storage_named_twice_by_one_op_is_not_moved_by_it() -> None:
+    pool = Pool(share_min_bytes=1024)
+    t = torch.zeros(1024)
+    try:
+        first = pool.stage([(t[:512], "in"), (t, "out")])  # an in-place allgather's shape
+        first.unpin()
+        assert not t.is_shared()  # one op: copied, even though it named t twice
+        second = pool.stage([(t[:512], "in"), (t, "out")])
+        assert t.is_shared()
+        assert not second.copy_back
+    finally:
+        pool.close()
+
+
+def test_a_small_view_does_not_move_its_large_storage() -> None:
+    pool = Pool(share_min_bytes=4096)
+    big = torch.zeros(1 << 16)  # 256 KiB storage
+    try:
+        for _ in range(3):
+            pool.stage([(big[:16], "inout")]).unpin()  # 64 bytes each time
+        assert not big.is_shared()
+    finally:
+        pool.close()
+
+
+def test_a_storage_whose_move_failed_stays_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def full(self: torch.UntypedStorage) -> torch.UntypedStorage:
+        calls.append(self.nbytes())
+        raise RuntimeError("unable to open shared memory object: No space left on device")
+
+    monkeypatch.setattr(torch.UntypedStorage, "share_memory_", full)
+    pool = Pool(share_min_bytes=1024)
+    t = torch.ones(1024)
+    try:
+        for _ in range(4):
+            staged = pool.stage([(t, "inout")])  # never raises: falls back to the copy
+            assert staged.copy_back
+            staged.unpin()
+        assert calls == [4096]  # tried once, on the second op; not again
+        assert not t.is_shared()
+    finally:
+        pool.close()
+
+
+def test_an_op_waits_for_a_move_of_its_storage(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    real = torch.UntypedStorage.share_memory_
+    moving, release = threading.Event(), threading.Event()
+
+    def slow(self: torch.UntypedStorage) -> torch.UntypedStorage:
+        moving.set()
+        assert release.wait(10)
+        return real(self)
+
+    monkeypatch.setattr(torch.UntypedStorage, "share_memory_", slow)
+    pool = Pool(share_min_bytes=1024)
+    t = torch.ones(1024)
+    results: dict[str, Any] = {}
+    try:
+        pool.stage([(t, "inout")]).unpin()  # seen once
+        mover = threading.Thread(target=lambda: results.update(a=pool.stage([(t, "in")])))
+        other = threading.Thread(target=lambda: results.update(b=pool.stage([(t, "in")])))
+        mover.start()
+        assert moving.wait(10)
+        other.start()  # the same storage, mid-move: must neither copy nor pin it
+        other.join(0.3)
+        assert other.is_alive(), "an op staged a storage that was being moved"
+        release.set()
+        mover.join(10)
+        other.join(10)
+        assert t.is_shared()
+        assert not results["a"].copy_back
+        assert not results["b"].copy_back  # in place once the move was done
+        assert results["a"].pins == results["b"].pins == ()
+    finally:
+        release.set()
+        pool.close()
 
 
 def _fd_count(pid: int) -> int:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .._runtime.deadline import to_seconds
 from .._runtime.loop import get_runtime
 from ..errors import CommError, NotConfigured
-from ..group import Group
+from ..group import Group, check_share_min_bytes
 from . import _registry
 from ._base import ProcessGroup, logger
 from ._ops import GroupOps
@@ -485,17 +485,33 @@ class _Baby(ProcessGroupWrapper):
     does not wait for Python and torch to start); a deadline, ``abort()`` or
     ``configure()`` kills the worker, so an aborted op writes nothing
     anywhere afterwards, and the worker's death fails every op in flight at
-    once with ``WorkerDied``. A tensor is copied through shared memory the
-    first time, and written only when its op succeeds; a storage of 1 MiB or
-    more that comes back for another op is moved into shared memory once
-    (``share_memory_()``) and used in place from then on, as are tensors
-    already there (see :class:`ftcomm.Group`'s ``share_min_bytes``).
+    once with ``WorkerDied``. Tensors are copied through shared memory, and
+    written only when their op succeeds; tensors already in shared memory
+    (``t.share_memory_()``) are used in place. ``share_min_bytes`` opts in to
+    moving large reused storages there (as torchft's does with every tensor):
+    see :class:`ftcomm.Group`, which also says what it costs.
     """
 
     _subprocess = True
 
-    def __init__(self, timeout: timedelta | float = timedelta(seconds=60)) -> None:
+    def __init__(
+        self,
+        timeout: timedelta | float = timedelta(seconds=60),
+        *,
+        share_min_bytes: int | None = None,
+    ) -> None:
         super().__init__(timeout)
+        check_share_min_bytes(share_min_bytes)
+        self._share_min_bytes = share_min_bytes
+
+    def _new_group(self) -> Group:
+        assert self._backend is not None  # every Baby class names its backend
+        return Group(
+            self._backend,
+            subprocess=True,
+            timeout=self._timeout,
+            share_min_bytes=self._share_min_bytes,
+        )
 
 
 class ProcessGroupBabyGloo(_Baby, ProcessGroupGloo):

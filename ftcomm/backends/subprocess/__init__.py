@@ -5,7 +5,9 @@ the group's worker process is killed, and nothing writes anywhere any more.
 Pieces, each in its own module:
 
 * :mod:`._channel` -- the codec on a socketpair that only the worker inherits;
-* :mod:`._shm` -- tensors travel through shared memory, copied in and out;
+* :mod:`._shm` -- CPU tensors travel through shared memory: copied in and
+  out, or in place when their storage is shared;
+* :mod:`._device` -- CUDA tensors travel by IPC handle, ordered by events;
 * :mod:`._client` -- the parent's handle on a worker: ops in flight by op id,
   replies, the worker's death;
 * :mod:`._worker` -- the child: its own event loop around the in-process backend;
@@ -46,8 +48,9 @@ __all__ = ["Launcher", "SubprocessBackend"]
 class SubprocessBackend(Backend):
     """A configured group whose native half runs in a worker process.
 
-    Issuing an op copies its input tensors into shared memory and writes one
-    OP frame, on the caller's thread; the reply copies outputs back.
+    Issuing an op stages its tensors (copies CPU inputs into shared memory,
+    or names shared storages and CUDA IPC handles) and writes one OP frame,
+    on the caller's thread; the reply copies CPU outputs back.
     """
 
     inner: ClassVar[type[Backend]]
@@ -171,8 +174,9 @@ def subprocess_class(name: str) -> type[SubprocessBackend]:
         {
             "inner": inner,
             "name": inner.name,
-            # Shared memory carries CPU tensors (IPC handles: their own device).
-            "device_type": "cpu" if inner.device_type == "*" else inner.device_type,
+            # CPU tensors go through shared memory, CUDA ones by IPC handle;
+            # the pool refuses other devices (no XPU IPC in torch 2.13).
+            "device_type": inner.device_type,
             "dtypes": CARRIED if inner.dtypes is None else inner.dtypes & CARRIED,
             "reduce_ops": inner.reduce_ops,
         },
@@ -188,16 +192,17 @@ class Launcher:
             wait for a new process to import torch. The group starts it (with
             :meth:`refill`) once a configuration is up, and again after each;
             it costs one idle process.
-        share_min_bytes: a CPU storage of at least this many bytes that comes
-            back for a second op is moved into shared memory in place and used
-            in place from then on (``None``: always copy; see ``_shm.py``).
+        share_min_bytes: move a CPU storage into shared memory, in place, when
+            a tensor of at least this many bytes brings it back for another
+            op, and use it in place from then on (``None``, the default:
+            always copy; see ``_shm.py``).
 
     Raises:
         ValueError, NotImplementedError: as :func:`~ftcomm.backends.backend_class`.
     """
 
     def __init__(
-        self, backend: str, *, spare: bool = True, share_min_bytes: int | None = 1 << 20
+        self, backend: str, *, spare: bool = True, share_min_bytes: int | None = None
     ) -> None:
         self.cls = subprocess_class(backend)
         self.backend = backend

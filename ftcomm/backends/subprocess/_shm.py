@@ -21,14 +21,18 @@ Rules:
 3. A tensor whose storage is already in shared memory is not copied: its
    file descriptor goes to the worker once (:class:`SharedStorages`), and
    the worker maps the caller's storage itself.
-4. A large storage (``Pool.share_min_bytes``, default 1 MiB) that comes back
-   for a second op is moved into shared memory in place
-   (``share_memory_()``) and goes by rule 3 from then on, the way training
-   loops reuse their gradient buckets: two copies per op (~1.5 ms each per
-   16 MiB on a busy 2-core box) become none, for one move. A storage used
-   once is only copied. Never moved: storages torch does not own
-   (``torch.from_numpy``, ``frombuffer``: not resizable), pinned memory, and
-   a storage that some op is still copying in or out of (:data:`_pins`).
+4. Opt-in (``Pool.share_min_bytes``, off by default): a CPU storage that
+   a tensor of at least that many bytes brings back for another op is moved
+   into shared memory in place (``share_memory_()``) and goes by rule 3 from
+   then on, the way training loops reuse their gradient buckets: two copies
+   per op (~1.5 ms each per 16 MiB on a busy 2-core box) become none, for
+   one move. A storage used by one op only is copied. Off by default because
+   the move frees the storage's old memory: anything that aliases it outside
+   torch's reach (``np.from_dlpack(t)``, a native kernel still reading it on
+   another thread) would then read freed memory. Never moved: storages torch
+   does not own (``from_numpy``, ``frombuffer``: not resizable), pinned
+   memory, a storage some op is copying (:data:`_pins`), and one whose move
+   failed once (it stays copied).
 5. Segments are files under ``/dev/shm`` opened with ``O_EXCL`` and mode 0600,
    not :class:`multiprocessing.shared_memory.SharedMemory`, whose resource
    tracker is a process of its own and would own (and report) them.
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import mmap
 import os
 import secrets
@@ -61,6 +66,7 @@ _names = itertools.count()
 _DTYPES: dict[torch.dtype, str] = {getattr(torch, name): name for name in DTYPES}
 _BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
 CARRIED = frozenset(_DTYPES)
+log = logging.getLogger("ftcomm")
 """The dtypes a descriptor can name (the protocol's :data:`~ftcomm._protocol.DTYPES`)."""
 
 
@@ -177,24 +183,46 @@ def _place(
     return placed
 
 
-# Caller storages being copied in or out by some op, process-wide (any pool):
-# data_ptr -> how many ops. A storage is never moved while it is pinned, so no
-# copy reads or writes memory that a move has freed. Under `_pins_lock`, which
-# also covers deciding and making a move.
+# Process-wide (any pool), by data_ptr, under `_moves`: caller storages being
+# copied in or out by some op (pins: how many ops), and storages being moved
+# into shared memory. A storage is moved only while nothing pins it, and
+# nothing pins (or maps) it while it moves: no copy ever touches memory a
+# move frees.
 _pins: dict[int, int] = {}
-_pins_lock = threading.Lock()
-# Large storages that went through a pool once: the second time, they move.
+_moving: set[int] = set()
+_moves = threading.Condition()
+# Large storages that went through an op before (rule 4 moves them the next
+# time), and storages whose move failed (copied from then on).
 _seen: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
+_unmovable: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 
 
 def _unpin(pins: Sequence[int]) -> None:
-    """Drop one pin of each storage. Under ``_pins_lock``."""
+    """Drop one pin of each storage. Under ``_moves``."""
     for ptr in pins:
         left = _pins[ptr] - 1
         if left:
             _pins[ptr] = left
         else:
             del _pins[ptr]
+
+
+def _move(storage: torch.UntypedStorage) -> None:
+    """Move ``storage`` into shared memory, in place; marked as moving (no
+    lock held: a large move takes a while). A failure (``/dev/shm`` full, no
+    fds left) leaves it where it was, and it is copied from then on."""
+    ptr = storage.data_ptr()
+    try:
+        storage.share_memory_()
+    except (RuntimeError, OSError) as exc:
+        _unmovable.add(storage)
+        log.info(
+            "ftcomm: a %d-byte storage stays copied: moving it failed: %s", storage.nbytes(), exc
+        )
+    finally:
+        with _moves:
+            _moving.discard(ptr)
+            _moves.notify_all()
 
 
 @dataclass(eq=False)
@@ -220,7 +248,9 @@ class Staged:
     def unpin(self) -> None:
         """Nothing is copied into or out of the caller's storages any more
         (idempotent)."""
-        with _pins_lock:
+        if not self.pins:  # most ops: nothing to take the lock for
+            return
+        with _moves:
             pins, self.pins = self.pins, ()
             _unpin(pins)
 
@@ -231,8 +261,8 @@ def _shared_fd(t: torch.Tensor) -> tuple[int, int] | None:
     if t.device.type != "cpu" or t.numel() == 0 or not storage.is_shared():
         return None
     try:
-        fd, _ = storage._share_fd_cpu_()  # its own fd: no move, no copy
-    except RuntimeError:  # shared by file name (another sharing strategy): copy it
+        fd = storage._get_shared_fd()  # type: ignore[attr-defined]  # its own fd (never moves it, unlike _share_fd_cpu_)
+    except RuntimeError:  # shared by file name (the file_system strategy): copied
         return None
     return fd, os.fstat(fd).st_ino
 
@@ -288,35 +318,28 @@ class SharedStorages:
 class Pool:
     """The parent's segments for one worker (thread-safe)."""
 
-    def __init__(self, share_min_bytes: int | None = 1 << 20) -> None:
+    def __init__(self, share_min_bytes: int | None = None) -> None:
         self._lock = threading.Lock()
         self._free: dict[int, list[Segment]] = {}
         self._all: list[Segment] = []
         self._closed = False
         self.shared = SharedStorages()
         self.share_min_bytes = share_min_bytes
+        """Move a CPU tensor's storage into shared memory when a tensor of at
+        least this many bytes on it comes back for another op (rule 4);
+        ``None``: never."""
         self.device = DeviceStorages()
         """CUDA storages shared with the worker (IPC handles, not copies)."""
-        """Move a storage of at least this many bytes into shared memory when
-        it comes back for a second op (rule 4); ``None``: never."""
 
-    def _in_place(self, t: torch.Tensor) -> tuple[int, int] | None:
-        """(fd, inode) if ``t`` goes in place, moving its storage if it should
-        (rule 4); ``None`` if it is copied. Under ``_pins_lock``."""
-        shared = _shared_fd(t)
+    def _movable(self, t: torch.Tensor) -> torch.UntypedStorage | None:
+        """``t``'s storage if rule 4 may move it (size, owner, not pinned)."""
         limit = self.share_min_bytes
-        if shared is not None or limit is None or t.device.type != "cpu":
-            return shared
+        if limit is None or not t.is_cpu or t.numel() * t.element_size() < max(limit, 1):
+            return None
         storage = t.untyped_storage()
-        if storage.nbytes() < max(limit, 1) or not storage.resizable() or t.is_pinned():
+        if storage.is_shared() or not storage.resizable() or t.is_pinned():
             return None
-        if storage not in _seen:
-            _seen.add(storage)
-            return None
-        if storage.data_ptr() in _pins:
-            return None  # an op is copying it: moving would free what it reads
-        t.share_memory_()  # type: ignore[no-untyped-call]
-        return _shared_fd(t)
+        return None if storage in _unmovable else storage
 
     def stage(self, tensors: Sequence[tuple[torch.Tensor, str]]) -> Staged:
         """Lay an op's tensors out in one segment.
@@ -325,15 +348,35 @@ class Pool:
         ``"out"`` (copied back when the op succeeds) or ``"inout"`` (both).
 
         Raises:
-            ValueError: a dtype the protocol cannot carry.
+            ValueError: a dtype the protocol cannot carry, or a device it
+                cannot reach (not CPU or CUDA), or CPU and CUDA tensors mixed.
             OSError: shared memory is exhausted.
         """
         device_of = self.device.calls.device_of
         devices = [device_of(t) for t, _ in tensors]
         if any(d is not None for d in devices):
             return self._stage_device([t for t, _ in tensors], devices)
-        with _pins_lock:
-            shared = [self._in_place(t) for t, _ in tensors]
+        for t, _ in tensors:
+            if not t.is_cpu:
+                raise ValueError(
+                    f"the subprocess backend carries CPU and CUDA tensors, not {t.device.type}"
+                )
+        candidates = {id(s): s for s in map(self._movable, (t for t, _ in tensors)) if s}
+        ptrs = {t.untyped_storage().data_ptr() for t, _ in tensors if t.numel()}
+        with _moves:
+            while not ptrs.isdisjoint(_moving):  # another op is moving one of ours
+                _moves.wait()
+            moves = [s for s in candidates.values() if s in _seen and s.data_ptr() not in _pins]
+            _moving.update(s.data_ptr() for s in moves)
+        for storage in moves:
+            _move(storage)
+        for storage in candidates.values():
+            _seen.add(storage)  # after this op's own choices: never moved on first use
+        with _moves:
+            ptrs = {t.untyped_storage().data_ptr() for t, _ in tensors if t.numel()}
+            while not ptrs.isdisjoint(_moving):
+                _moves.wait()
+            shared = [_shared_fd(t) for t, _ in tensors]
             pins = tuple(
                 t.untyped_storage().data_ptr()
                 for (t, _), fd in zip(tensors, shared, strict=True)
@@ -344,7 +387,7 @@ class Pool:
         try:
             return self._stage(tensors, shared, pins)
         except BaseException:
-            with _pins_lock:
+            with _moves:
                 _unpin(pins)
             raise
 
