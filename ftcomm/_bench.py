@@ -201,15 +201,16 @@ async def _open_subprocess(env: ChildEnv) -> Runner:
     return AwaitingRunner("subproc", {"allreduce": group.allreduce}, group.shutdown)
 
 
-async def _open_subprocess_copied(env: ChildEnv) -> Runner:
-    """The subprocess backend copying every tensor in and out (never moving it)."""
+async def _open_subprocess_moved(env: ChildEnv) -> Runner:
+    """The subprocess backend opted in to moving large storages into shared
+    memory (after a tensor's first op, it is reduced in place)."""
     import ftcomm
 
     group = ftcomm.Group(
-        "gloo", subprocess=True, spare_worker=False, timeout=_OP_TIMEOUT, share_min_bytes=None
+        "gloo", subprocess=True, spare_worker=False, timeout=_OP_TIMEOUT, share_min_bytes=1 << 20
     )
-    await group.configure(env.store_addr("subprocess-copy-bench"), env.rank, WORLD_SIZE)
-    return AwaitingRunner("sub+copy", {"allreduce": group.allreduce}, group.shutdown)
+    await group.configure(env.store_addr("subprocess-move-bench"), env.rank, WORLD_SIZE)
+    return AwaitingRunner("sub+move", {"allreduce": group.allreduce}, group.shutdown)
 
 
 async def _open_facade(env: ChildEnv) -> Runner:
@@ -294,7 +295,7 @@ CASES: list[Case] = [
     Case("ftcomm", _open_ftcomm),
     Case("facade", _open_facade),
     Case("subproc", _open_subprocess),
-    Case("sub+copy", _open_subprocess_copied),
+    Case("sub+move", _open_subprocess_moved),
     Case("baby", _open_baby),
     Case("torchft", _open_torchft, _torchft_missing),
     Case("tft-baby", _open_torchft_baby, _torchft_missing),
@@ -355,7 +356,7 @@ async def _measure(rank: int, port: int, plan: Plan, store: Store) -> Report:
     runners: dict[str, Runner] = {}
     report = Report()
     # One tensor per case and workload, kept across rounds: a case may change
-    # its tensor's memory (subproc moves it into shared memory) without
+    # its tensor's memory (sub+move moves it into shared memory) without
     # touching another's. They stay 0: no inf or denormals.
     tensors = {
         (w.label, impl): torch.zeros(w.numel, dtype=torch.float32)

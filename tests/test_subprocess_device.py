@@ -18,17 +18,19 @@ import gc
 import itertools
 import os
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import pytest
 import pytest_asyncio
 import torch
 from helpers import StoreServer
+from torch.distributed import ReduceOp
 
 import ftcomm
 from ftcomm import ProtocolError
 from ftcomm._protocol import Decoder, Done, Failed, Frame, Op, encode
+from ftcomm._runtime.native import DoneOp, NativeOp
 from ftcomm.backends.dummy import DummyBackend
 from ftcomm.backends.subprocess._client import Call, WorkerProcess
 from ftcomm.backends.subprocess._device import (
@@ -98,6 +100,9 @@ class FakeCalls(DeviceCalls):
         memory = (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
         return torch.frombuffer(memory, dtype=torch.uint8).untyped_storage()
 
+    def release(self, record: IpcRecord) -> None:
+        self.log.append(("release", int.from_bytes(record.handle, "big")))
+
     def empty(self, device: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
@@ -129,6 +134,34 @@ class FakeChannel:
         raise AssertionError("no fds travel with CUDA tensors")
 
 
+class JoiningOp(DoneOp):
+    """An op whose device work its ``join_stream`` orders (as NCCL's is)."""
+
+    def __init__(self, log: list[tuple[Any, ...]]) -> None:
+        super().__init__()
+        self.log = log
+
+    def join_stream(self) -> None:
+        self.log.append(("join",))
+
+
+class JoiningDummy(DummyBackend):
+    """The dummy backend, its ops joined to the worker's stream like NCCL's."""
+
+    log: list[tuple[Any, ...]]
+
+    def allgather(
+        self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, timeout: float
+    ) -> NativeOp:
+        super().allgather(outputs, tensor, timeout)
+        return JoiningOp(self.log)
+
+    def allreduce(
+        self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType, timeout: float
+    ) -> NativeOp:
+        return JoiningOp(self.log)
+
+
 def _through_codec(frame: Frame) -> Frame:
     (decoded,) = Decoder().feed(encode(frame))
     return decoded
@@ -145,7 +178,9 @@ class Rig:
         self.channel = FakeChannel()
         self.worker = Worker(self.channel, DummyBackend, os.getpid())  # type: ignore[arg-type]
         self.worker.device = DeviceMappings(self.calls)
-        self.worker.backend = DummyBackend(0, 1)
+        backend = JoiningDummy(0, 1)
+        backend.log = self.calls.log
+        self.worker.backend = backend
         self.ids = itertools.count(1)
 
     async def op(self, name: str, tensors: list[tuple[torch.Tensor, str]]) -> tuple[int, Frame]:
@@ -194,7 +229,10 @@ async def test_an_op_waits_for_the_callers_stream_and_the_caller_waits_for_it(ri
         ("wait", "worker4", "0003"),  # waits for the caller's work
         ("enter", "worker4"),  # and the op is issued on it
         ("exit", "worker4"),
-        ("record", "worker4", "0005"),  # after the op
+        ("enter", "worker4"),  # once it has ended: the stream waits for its device work
+        ("join",),
+        ("exit", "worker4"),
+        ("record", "worker4", "0005"),  # and then records the event
         ("wait", "caller", "0005"),  # the caller's stream waits for that
     ]
     assert rig.worker.device.pending_events == 1  # kept until the parent has waited
@@ -267,6 +305,57 @@ async def test_the_worker_refuses_malformed_ipc_descriptors(rig: Rig) -> None:
     assert "event and stream" in reply.message
 
 
+@pytest.mark.asyncio
+async def test_a_resized_storage_is_shared_again(rig: Rig) -> None:
+    # FSDP frees and regrows storages with resize_: same object, new memory.
+    calls = rig.calls
+    t = calls.cuda(torch.ones(8))
+    await rig.op("allreduce", [(t, "inout")])
+    t.untyped_storage().resize_(0)
+    t.untyped_storage().resize_(8 * 4)
+    t.fill_(3.0)
+    staged = rig.pool.stage([(t, "inout")])
+    (desc,) = staged.descs
+    assert desc.handle.startswith("ipc:2:")  # a new id, with its record
+    assert staged.options["release_ipc"] == (1,)  # the old mapping goes
+    assert [e for e in calls.log if e[0] == "share"] == [("share", 1), ("share", 5)]
+
+
+@pytest.mark.asyncio
+async def test_a_storage_counts_as_shared_only_once_its_op_is_staged(rig: Rig) -> None:
+    calls = rig.calls
+    first, second = calls.cuda(torch.ones(4)), calls.cuda(torch.ones(4))
+    real_share = calls.share
+    calls.share = lambda s: (  # type: ignore[method-assign]
+        real_share(s) if s is first.untyped_storage() else _raise(OSError("out of IPC handles"))
+    )
+    with pytest.raises(OSError, match="out of IPC handles"):
+        rig.pool.stage([(first, "in"), (second, "out")])
+    calls.share = real_share  # type: ignore[method-assign]
+    staged = rig.pool.stage([(first, "inout")])
+    (desc,) = staged.descs
+    assert desc.handle.count(":") == 2  # ipc:<id>:<record>: shared afresh, not assumed
+
+
+def _raise(exc: BaseException) -> Any:
+    raise exc
+
+
+@pytest.mark.asyncio
+async def test_closing_gives_back_the_ipc_references_a_dead_worker_held(rig: Rig) -> None:
+    calls = rig.calls
+    kept, dropped = calls.cuda(torch.ones(4)), calls.cuda(torch.ones(4))
+    await rig.op("allreduce", [(kept, "inout")])
+    await rig.op("allreduce", [(dropped, "inout")])
+    del dropped
+    gc.collect()  # its release is pending: the worker never heard of it
+    rig.pool.close()  # the worker was killed: it could not drop its references
+    assert sorted(e for e in calls.log if e[0] == "release") == [("release", 1), ("release", 5)]
+    rig.pool.close()  # once only
+    assert len([e for e in calls.log if e[0] == "release"]) == 2
+    assert kept.sum().item() == 4.0
+
+
 def test_ipc_records_round_trip_and_reject_garbage() -> None:
     record = IpcRecord(1, b"\x00\xff" * 32, 4096, 512, b"/torch_1_2", 7, b"\x01" * 64, True)
     assert IpcRecord.decode(record.encode()) == record
@@ -279,9 +368,14 @@ def test_ipc_records_round_trip_and_reject_garbage() -> None:
 def test_done_carries_an_event_only_as_hex() -> None:
     assert _through_codec(Done(3, "00ff")) == Done(3, "00ff")
     assert encode(Done(3)) == encode(Done(3, ""))  # the usual reply keeps its empty payload
-    for bad in ("0", "xyz0", "ABCD", "00" * 513):
+    for bad in ("0", "xyz0", "ABCD", "00" * 513, None, 0, False, []):
         with pytest.raises(ProtocolError):
-            Done(3, bad)
+            Done(3, bad)  # type: ignore[arg-type]
+    header = encode(Done(3))[: -len(b"{}")]
+    for payload in (b'{"event":null}', b'{"event":0}', b'{"event":""}', b'{"event":[]}'):
+        data = bytearray(header[:-4]) + len(payload).to_bytes(4, "big") + payload
+        with pytest.raises(ProtocolError):
+            Decoder().feed(bytes(data))
 
 
 # -- the parent's reply handling, on a real worker process ------------------------------------
@@ -351,10 +445,10 @@ async def test_cuda_end_to_end(store: StoreServer) -> None:  # pragma: no cover 
             src.mul_(2)  # queued on the caller's stream: the worker must wait for it
             out = torch.empty_like(src)
             for _ in range(3):
-                await g.allgather([out], src)
+                await g.allgather(src, out=[out])
             got = out.sum()  # queued after the op on the caller's stream
             # A view at an offset, into another view at an offset.
-            await g.allgather([out[100:110]], src[10:20])
+            await g.allgather(src[10:20], out=[out[100:110]])
             window = out[95:115].clone()
         torch.cuda.synchronize()
         assert got.item() == float(4096 * 4095)

@@ -256,7 +256,7 @@ class Done:
     waits on. Empty otherwise, and then the payload is ``{}``."""
 
     def __post_init__(self) -> None:
-        if self.event and (type(self.event) is not str or not _HEX.match(self.event)):
+        if type(self.event) is not str or (self.event and not _HEX.match(self.event)):
             raise ProtocolError("event must be an even-length lowercase hex string")
 
 
@@ -406,6 +406,8 @@ def _decode_payload(kind: int, op_id: int, payload: bytes) -> Frame:
         raise
     except (TypeError, ValueError, RecursionError) as exc:  # defensive: a field we did not vet
         raise ProtocolError(f"malformed {cls.__name__} payload: {exc}") from None
+    if isinstance(frame, Done) and not frame.event:  # one encoding only: {}
+        raise ProtocolError("a DONE without an event has the payload {}")
     return frame
 
 

@@ -29,6 +29,11 @@ class NativeOp(Protocol):
     ``on_done``. And ``abandon()``: the op has ended with an error (a
     deadline, an abort); once it returns, nothing may write into the op's
     tensors any more (the subprocess backend stops copying results back).
+    And ``join_stream()``, after a success: make the calling thread's current
+    accelerator stream wait for the op's device work (c10d's ``Work.wait()``,
+    which for NCCL orders streams and for Gloo returns at once); the
+    subprocess worker calls it on its stream before recording the event the
+    caller's stream waits on.
     """
 
     def poll(self) -> bool:
@@ -92,6 +97,9 @@ class WorkOp:
             return bool(self._work.is_completed())
         return True
 
+    def join_stream(self) -> None:
+        self._work.wait()
+
 
 class WorksOp:
     """Several c10d works that make up one op (ops Gloo lacks, composed)."""
@@ -118,6 +126,10 @@ class WorksOp:
             callback(next((e for e in map(_future_error, futures) if e is not None), None))
 
         torch.futures.collect_all(futures).add_done_callback(all_done)
+
+    def join_stream(self) -> None:
+        for work in self._works:
+            work.wait()
 
 
 class ThreadOp:

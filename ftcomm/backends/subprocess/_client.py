@@ -190,11 +190,11 @@ def _reap(
 ) -> None:
     """Kill and wait for a worker nobody watches any more (finalizer, exit)."""
     _kill(pidfd, lock, closed)
-    pool.close()
     try:
         proc.wait(5.0)
     except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not take 5 s
         log.warning("ftcomm worker %d did not exit after SIGKILL", proc.pid)
+    pool.close()  # reaped: the IPC references it held can go back (_device.py)
     with lock:
         if not closed[0]:
             closed[0] = True
@@ -319,8 +319,8 @@ class WorkerProcess:
         """Kill the worker and wait for it here (a thread that may block)."""
         self._killed = True
         self.channel.close()
+        self._finalizer()  # kills, reaps, then closes the pool (if not done already)
         self.pool.close()
-        self._finalizer()
         self._mark_exited()
 
     # -- ops (any thread) ---------------------------------------------------------
@@ -377,6 +377,8 @@ class WorkerProcess:
             with self.lock:
                 call = self._calls.pop(frame.op_id, None)
             if call is None:
+                if isinstance(frame, Done) and frame.event:  # the worker holds it for us
+                    self.pool.device.acknowledge(frame.op_id)
                 self.dropped += 1
                 log.debug("ftcomm worker %d: dropped a reply to op %d", self.pid, frame.op_id)
                 continue

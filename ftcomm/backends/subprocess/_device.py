@@ -32,6 +32,7 @@ torch 2.13 has no IPC for XPU tensors (no ``_share_xpu_``, no XPU
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -42,6 +43,7 @@ import torch
 
 from ..._protocol import Scalar, TensorDesc
 
+log = logging.getLogger("ftcomm")
 _cuda: Any = torch.cuda  # its Event and Stream constructors are untyped
 
 IPC_PREFIX = "ipc:"
@@ -154,6 +156,12 @@ class DeviceCalls:
         """Make ``stream`` wait for the other process's event (the CPU does not)."""
         _cuda.Event.from_ipc_handle(device, bytes.fromhex(event)).wait(stream)
 
+    def release(self, record: IpcRecord) -> None:
+        """Drop one consumer reference to a shared block (a worker that died
+        holding it cannot)."""
+        storage_cls: Any = torch.UntypedStorage
+        storage_cls._release_ipc_counter_cuda(record.ref_counter_handle, record.ref_counter_offset)
+
     # -- the worker
     def open(self, record: IpcRecord) -> torch.UntypedStorage:
         return torch.UntypedStorage._new_shared_cuda(
@@ -188,15 +196,26 @@ class DeviceStaged:
     """The caller's event the worker waits on: kept alive until the reply."""
 
 
+@dataclass(frozen=True)
+class _Shared:
+    """A storage as shared with one worker: its id there, and what it was."""
+
+    known: int
+    ptr: int
+    nbytes: int
+    record: IpcRecord
+
+
 class DeviceStorages:
     """The parent's side, per worker: storages shared with it, replies waited on."""
 
     def __init__(self, calls: DeviceCalls | None = None) -> None:
         self.calls = calls or DeviceCalls()
         self._lock = threading.Lock()
-        self._ids: dict[int, int] = {}  # id(storage) -> its id for this worker
+        self._shared: dict[int, _Shared] = {}  # id(storage) -> its share
+        self._finalizers: dict[int, Any] = {}  # id(storage) -> weakref.finalize
         self._next = 1
-        self._dead: list[int] = []
+        self._dead: list[_Shared] = []  # released in the next OP
         self._done: list[int] = []  # ops whose reply event the caller's stream waits on
 
     def stage(
@@ -204,7 +223,8 @@ class DeviceStorages:
     ) -> tuple[list[TensorDesc], DeviceStaged]:
         """Descriptors of ``tensors`` (on CUDA ``devices``, per
         :meth:`DeviceCalls.device_of`), and the caller's stream and event;
-        adds the op's options.
+        adds the op's options. A storage counts as shared with the worker
+        only once all of this has worked.
 
         Raises:
             ValueError: the tensors are not all on one CUDA device.
@@ -215,71 +235,95 @@ class DeviceStorages:
                 f"got {sorted({str(t.device) for t in tensors})}"
             )
         device = devices[0]
-        descs = [self._place(t, device) for t in tensors]
+        new: dict[int, tuple[torch.UntypedStorage, _Shared]] = {}
+        descs = [self._place(t, device, new) for t in tensors]
         stream = self.calls.current_stream(device)
         event, handle = self.calls.record(stream)
         options["event"] = handle
         options["stream"] = self.calls.stream_id(stream)
         with self._lock:
+            for key, (storage, share) in new.items():
+                stale = self._shared.get(key)
+                if stale is not None:  # the same storage object, resized since
+                    self._dead.append(stale)
+                self._shared[key] = share
+                if key not in self._finalizers:
+                    self._finalizers[key] = weakref.finalize(storage, self._died, key)
             dead, self._dead = self._dead, []
             done, self._done = self._done, []
         if dead:
-            options["release_ipc"] = tuple(dead)
+            options["release_ipc"] = tuple(share.known for share in dead)
         if done:
             options["events_done"] = tuple(done)
         return descs, DeviceStaged(device, stream, event)
 
-    def _place(self, t: torch.Tensor, device: int) -> TensorDesc:
+    def _place(
+        self, t: torch.Tensor, device: int, new: dict[int, tuple[torch.UntypedStorage, _Shared]]
+    ) -> TensorDesc:
         from ._shm import dtype_name
 
         storage = t.untyped_storage()
+        where = (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), f"cuda:{device}")
         if storage.nbytes() == 0:  # nothing to map (and nothing to share)
-            return TensorDesc(
-                f"{IPC_PREFIX}0",
-                dtype_name(t.dtype),
-                tuple(t.shape),
-                tuple(t.stride()),
-                0,
-                f"cuda:{device}",
-            )
-        key = id(storage)
+            return TensorDesc(f"{IPC_PREFIX}0", dtype_name(t.dtype), *where)
+        key, ptr, nbytes = id(storage), storage.data_ptr(), storage.nbytes()
+        if key in new:  # named twice by this op
+            return TensorDesc(f"{IPC_PREFIX}{new[key][1].known}", dtype_name(t.dtype), *where)
         with self._lock:
-            known = self._ids.get(key)
-            if known is None:
-                known = self._ids[key] = self._next
-                self._next += 1
-                weakref.finalize(storage, self._died, key, known)
-                record: str | None = self.calls.share(storage).encode()
-            else:
-                record = None
-        handle = f"{IPC_PREFIX}{known}" + (f":{record}" if record else "")
-        return TensorDesc(
-            handle,
-            dtype_name(t.dtype),
-            tuple(t.shape),
-            tuple(t.stride()),
-            int(t.storage_offset()),
-            f"cuda:{device}",
-        )
+            share = self._shared.get(key)
+            if share is not None and (share.ptr, share.nbytes) == (ptr, nbytes):
+                return TensorDesc(f"{IPC_PREFIX}{share.known}", dtype_name(t.dtype), *where)
+            known, self._next = self._next, self._next + 1
+        # New, or resized since it was shared (FSDP frees and regrows its
+        # storages with resize_: same object, new memory): share it (again).
+        share = _Shared(known, ptr, nbytes, self.calls.share(storage))
+        new[key] = (storage, share)
+        handle = f"{IPC_PREFIX}{known}:{share.record.encode()}"
+        return TensorDesc(handle, dtype_name(t.dtype), *where)
 
-    def _died(self, key: int, known: int) -> None:
+    def _died(self, key: int) -> None:
         with self._lock:
-            if self._ids.get(key) == known:
-                del self._ids[key]
-                self._dead.append(known)
+            self._finalizers.pop(key, None)
+            share = self._shared.pop(key, None)
+            if share is not None:
+                self._dead.append(share)
 
     def replied(self, op_id: int, staged: DeviceStaged, event: str) -> None:
         """The worker's DONE for ``op_id`` carried ``event``: order the
         caller's stream after it (any thread; the CPU does not wait)."""
-        self.calls.wait(staged.device, event, staged.stream)
+        try:
+            self.calls.wait(staged.device, event, staged.stream)
+        finally:
+            self.acknowledge(op_id)
+
+    def acknowledge(self, op_id: int) -> None:
+        """The worker may let ``op_id``'s reply event go (said in the next OP)."""
         with self._lock:
             self._done.append(op_id)
 
     def close(self) -> None:
+        """The worker has exited: give back the IPC references it held.
+
+        A worker leaves by SIGKILL or ``os._exit``, so its mappings never ran
+        the destructors that tell torch's IPC reference counters it is done;
+        without this, every block it had mapped would stay out of the
+        caller's allocator for good once freed. Call only once the worker is
+        reaped: a dying worker's kernels could still touch those blocks.
+        """
         with self._lock:
-            self._ids.clear()
+            held = [*self._shared.values(), *self._dead]
+            finalizers = list(self._finalizers.values())
+            self._shared.clear()
+            self._finalizers.clear()
             self._dead.clear()
             self._done.clear()
+        for finalizer in finalizers:
+            finalizer.detach()
+        for share in held:
+            try:
+                self.calls.release(share.record)
+            except Exception:  # the counter file is gone: nothing is held
+                log.debug("ftcomm: releasing an IPC reference failed", exc_info=True)
 
 
 class DeviceMappings:
@@ -357,8 +401,14 @@ class DeviceMappings:
         with self.calls.using(stream):
             yield stream
 
-    def ended(self, op_id: int, stream: Any) -> str:
-        """Record the op's end on ``stream``; the handle goes in its DONE."""
+    def ended(self, op_id: int, stream: Any, native: object) -> str:
+        """Order ``stream`` after the op's device work (its ``join_stream``,
+        if it has one), then record an event there; its handle goes in the
+        op's DONE."""
+        join = getattr(native, "join_stream", None)
+        if join is not None:
+            with self.calls.using(stream):
+                join()
         event, handle = self.calls.record(stream)
         with self._lock:
             self._events[op_id] = event

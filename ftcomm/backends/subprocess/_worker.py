@@ -193,7 +193,8 @@ class Worker:
             self.tensors.clear()  # cached views may reach an unmapped storage
         if "release_ipc" in options or "events_done" in options:
             self.device.update(options)
-            self.tensors.clear()
+            if "release_ipc" in options:
+                self.tensors.clear()
         new = options.get("fds")
         if isinstance(new, tuple) and new:
             fds = self.channel.take_fds(len(new))
@@ -234,7 +235,7 @@ class Worker:
                 return
             if error is None and stream is not None:
                 try:
-                    reply: Frame = Done(op_id, self.device.ended(op_id, stream))
+                    reply: Frame = Done(op_id, self.device.ended(op_id, stream, native))
                 except Exception as exc:
                     reply = failed(op_id, exc)
             else:
