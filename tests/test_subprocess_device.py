@@ -12,6 +12,7 @@ available.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import gc
@@ -431,6 +432,40 @@ async def test_a_done_without_its_event_is_a_protocol_error(store: StoreServer) 
             await g.allreduce(torch.ones(2))  # the worker is being killed for it
         await g.configure(f"127.0.0.1:{store.port}/d2", 0, 1)  # and a new one works
         await g.allreduce(torch.ones(2))
+
+
+@pytest.mark.asyncio
+async def test_a_failed_device_op_orders_no_stream(store: StoreServer) -> None:
+    async with ftcomm.Group("dummy", subprocess=True, spare_worker=False, timeout=10) as g:
+        await g.configure(f"127.0.0.1:{store.port}/d", 0, 1)
+        worker = g._config.backend.worker  # type: ignore[union-attr]
+        calls = FakeCalls()
+        call = _device_call(worker, calls)
+        ended: list[BaseException | None] = []
+        call.on_done(ended.append)
+        worker._on_frames([Failed(call.op_id, "RuntimeError", "NCCL error")])
+        assert len(ended) == 1
+        assert "NCCL error" in str(ended[0])
+        assert not [e for e in calls.log if e[0] == "wait"]  # nothing to order after
+        await g.allreduce(torch.ones(2))  # a failed op is not a broken worker
+
+
+@pytest.mark.asyncio
+async def test_a_killed_workers_ipc_references_are_given_back(store: StoreServer) -> None:
+    import signal
+
+    async with ftcomm.Group("dummy", subprocess=True, spare_worker=False, timeout=10) as g:
+        await g.configure(f"127.0.0.1:{store.port}/d", 0, 1)
+        worker = g._config.backend.worker  # type: ignore[union-attr]
+        calls = FakeCalls()
+        call = _device_call(worker, calls)  # its storage is now shared with the worker
+        ended: list[BaseException | None] = []
+        call.on_done(ended.append)
+        os.kill(worker.pid, signal.SIGKILL)
+        await asyncio.wait_for(asyncio.wrap_future(worker.exited), 10)
+        assert isinstance(ended[0], ftcomm.WorkerDied)
+        # Reaped: the reference the worker held on that block is given back.
+        assert [e for e in calls.log if e[0] == "release"] == [("release", 1)]
 
 
 # -- the real thing --------------------------------------------------------------------------
