@@ -88,8 +88,9 @@ class Group:
             bandwidth instead of ~0.75x). Only for storages nothing else
             aliases: the old memory is freed, so a ``np.from_dlpack(t)``
             array or a native kernel still reading it on another thread
-            would read freed memory. An op that fails may also have written
-            part of its result, as on in-process Gloo. Storages torch does
+            would read freed memory; and a storage in shared memory can no
+            longer be resized (FSDP-style ``resize_``). An op that fails may
+            also have written part of its result, as on in-process Gloo. Storages torch does
             not own (``from_numpy``) and pinned memory are never moved.
             ``None`` (the default): always copy.
 

@@ -259,13 +259,22 @@ def test_wrapper_passes_everything_to_its_pg(store: StoreServer) -> None:
     assert inner.errored() is None  # shut down: unconfigured, nothing errored
 
 
-@pytest.mark.parametrize("cls", [c10d.ProcessGroupNCCL, c10d.ProcessGroupXCCL])
+@pytest.mark.parametrize(
+    "cls",
+    [
+        c10d.ProcessGroupNCCL,
+        c10d.ProcessGroupXCCL,
+        c10d.ProcessGroupBabyNCCL,
+        c10d.ProcessGroupBabyXCCL,
+    ],
+)
 def test_accelerator_groups_construct_and_fail_clearly(
     cls: type[c10d.ProcessGroupWrapper], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pg = cls(timeout=timedelta(seconds=5))
     name = cls._backend
-    assert pg.getBackendName() == f"ftcomm-{name}"
+    baby = "baby-" if cls._subprocess else ""
+    assert pg.getBackendName() == f"ftcomm-{baby}{name}"
     with pytest.raises(RuntimeError, match=f"needs a torch build with {name}"):
         pg.configure("127.0.0.1:1/p", "0", 0, 1)
     # Where torch has the backend, this release says it lacks the implementation.

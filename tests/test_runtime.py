@@ -206,24 +206,29 @@ def test_watchdog_excuses_time_the_owner_thread_queued_for_a_cpu() -> None:
 def test_watchdog_reports_a_blocked_callback_while_another_thread_holds_the_gil() -> None:
     # Waiting for the GIL is not excused: it cannot be told apart from a
     # callback blocked with the GIL released (here time.sleep), the very
-    # thing the watchdog is for, even while another thread holds the GIL.
+    # thing the watchdog is for. Another thread holds the GIL for 0.4 s of
+    # the callback's 0.6 s, longer than the 0.3 s threshold: an excuse for
+    # that time would hide the stall.
+    import ctypes
+
+    libc = ctypes.PyDLL(None)  # PyDLL: the call keeps the GIL, for a set time
     rt = Runtime("asyncio")
     try:
-        rt.set_debug(0.1)
+        rt.set_debug(0.3)
         watchdog = rt.watchdog
         assert watchdog is not None
         inside, done = threading.Event(), threading.Event()
 
         def blocked_callback() -> None:
             inside.set()
-            time.sleep(0.4)
+            time.sleep(0.6)
             done.set()
 
         rt.call_soon(blocked_callback)
         assert inside.wait(5)
-        sum(range(20_000_000))  # C code that keeps the GIL for a while
+        libc.usleep(400_000)
         assert done.wait(5)
-        assert watchdog.stalls, "a callback blocked for 0.4 s went unnoticed"
+        assert watchdog.stalls, "a callback blocked for 0.6 s went unnoticed"
         assert "blocked_callback" in watchdog.stalls[0].stack
     finally:
         rt.close()

@@ -751,6 +751,66 @@ def test_an_op_waits_for_a_move_of_its_storage(monkeypatch: pytest.MonkeyPatch) 
         pool.close()
 
 
+def test_an_interrupted_move_leaves_nothing_marked_moving(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from ftcomm.backends.subprocess import _shm
+
+    pool = Pool(share_min_bytes=1024)
+    a, b = torch.ones(1024), torch.ones(1024)
+    pool.stage([(a, "in"), (b, "in")]).unpin()  # both seen once
+
+    def interrupted(self: torch.UntypedStorage) -> torch.UntypedStorage:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.UntypedStorage, "share_memory_", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.stage([(a, "in"), (b, "in")])  # the first move is interrupted
+        assert not _shm._moving
+        monkeypatch.undo()
+        staged: list[object] = []
+        thread = threading.Thread(target=lambda: staged.append(pool.stage([(b, "in")])))
+        thread.start()
+        thread.join(10)
+        assert staged, "an op waited for a move that nobody was making"
+    finally:
+        pool.close()
+
+
+def test_a_shared_storage_dying_inside_the_lock_does_not_deadlock() -> None:
+    import threading
+
+    pool = Pool()
+    result: list[bool] = []
+
+    def collect_inside() -> None:
+        with pool.shared._lock:
+            pool.shared._died(12345)  # a finalizer run by a collection, as stage() may
+        result.append(True)
+
+    thread = threading.Thread(target=collect_inside)
+    thread.start()
+    thread.join(5)
+    pool.close()
+    assert result == [True], "a finalizer under the lock deadlocked"
+
+
+@pytest.mark.asyncio
+async def test_a_forked_child_leaves_its_parents_worker_alone(group: ftcomm.Group) -> None:
+    worker = _worker(group)
+    pid = os.fork()
+    if pid == 0:  # the child: what its exit would run (weakref finalizers at exit)
+        try:
+            worker._finalizer()
+        finally:
+            os._exit(0)
+    _, status = await asyncio.to_thread(os.waitpid, pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _alive(worker.pid)
+    assert torch.equal(await group.allreduce(torch.ones(2)), torch.ones(2))
+
+
 def _fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

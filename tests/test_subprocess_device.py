@@ -18,6 +18,7 @@ import ctypes
 import gc
 import itertools
 import os
+import threading
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -39,6 +40,7 @@ from ftcomm.backends.subprocess._device import (
     DeviceMappings,
     DeviceStorages,
     IpcRecord,
+    PoolClosed,
 )
 from ftcomm.backends.subprocess._shm import Pool
 from ftcomm.backends.subprocess._worker import Worker
@@ -332,6 +334,12 @@ async def test_a_storage_counts_as_shared_only_once_its_op_is_staged(rig: Rig) -
     )
     with pytest.raises(OSError, match="out of IPC handles"):
         rig.pool.stage([(first, "in"), (second, "out")])
+    # The share that worked holds a reference the worker will never take:
+    # given back at once.
+    assert [e for e in calls.log if e[0] in ("share", "release")] == [
+        ("share", 1),
+        ("release", 1),
+    ]
     calls.share = real_share  # type: ignore[method-assign]
     staged = rig.pool.stage([(first, "inout")])
     (desc,) = staged.descs
@@ -355,6 +363,33 @@ async def test_closing_gives_back_the_ipc_references_a_dead_worker_held(rig: Rig
     rig.pool.close()  # once only
     assert len([e for e in calls.log if e[0] == "release"]) == 2
     assert kept.sum().item() == 4.0
+
+
+@pytest.mark.asyncio
+async def test_staging_after_close_shares_nothing(rig: Rig) -> None:
+    rig.pool.close()
+    t = rig.calls.cuda(torch.ones(4))
+    with pytest.raises(PoolClosed):
+        rig.pool.stage([(t, "inout")])
+    shares = [e[1] for e in rig.calls.log if e[0] == "share"]
+    assert [e for e in rig.calls.log if e[0] == "release"] == [("release", k) for k in shares]
+
+
+def test_a_storage_dying_inside_the_lock_does_not_deadlock() -> None:
+    # A garbage collection can run a storage's finalizer on a thread that
+    # holds the lock (any allocation in stage() can start one).
+    storages = DeviceStorages(FakeCalls())
+    result: list[bool] = []
+
+    def collect_inside() -> None:
+        with storages._lock:
+            storages._died(12345)
+        result.append(True)
+
+    thread = threading.Thread(target=collect_inside)
+    thread.start()
+    thread.join(5)
+    assert result == [True], "a finalizer under the lock deadlocked"
 
 
 def test_ipc_records_round_trip_and_reject_garbage() -> None:

@@ -152,7 +152,11 @@ class Watchdog:
         except BaseException:
             self._clock.close()
             raise
-        runtime.call_soon(self._tick)
+        try:
+            runtime.call_soon(self._tick)
+        except BaseException:  # the loop is closed: stop the thread (it closes the clock)
+            self.stop()
+            raise
 
     def _tick(self) -> None:
         self._beat = time.monotonic()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -379,7 +379,16 @@ class ProcessGroupWrapper(_Facade):
                 f"{type(self).__name__} has no backend of its own: pass pg= or use "
                 "ProcessGroupGloo/ProcessGroupNCCL/ProcessGroupXCCL"
             )
-        return Group(self._backend, subprocess=self._subprocess, timeout=self._timeout)
+        return Group(
+            self._backend,
+            subprocess=self._subprocess,
+            timeout=self._timeout,
+            **self._group_options(),
+        )
+
+    def _group_options(self) -> dict[str, Any]:
+        """More keyword arguments for the :class:`~ftcomm.Group` it builds."""
+        return {}
 
     def getBackendName(self) -> str:
         if self._inner is not None:
@@ -504,14 +513,8 @@ class _Baby(ProcessGroupWrapper):
         check_share_min_bytes(share_min_bytes)
         self._share_min_bytes = share_min_bytes
 
-    def _new_group(self) -> Group:
-        assert self._backend is not None  # every Baby class names its backend
-        return Group(
-            self._backend,
-            subprocess=True,
-            timeout=self._timeout,
-            share_min_bytes=self._share_min_bytes,
-        )
+    def _group_options(self) -> dict[str, Any]:
+        return {"share_min_bytes": self._share_min_bytes}
 
 
 class ProcessGroupBabyGloo(_Baby, ProcessGroupGloo):

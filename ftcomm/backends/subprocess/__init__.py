@@ -39,8 +39,9 @@ from ...errors import CommError, ProtocolError
 from .. import backend_class
 from .._base import Backend, ConnectSpec
 from ._client import Call, WorkerProcess
+from ._device import PoolClosed
 from ._ops import reduce_op_name
-from ._shm import CARRIED, PoolClosed
+from ._shm import CARRIED
 
 __all__ = ["Launcher", "SubprocessBackend"]
 

@@ -187,14 +187,23 @@ def _reap(
     lock: threading.Lock,
     closed: list[bool],
     pool: Pool,
+    owner: int,
 ) -> None:
-    """Kill and wait for a worker nobody watches any more (finalizer, exit)."""
+    """Kill and wait for a worker nobody watches any more (finalizer, exit).
+
+    Only in the process that started it: a forked child that exits runs its
+    parent's finalizers too, and must leave the parent's worker alone.
+    """
+    if os.getpid() != owner:
+        return
     _kill(pidfd, lock, closed)
     try:
         proc.wait(5.0)
+        reaped = True
     except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not take 5 s
         log.warning("ftcomm worker %d did not exit after SIGKILL", proc.pid)
-    pool.close()  # reaped: the IPC references it held can go back (_device.py)
+        reaped = False
+    pool.close(reaped)  # reaped: the IPC references it held can go back (_device.py)
     with lock:
         if not closed[0]:
             closed[0] = True
@@ -248,7 +257,14 @@ class WorkerProcess:
         self._reason: CommError | None = None  # why we killed it, if not on purpose
         self._runtime = runtime
         self._finalizer = weakref.finalize(
-            self, _reap, self.proc, self.pidfd, self.lock, self._pidfd_closed, self.pool
+            self,
+            _reap,
+            self.proc,
+            self.pidfd,
+            self.lock,
+            self._pidfd_closed,
+            self.pool,
+            os.getpid(),
         )
 
     def __repr__(self) -> str:

@@ -31,6 +31,7 @@ torch 2.13 has no IPC for XPU tensors (no ``_share_xpu_``, no XPU
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -121,6 +122,10 @@ class IpcRecord:
             _hex("event_handle", parts[6]),
             parts[7] == "1",
         )
+
+
+class PoolClosed(Exception):
+    """The pool's worker is gone: nothing is staged for it any more."""
 
 
 class DeviceCalls:
@@ -216,7 +221,9 @@ class DeviceStorages:
         self._finalizers: dict[int, Any] = {}  # id(storage) -> weakref.finalize
         self._next = 1
         self._dead: list[_Shared] = []  # released in the next OP
+        self._dying: collections.deque[int] = collections.deque()  # from finalizers
         self._done: list[int] = []  # ops whose reply event the caller's stream waits on
+        self._closed = False
 
     def stage(
         self, tensors: list[torch.Tensor], devices: list[int | None], options: dict[str, Scalar]
@@ -236,21 +243,30 @@ class DeviceStorages:
             )
         device = devices[0]
         new: dict[int, tuple[torch.UntypedStorage, _Shared]] = {}
-        descs = [self._place(t, device, new) for t in tensors]
-        stream = self.calls.current_stream(device)
-        event, handle = self.calls.record(stream)
-        options["event"] = handle
-        options["stream"] = self.calls.stream_id(stream)
-        with self._lock:
-            for key, (storage, share) in new.items():
-                stale = self._shared.get(key)
-                if stale is not None:  # the same storage object, resized since
-                    self._dead.append(stale)
-                self._shared[key] = share
-                if key not in self._finalizers:
-                    self._finalizers[key] = weakref.finalize(storage, self._died, key)
-            dead, self._dead = self._dead, []
-            done, self._done = self._done, []
+        try:
+            descs = [self._place(t, device, new) for t in tensors]
+            stream = self.calls.current_stream(device)
+            event, handle = self.calls.record(stream)
+            options["event"] = handle
+            options["stream"] = self.calls.stream_id(stream)
+            with self._lock:
+                if self._closed:
+                    raise PoolClosed("the worker's shared memory is closed")
+                self._drain()
+                for key, (storage, share) in new.items():
+                    stale = self._shared.get(key)
+                    if stale is not None:  # the same storage object, resized since
+                        self._dead.append(stale)
+                    self._shared[key] = share
+                    if key not in self._finalizers:
+                        self._finalizers[key] = weakref.finalize(storage, self._died, key)
+                dead, self._dead = self._dead, []
+                done, self._done = self._done, []
+        except BaseException:
+            # Each share holds a reference in torch's IPC counter; none of
+            # these reached the worker, so none would ever be given back.
+            self._release([share for _, share in new.values()])
+            raise
         if dead:
             options["release_ipc"] = tuple(share.known for share in dead)
         if done:
@@ -270,6 +286,7 @@ class DeviceStorages:
         if key in new:  # named twice by this op
             return TensorDesc(f"{IPC_PREFIX}{new[key][1].known}", dtype_name(t.dtype), *where)
         with self._lock:
+            self._drain()  # a dead storage's id() may be this one's now
             share = self._shared.get(key)
             if share is not None and (share.ptr, share.nbytes) == (ptr, nbytes):
                 return TensorDesc(f"{IPC_PREFIX}{share.known}", dtype_name(t.dtype), *where)
@@ -282,7 +299,14 @@ class DeviceStorages:
         return TensorDesc(handle, dtype_name(t.dtype), *where)
 
     def _died(self, key: int) -> None:
-        with self._lock:
+        # A finalizer: it may run inside a garbage collection on a thread that
+        # holds `_lock` (any allocation can start one), so it takes no lock.
+        self._dying.append(key)
+
+    def _drain(self) -> None:
+        """Move the storages that died to ``_dead``. Under ``_lock``."""
+        while self._dying:
+            key = self._dying.popleft()
             self._finalizers.pop(key, None)
             share = self._shared.pop(key, None)
             if share is not None:
@@ -301,16 +325,21 @@ class DeviceStorages:
         with self._lock:
             self._done.append(op_id)
 
-    def close(self) -> None:
+    def close(self, release: bool = True) -> None:
         """The worker has exited: give back the IPC references it held.
 
         A worker leaves by SIGKILL or ``os._exit``, so its mappings never ran
         the destructors that tell torch's IPC reference counters it is done;
         without this, every block it had mapped would stay out of the
-        caller's allocator for good once freed. Call only once the worker is
-        reaped: a dying worker's kernels could still touch those blocks.
+        caller's allocator for good once freed. ``release=False`` where the
+        worker may not be gone yet (a dying worker's kernels could still
+        touch those blocks): they are kept, a leak rather than a reuse.
+        Shares sent for release in an OP the worker never read are not known
+        here, and stay held.
         """
         with self._lock:
+            self._closed = True
+            self._drain()
             held = [*self._shared.values(), *self._dead]
             finalizers = list(self._finalizers.values())
             self._shared.clear()
@@ -319,7 +348,11 @@ class DeviceStorages:
             self._done.clear()
         for finalizer in finalizers:
             finalizer.detach()
-        for share in held:
+        if release:
+            self._release(held)
+
+    def _release(self, shares: list[_Shared]) -> None:
+        for share in shares:
             try:
                 self.calls.release(share.record)
             except Exception:  # the counter file is gone: nothing is held

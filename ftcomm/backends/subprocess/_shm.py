@@ -40,6 +40,7 @@ Rules:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -55,7 +56,7 @@ from typing import Any
 import torch
 
 from ..._protocol import DTYPES, Scalar, TensorDesc
-from ._device import DeviceStaged, DeviceStorages
+from ._device import DeviceStaged, DeviceStorages, PoolClosed
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ftcomm-"
@@ -68,10 +69,6 @@ _BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
 CARRIED = frozenset(_DTYPES)
 log = logging.getLogger("ftcomm")
 """The dtypes a descriptor can name (the protocol's :data:`~ftcomm._protocol.DTYPES`)."""
-
-
-class PoolClosed(Exception):
-    """The pool's worker is gone: no segment is handed out any more."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -197,6 +194,18 @@ _seen: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 _unmovable: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 
 
+def _forget_after_fork() -> None:
+    # A forked child has none of its parent's ops, and `_moves` may have been
+    # held by another thread at the fork.
+    global _moves
+    _pins.clear()
+    _moving.clear()
+    _moves = threading.Condition()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def _unpin(pins: Sequence[int]) -> None:
     """Drop one pin of each storage. Under ``_moves``."""
     for ptr in pins:
@@ -278,9 +287,11 @@ class SharedStorages:
         self._lock = threading.Lock()
         self._sent: dict[int, Any] = {}  # inode -> weakref.finalize of its storage
         self._dead: list[int] = []
+        self._dying: collections.deque[int] = collections.deque()  # from finalizers
 
     def place(self, t: torch.Tensor, fd: int, ino: int, new: list[tuple[int, int]]) -> TensorDesc:
         with self._lock:
+            self._drain()  # a dead storage's inode may be a new storage's now
             if ino not in self._sent and all(ino != i for _, i in new):
                 new.append((fd, ino))
         return TensorDesc(
@@ -298,12 +309,20 @@ class SharedStorages:
                 self._sent[ino] = weakref.finalize(t.untyped_storage(), self._died, ino)
 
     def _died(self, ino: int) -> None:
-        with self._lock:
+        # A finalizer: it may run inside a garbage collection on a thread that
+        # holds `_lock` (any allocation can start one), so it takes no lock.
+        self._dying.append(ino)
+
+    def _drain(self) -> None:
+        """Move the storages that died to ``_dead``. Under ``_lock``."""
+        while self._dying:
+            ino = self._dying.popleft()
             if self._sent.pop(ino, None) is not None:
                 self._dead.append(ino)
 
     def take_dead(self) -> tuple[int, ...]:
         with self._lock:
+            self._drain()
             dead, self._dead = self._dead, []
         return tuple(dead)
 
@@ -311,6 +330,7 @@ class SharedStorages:
         with self._lock:
             finalizers, self._sent = list(self._sent.values()), {}
             self._dead.clear()
+            self._dying.clear()
         for finalizer in finalizers:
             finalizer.detach()
 
@@ -368,8 +388,13 @@ class Pool:
                 _moves.wait()
             moves = [s for s in candidates.values() if s in _seen and s.data_ptr() not in _pins]
             _moving.update(s.data_ptr() for s in moves)
-        for storage in moves:
-            _move(storage)
+        try:
+            for storage in moves:
+                _move(storage)
+        finally:  # an interrupt mid-loop: the ones not moved are not moving either
+            with _moves:
+                _moving.difference_update(s.data_ptr() for s in moves if not s.is_shared())
+                _moves.notify_all()
         for storage in candidates.values():
             _seen.add(storage)  # after this op's own choices: never moved on first use
         with _moves:
@@ -458,14 +483,19 @@ class Pool:
             if not self._closed:
                 self._free.setdefault(segment.size, []).append(segment)
 
-    def close(self) -> None:
-        """Unlink every name still linked; mappings go when their views do."""
+    def close(self, reaped: bool = True) -> None:
+        """Unlink every name still linked; mappings go when their views do.
+
+        ``reaped``: the worker is known to be gone, so the CUDA IPC
+        references it held can be given back (else they are kept: a leak,
+        rather than blocks reused under a dying worker's kernels).
+        """
         with self._lock:
             self._closed = True
             segments, self._all = self._all, []
             self._free.clear()
         self.shared.close()
-        self.device.close()
+        self.device.close(release=reaped)
         for segment in segments:
             segment.unlink()
 
