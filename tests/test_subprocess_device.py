@@ -21,6 +21,7 @@ import os
 import threading
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -422,85 +423,81 @@ def store() -> Iterator[StoreServer]:
     server.close()
 
 
-def _device_call(worker: WorkerProcess, calls: FakeCalls) -> Call:
-    """A call in flight on ``worker`` as if it were an op on CUDA tensors."""
-    worker.pool.device = DeviceStorages(calls)
-    staged = worker.pool.stage([(calls.cuda(torch.ones(4)), "inout")])
-    assert staged.device is not None
-    call = Call(worker, 10**9 + len(calls.log), staged)
-    with worker.lock:
-        worker._calls[call.op_id] = call
-    return call
+@dataclass
+class InFlight:
+    """A dummy group in a worker, with one call in flight on it as if it were
+    an op on CUDA tensors (its storage shared through ``calls``)."""
+
+    group: ftcomm.Group
+    worker: WorkerProcess
+    calls: FakeCalls
+    call: Call
+    ended: list[BaseException | None]
 
 
-@pytest.mark.asyncio
-async def test_the_parent_orders_the_callers_stream_after_a_done(store: StoreServer) -> None:
+@pytest_asyncio.fixture
+async def in_flight(store: StoreServer) -> AsyncIterator[InFlight]:
     async with ftcomm.Group("dummy", subprocess=True, spare_worker=False, timeout=10) as g:
         await g.configure(f"127.0.0.1:{store.port}/d", 0, 1)
         worker = g._config.backend.worker  # type: ignore[union-attr]
         calls = FakeCalls()
-        call = _device_call(worker, calls)
+        worker.pool.device = DeviceStorages(calls)
+        staged = worker.pool.stage([(calls.cuda(torch.ones(4)), "inout")])
+        assert staged.device is not None
+        call = Call(worker, 10**9, staged)
+        with worker.lock:
+            worker._calls[call.op_id] = call
         ended: list[BaseException | None] = []
         call.on_done(ended.append)
-        worker._on_frames([Done(call.op_id, "abcd")])
-        assert ended == [None]
-        assert calls.log[-1] == ("wait", "caller", "abcd")
-        # The next op tells the worker it may drop that event.
-        staged = worker.pool.stage([(calls.cuda(torch.ones(2)), "inout")])
-        assert staged.options["events_done"] == (call.op_id,)
-        # The group still works (on CPU tensors).
-        await g.allreduce(torch.ones(2))
+        yield InFlight(g, worker, calls, call, ended)
 
 
 @pytest.mark.asyncio
-async def test_a_done_without_its_event_is_a_protocol_error(store: StoreServer) -> None:
-    async with ftcomm.Group("dummy", subprocess=True, spare_worker=False, timeout=10) as g:
-        await g.configure(f"127.0.0.1:{store.port}/d", 0, 1)
-        worker = g._config.backend.worker  # type: ignore[union-attr]
-        call = _device_call(worker, FakeCalls())
-        ended: list[BaseException | None] = []
-        call.on_done(ended.append)
-        worker._on_frames([Done(call.op_id)])  # the caller's stream would not be ordered
-        assert len(ended) == 1
-        assert isinstance(ended[0], ProtocolError)
-        with pytest.raises(ProtocolError):
-            await g.allreduce(torch.ones(2))  # the worker is being killed for it
-        await g.configure(f"127.0.0.1:{store.port}/d2", 0, 1)  # and a new one works
-        await g.allreduce(torch.ones(2))
+async def test_the_parent_orders_the_callers_stream_after_a_done(in_flight: InFlight) -> None:
+    f = in_flight
+    f.worker._on_frames([Done(f.call.op_id, "abcd")])
+    assert f.ended == [None]
+    assert f.calls.log[-1] == ("wait", "caller", "abcd")
+    # The next op tells the worker it may drop that event.
+    staged = f.worker.pool.stage([(f.calls.cuda(torch.ones(2)), "inout")])
+    assert staged.options["events_done"] == (f.call.op_id,)
+    await f.group.allreduce(torch.ones(2))  # the group still works (on CPU tensors)
 
 
 @pytest.mark.asyncio
-async def test_a_failed_device_op_orders_no_stream(store: StoreServer) -> None:
-    async with ftcomm.Group("dummy", subprocess=True, spare_worker=False, timeout=10) as g:
-        await g.configure(f"127.0.0.1:{store.port}/d", 0, 1)
-        worker = g._config.backend.worker  # type: ignore[union-attr]
-        calls = FakeCalls()
-        call = _device_call(worker, calls)
-        ended: list[BaseException | None] = []
-        call.on_done(ended.append)
-        worker._on_frames([Failed(call.op_id, "RuntimeError", "NCCL error")])
-        assert len(ended) == 1
-        assert "NCCL error" in str(ended[0])
-        assert not [e for e in calls.log if e[0] == "wait"]  # nothing to order after
-        await g.allreduce(torch.ones(2))  # a failed op is not a broken worker
+async def test_a_done_without_its_event_is_a_protocol_error(
+    in_flight: InFlight, store: StoreServer
+) -> None:
+    f = in_flight
+    f.worker._on_frames([Done(f.call.op_id)])  # the caller's stream would not be ordered
+    assert len(f.ended) == 1
+    assert isinstance(f.ended[0], ProtocolError)
+    with pytest.raises(ProtocolError):
+        await f.group.allreduce(torch.ones(2))  # the worker is being killed for it
+    await f.group.configure(f"127.0.0.1:{store.port}/d2", 0, 1)  # and a new one works
+    await f.group.allreduce(torch.ones(2))
 
 
 @pytest.mark.asyncio
-async def test_a_killed_workers_ipc_references_are_given_back(store: StoreServer) -> None:
+async def test_a_failed_device_op_orders_no_stream(in_flight: InFlight) -> None:
+    f = in_flight
+    f.worker._on_frames([Failed(f.call.op_id, "RuntimeError", "NCCL error")])
+    assert len(f.ended) == 1
+    assert "NCCL error" in str(f.ended[0])
+    assert not [e for e in f.calls.log if e[0] == "wait"]  # nothing to order after
+    await f.group.allreduce(torch.ones(2))  # a failed op is not a broken worker
+
+
+@pytest.mark.asyncio
+async def test_a_killed_workers_ipc_references_are_given_back(in_flight: InFlight) -> None:
     import signal
 
-    async with ftcomm.Group("dummy", subprocess=True, spare_worker=False, timeout=10) as g:
-        await g.configure(f"127.0.0.1:{store.port}/d", 0, 1)
-        worker = g._config.backend.worker  # type: ignore[union-attr]
-        calls = FakeCalls()
-        call = _device_call(worker, calls)  # its storage is now shared with the worker
-        ended: list[BaseException | None] = []
-        call.on_done(ended.append)
-        os.kill(worker.pid, signal.SIGKILL)
-        await asyncio.wait_for(asyncio.wrap_future(worker.exited), 10)
-        assert isinstance(ended[0], ftcomm.WorkerDied)
-        # Reaped: the reference the worker held on that block is given back.
-        assert [e for e in calls.log if e[0] == "release"] == [("release", 1)]
+    f = in_flight  # its storage is shared with the worker
+    os.kill(f.worker.pid, signal.SIGKILL)
+    await asyncio.wait_for(asyncio.wrap_future(f.worker.exited), 10)
+    assert isinstance(f.ended[0], ftcomm.WorkerDied)
+    # Reaped: the reference the worker held on that block is given back.
+    assert [e for e in f.calls.log if e[0] == "release"] == [("release", 1)]
 
 
 # -- the real thing --------------------------------------------------------------------------
