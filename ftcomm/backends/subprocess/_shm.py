@@ -382,21 +382,8 @@ class Pool:
                     f"the subprocess backend carries CPU and CUDA tensors, not {t.device.type}"
                 )
         candidates = {id(s): s for s in map(self._movable, (t for t, _ in tensors)) if s}
-        ptrs = {t.untyped_storage().data_ptr() for t, _ in tensors if t.numel()}
-        with _moves:
-            while not ptrs.isdisjoint(_moving):  # another op is moving one of ours
-                _moves.wait()
-            moves = [s for s in candidates.values() if s in _seen and s.data_ptr() not in _pins]
-            _moving.update(s.data_ptr() for s in moves)
-        try:
-            for storage in moves:
-                _move(storage)
-        finally:  # an interrupt mid-loop: the ones not moved are not moving either
-            with _moves:
-                _moving.difference_update(s.data_ptr() for s in moves if not s.is_shared())
-                _moves.notify_all()
-        for storage in candidates.values():
-            _seen.add(storage)  # after this op's own choices: never moved on first use
+        if candidates:  # opted in (rule 4), and some storage is large enough
+            self._move_seen(tensors, candidates)
         with _moves:
             ptrs = {t.untyped_storage().data_ptr() for t, _ in tensors if t.numel()}
             while not ptrs.isdisjoint(_moving):
@@ -415,6 +402,32 @@ class Pool:
             with _moves:
                 _unpin(pins)
             raise
+
+    def _move_seen(
+        self,
+        tensors: Sequence[tuple[torch.Tensor, str]],
+        candidates: dict[int, torch.UntypedStorage],
+    ) -> None:
+        """Move the candidates that an earlier op used too and nothing pins."""
+        ptrs = {t.untyped_storage().data_ptr() for t, _ in tensors if t.numel()}
+        with _moves:
+            while not ptrs.isdisjoint(_moving):  # another op is moving one of ours
+                _moves.wait()
+            moves = [
+                s
+                for s in candidates.values()
+                if s in _seen and s.data_ptr() not in _pins and not s.is_shared()
+            ]
+            _moving.update(s.data_ptr() for s in moves)
+        try:
+            for storage in moves:
+                _move(storage)
+        finally:  # an interrupt mid-loop: the ones not moved are not moving either
+            with _moves:
+                _moving.difference_update(s.data_ptr() for s in moves if not s.is_shared())
+                _moves.notify_all()
+        for storage in candidates.values():
+            _seen.add(storage)  # after this op's own choices: never moved on first use
 
     def _stage_device(self, tensors: list[torch.Tensor], devices: list[int | None]) -> Staged:
         options: dict[str, Scalar] = {}
