@@ -8,6 +8,7 @@ Pieces, each in its own module:
 * :mod:`._shm` -- CPU tensors travel through shared memory: copied in and
   out, or in place when their storage is shared;
 * :mod:`._device` -- CUDA tensors travel by IPC handle, ordered by events;
+* :mod:`._layout` -- dtype names and bounds checks for both;
 * :mod:`._client` -- the parent's handle on a worker: ops in flight by op id,
   replies, the worker's death;
 * :mod:`._worker` -- the child: its own event loop around the in-process backend;
@@ -40,8 +41,8 @@ from .. import backend_class
 from .._base import Backend, ConnectSpec
 from ._client import Call, WorkerProcess
 from ._device import PoolClosed
+from ._layout import CARRIED
 from ._ops import reduce_op_name
-from ._shm import CARRIED
 
 __all__ = ["Launcher", "SubprocessBackend"]
 

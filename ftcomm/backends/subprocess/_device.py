@@ -26,7 +26,7 @@ both sides, as torchft's subprocess group does:
 Every device call goes through :class:`DeviceCalls`, so machines without a
 GPU test this logic with those calls replaced (tests/test_subprocess_device.py).
 torch 2.13 has no IPC for XPU tensors (no ``_share_xpu_``, no XPU
-``Event.ipc_handle``): a worker gets those through host memory, copied.
+``Event.ipc_handle``): the parent refuses them.
 """
 
 from __future__ import annotations
@@ -43,13 +43,12 @@ from typing import Any
 import torch
 
 from ..._protocol import Scalar, TensorDesc
+from ._layout import BY_NAME, check_reach, dtype_name
 
 log = logging.getLogger("ftcomm")
 _cuda: Any = torch.cuda  # its Event and Stream constructors are untyped
 
 IPC_PREFIX = "ipc:"
-IPC_DEVICES = frozenset({"cuda"})
-"""Device types whose tensors travel by IPC handle (the others are copied)."""
 
 
 def _hex(name: str, text: str) -> bytes:
@@ -190,6 +189,12 @@ class DeviceCalls:
         return torch.cuda.stream(stream)
 
 
+def cuda_index(desc: TensorDesc) -> int | None:
+    """The CUDA device ``desc`` names (``cuda`` alone: 0), or ``None``."""
+    kind, _, index = desc.device.partition(":")
+    return (int(index) if index else 0) if kind == "cuda" else None
+
+
 @dataclass(eq=False)
 class DeviceStaged:
     """The device side of one op in the parent."""
@@ -276,27 +281,30 @@ class DeviceStorages:
     def _place(
         self, t: torch.Tensor, device: int, new: dict[int, tuple[torch.UntypedStorage, _Shared]]
     ) -> TensorDesc:
-        from ._shm import dtype_name
-
         storage = t.untyped_storage()
-        where = (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), f"cuda:{device}")
+        layout = (
+            dtype_name(t.dtype),
+            tuple(t.shape),
+            tuple(t.stride()),
+            int(t.storage_offset()),
+            f"cuda:{device}",
+        )
         if storage.nbytes() == 0:  # nothing to map (and nothing to share)
-            return TensorDesc(f"{IPC_PREFIX}0", dtype_name(t.dtype), *where)
+            return TensorDesc(f"{IPC_PREFIX}0", *layout)
         key, ptr, nbytes = id(storage), storage.data_ptr(), storage.nbytes()
         if key in new:  # named twice by this op
-            return TensorDesc(f"{IPC_PREFIX}{new[key][1].known}", dtype_name(t.dtype), *where)
+            return TensorDesc(f"{IPC_PREFIX}{new[key][1].known}", *layout)
         with self._lock:
             self._drain()  # a dead storage's id() may be this one's now
             share = self._shared.get(key)
             if share is not None and (share.ptr, share.nbytes) == (ptr, nbytes):
-                return TensorDesc(f"{IPC_PREFIX}{share.known}", dtype_name(t.dtype), *where)
+                return TensorDesc(f"{IPC_PREFIX}{share.known}", *layout)
             known, self._next = self._next, self._next + 1
         # New, or resized since it was shared (FSDP frees and regrows its
         # storages with resize_: same object, new memory): share it (again).
         share = _Shared(known, ptr, nbytes, self.calls.share(storage))
         new[key] = (storage, share)
-        handle = f"{IPC_PREFIX}{known}:{share.record.encode()}"
-        return TensorDesc(handle, dtype_name(t.dtype), *where)
+        return TensorDesc(f"{IPC_PREFIX}{known}:{share.record.encode()}", *layout)
 
     def _died(self, key: int) -> None:
         # A finalizer: it may run inside a garbage collection on a thread that
@@ -369,14 +377,16 @@ class DeviceMappings:
         self._events: dict[int, Any] = {}  # op id -> its reply event, until the parent waited
         self._lock = threading.Lock()
 
-    def update(self, options: Mapping[str, Scalar]) -> None:
-        """Drop the storages the parent released and the events it has waited on."""
+    def update(self, options: Mapping[str, Scalar]) -> bool:
+        """Drop the storages the parent released and the events it has waited
+        on; say whether a storage went (views of it must go too)."""
         for name, table in (("release_ipc", self._storages), ("events_done", self._events)):
             ids = options.get(name)
             if isinstance(ids, tuple):
                 with self._lock:
                     for key in ids:
                         table.pop(key, None)
+        return bool(options.get("release_ipc"))
 
     def tensor(self, desc: TensorDesc) -> torch.Tensor:
         """The caller's tensor ``desc`` describes, mapped from its IPC handle.
@@ -384,16 +394,14 @@ class DeviceMappings:
         Raises:
             ValueError: a malformed handle, or an id never shared with us.
         """
-        from ._shm import _BY_NAME
-
         head, _, record = desc.handle[len(IPC_PREFIX) :].partition(":")
         if not head.isdigit():
             raise ValueError(f"malformed IPC handle {desc.handle[:80]!r}")
         key = int(head)
-        if not desc.device.startswith("cuda:"):
+        device = cuda_index(desc)
+        if device is None:
             raise ValueError(f"an IPC handle names a CUDA tensor, not a {desc.device} one")
-        dtype = _BY_NAME[desc.dtype]
-        device = int(desc.device[len("cuda:") :])
+        dtype = BY_NAME[desc.dtype]
         if key == 0:  # a storage of no bytes
             if min(desc.shape, default=1) != 0:
                 raise ValueError(f"{desc.handle!r} names no storage, but shape {desc.shape}")
@@ -404,9 +412,7 @@ class DeviceMappings:
                 storage = self._storages[key] = self.calls.open(IpcRecord.decode(record))
         elif storage is None:
             raise ValueError(f"no storage was shared as {desc.handle!r}")
-        span = 1 + sum((n - 1) * s for n, s in zip(desc.shape, desc.stride, strict=True))
-        if min(desc.shape, default=1) and (desc.offset + span) * dtype.itemsize > storage.nbytes():
-            raise ValueError(f"descriptor reaches past storage {desc.handle[:80]!r}")
+        check_reach(desc, dtype.itemsize, storage.nbytes(), "storage")
         t = torch.empty(0, dtype=dtype, device=storage.device)
         return t.set_(storage, desc.offset, desc.shape, desc.stride)
 

@@ -55,8 +55,9 @@ from typing import Any
 
 import torch
 
-from ..._protocol import DTYPES, Scalar, TensorDesc
+from ..._protocol import Scalar, TensorDesc
 from ._device import DeviceStaged, DeviceStorages, PoolClosed
+from ._layout import BY_NAME, check_reach, dtype_name
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ftcomm-"
@@ -64,23 +65,7 @@ ALIGN = 64
 MIN_SEGMENT = mmap.PAGESIZE
 
 _names = itertools.count()
-_DTYPES: dict[torch.dtype, str] = {getattr(torch, name): name for name in DTYPES}
-_BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
-CARRIED = frozenset(_DTYPES)
 log = logging.getLogger("ftcomm")
-"""The dtypes a descriptor can name (the protocol's :data:`~ftcomm._protocol.DTYPES`)."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The descriptor's name for ``dtype``.
-
-    Raises:
-        ValueError: a dtype the protocol cannot carry.
-    """
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"the subprocess backend cannot carry {dtype} tensors") from None
 
 
 def _path(name: str) -> str:
@@ -545,7 +530,7 @@ class Mappings:
         Raises:
             ValueError: the descriptor names no segment of ours, or reaches past it.
         """
-        dtype = _BY_NAME[desc.dtype]
+        dtype = BY_NAME[desc.dtype]
         if desc.handle == EMPTY or min(desc.shape, default=1) == 0:
             return torch.empty(desc.shape, dtype=dtype)
         buf = self._maps.get(desc.handle)
@@ -554,9 +539,7 @@ class Mappings:
                 raise ValueError(f"no storage was sent for {desc.handle!r}")
             buf = self._attach(desc.handle)
         itemsize = dtype.itemsize
-        span = 1 + sum((n - 1) * s for n, s in zip(desc.shape, desc.stride, strict=True))
-        if (desc.offset + span) * itemsize > len(buf):
-            raise ValueError(f"descriptor reaches past segment {desc.handle!r}")
+        check_reach(desc, itemsize, len(buf), "segment")
         flat = torch.frombuffer(buf, dtype=dtype, count=len(buf) // itemsize)
         return flat.as_strided(desc.shape, desc.stride, desc.offset)
 

@@ -57,7 +57,7 @@ from .. import backend_class
 from .._base import Backend, ConnectSpec
 from . import _ops
 from ._channel import Channel
-from ._device import IPC_PREFIX, DeviceMappings
+from ._device import IPC_PREFIX, DeviceMappings, cuda_index
 from ._shm import Mappings
 
 SPIN = float(os.environ.get("FTCOMM_WORKER_SPIN_US", "2000")) / 1e6
@@ -191,10 +191,8 @@ class Worker:
             for ino in release:
                 self.maps.release(ino)
             self.tensors.clear()  # cached views may reach an unmapped storage
-        if "release_ipc" in options or "events_done" in options:
-            self.device.update(options)
-            if "release_ipc" in options:
-                self.tensors.clear()
+        if self.device.update(options):
+            self.tensors.clear()
         new = options.get("fds")
         if isinstance(new, tuple) and new:
             fds = self.channel.take_fds(len(new))
@@ -218,7 +216,8 @@ class Worker:
                     self.tensors.clear()
                 tensors = [self.tensor(desc) for desc in frame.tensors]
                 self.tensors[frame.tensors] = tensors
-            device = _cuda_index(frame.tensors)
+            # The parent puts an op's CUDA tensors all on one device.
+            device = next((i for i in map(cuda_index, frame.tensors) if i is not None), None)
             stream = None
             if device is None:
                 native = _ops.run(backend, frame.op, tensors, frame.options)
@@ -246,7 +245,7 @@ class Worker:
 
     def tensor(self, desc: TensorDesc) -> torch.Tensor:
         ipc = desc.handle.startswith(IPC_PREFIX)
-        if ipc != desc.device.startswith("cuda"):
+        if ipc != (cuda_index(desc) is not None):
             raise ValueError(f"a {desc.device} tensor cannot come as {desc.handle[:40]!r}")
         return self.device.tensor(desc) if ipc else self.maps.tensor(desc)
 
@@ -264,15 +263,6 @@ class Worker:
             self.loop.call_soon(self.watch, native, ended, until)
         else:
             native.on_done(ended)
-
-
-def _cuda_index(descs: tuple[TensorDesc, ...]) -> int | None:
-    """The CUDA device of an op's tensors (the parent put them all on one),
-    or ``None`` for CPU tensors."""
-    for desc in descs:
-        if desc.device.startswith("cuda"):
-            return int(desc.device.partition(":")[2] or 0)
-    return None
 
 
 def main(argv: list[str]) -> int:
