@@ -185,60 +185,62 @@ async def _open_raw(env: ChildEnv) -> Runner:
     return BlockingRunner("raw", {"allreduce": allreduce})
 
 
-async def _open_ftcomm(env: ChildEnv) -> Runner:
+async def _group_runner(env: ChildEnv, impl: str, prefix: str, **kwargs: Any) -> Runner:
+    """An ftcomm.Group on Gloo (``kwargs``: its options), awaited op by op."""
     import ftcomm
 
-    group = ftcomm.Group("gloo", timeout=_OP_TIMEOUT)
-    await group.configure(env.store_addr("ftcomm-bench"), env.rank, WORLD_SIZE)
-    return AwaitingRunner("ftcomm", {"allreduce": group.allreduce}, group.shutdown)
+    group = ftcomm.Group("gloo", timeout=_OP_TIMEOUT, **kwargs)
+    await group.configure(env.store_addr(prefix), env.rank, WORLD_SIZE)
+    return AwaitingRunner(impl, {"allreduce": group.allreduce}, group.shutdown)
+
+
+def _c10d_runner(env: ChildEnv, impl: str, prefix: str, pg: Any) -> Runner:
+    """A c10d-style group (ftcomm's facade, or torchft's), blocking op by op."""
+    from torch.distributed import AllreduceOptions
+
+    pg.configure(env.store_addr(prefix), "0", env.rank, WORLD_SIZE)
+
+    def allreduce(t: torch.Tensor) -> None:
+        pg.allreduce([t], AllreduceOptions()).wait()  # what torch.distributed.all_reduce does
+
+    return BlockingRunner(impl, {"allreduce": allreduce}, getattr(pg, "shutdown", None))
+
+
+async def _open_ftcomm(env: ChildEnv) -> Runner:
+    return await _group_runner(env, "ftcomm", "ftcomm-bench")
 
 
 async def _open_subprocess(env: ChildEnv) -> Runner:
-    import ftcomm
-
-    group = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=_OP_TIMEOUT)
-    await group.configure(env.store_addr("subprocess-bench"), env.rank, WORLD_SIZE)
-    return AwaitingRunner("subproc", {"allreduce": group.allreduce}, group.shutdown)
+    return await _group_runner(
+        env, "subproc", "subprocess-bench", subprocess=True, spare_worker=False
+    )
 
 
 async def _open_subprocess_moved(env: ChildEnv) -> Runner:
     """The subprocess backend opted in to moving large storages into shared
     memory (after a tensor's first op, it is reduced in place)."""
-    import ftcomm
-
-    group = ftcomm.Group(
-        "gloo", subprocess=True, spare_worker=False, timeout=_OP_TIMEOUT, share_min_bytes=1 << 20
+    return await _group_runner(
+        env,
+        "sub+move",
+        "subprocess-move-bench",
+        subprocess=True,
+        spare_worker=False,
+        share_min_bytes=1 << 20,
     )
-    await group.configure(env.store_addr("subprocess-move-bench"), env.rank, WORLD_SIZE)
-    return AwaitingRunner("sub+move", {"allreduce": group.allreduce}, group.shutdown)
 
 
 async def _open_facade(env: ChildEnv) -> Runner:
-    from torch.distributed import AllreduceOptions
-
     from .c10d import ProcessGroupGloo
 
     pg = ProcessGroupGloo(timeout=timedelta(seconds=_OP_TIMEOUT))
-    pg.configure(env.store_addr("facade-bench"), "0", env.rank, WORLD_SIZE)
-
-    def allreduce(t: torch.Tensor) -> None:
-        pg.allreduce([t], AllreduceOptions()).wait()  # what torch.distributed.all_reduce does
-
-    return BlockingRunner("facade", {"allreduce": allreduce}, pg.shutdown)
+    return _c10d_runner(env, "facade", "facade-bench", pg)
 
 
 async def _open_baby(env: ChildEnv) -> Runner:
-    from torch.distributed import AllreduceOptions
-
     from .c10d import ProcessGroupBabyGloo
 
     pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=_OP_TIMEOUT))
-    pg.configure(env.store_addr("baby-bench"), "0", env.rank, WORLD_SIZE)
-
-    def allreduce(t: torch.Tensor) -> None:
-        pg.allreduce([t], AllreduceOptions()).wait()
-
-    return BlockingRunner("baby", {"allreduce": allreduce}, pg.shutdown)
+    return _c10d_runner(env, "baby", "baby-bench", pg)
 
 
 def _torchft_missing() -> str | None:
@@ -250,29 +252,15 @@ def _torchft_missing() -> str | None:
 
 
 async def _open_torchft(env: ChildEnv) -> Runner:
-    from torch.distributed import AllreduceOptions
-
     pgs: Any = importlib.import_module("torchft.process_group")
-    pg: Any = pgs.ProcessGroupGloo(timeout=timedelta(seconds=_OP_TIMEOUT))
-    pg.configure(env.store_addr("torchft-bench"), "0", env.rank, WORLD_SIZE)
-
-    def allreduce(t: torch.Tensor) -> None:
-        pg.allreduce([t], AllreduceOptions()).wait()
-
-    return BlockingRunner("torchft", {"allreduce": allreduce}, getattr(pg, "shutdown", None))
+    pg = pgs.ProcessGroupGloo(timeout=timedelta(seconds=_OP_TIMEOUT))
+    return _c10d_runner(env, "torchft", "torchft-bench", pg)
 
 
 async def _open_torchft_baby(env: ChildEnv) -> Runner:
-    from torch.distributed import AllreduceOptions
-
     pgs: Any = importlib.import_module("torchft.process_group")
-    pg: Any = pgs.ProcessGroupBabyGloo(timeout=timedelta(seconds=_OP_TIMEOUT))
-    pg.configure(env.store_addr("torchft-baby-bench"), "0", env.rank, WORLD_SIZE)
-
-    def allreduce(t: torch.Tensor) -> None:
-        pg.allreduce([t], AllreduceOptions()).wait()
-
-    return BlockingRunner("tft-baby", {"allreduce": allreduce}, getattr(pg, "shutdown", None))
+    pg = pgs.ProcessGroupBabyGloo(timeout=timedelta(seconds=_OP_TIMEOUT))
+    return _c10d_runner(env, "tft-baby", "torchft-baby-bench", pg)
 
 
 @dataclass(frozen=True)
