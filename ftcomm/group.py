@@ -50,16 +50,6 @@ class _Config:
     """Whether the backend takes ``ReduceOp.SUM`` (every one does so far)."""
 
 
-def check_share_min_bytes(value: object) -> None:
-    """Raises: TypeError, ValueError: not ``None`` or a byte count >= 0."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"share_min_bytes must be an int or None, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"share_min_bytes must be >= 0, got {value}")
-
-
 class Group:
     """A fault-tolerant process group whose collectives are awaitable.
 
@@ -118,7 +108,8 @@ class Group:
         for name, flag in (("subprocess", subprocess), ("spare_worker", spare_worker)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        check_share_min_bytes(share_min_bytes)
+        if share_min_bytes is not None:
+            v.check_int(share_min_bytes, "share_min_bytes", minimum=0, maximum=None)
         self._timeout = to_seconds(timeout, "timeout")
         self._configure_timeout = resolve(configure_timeout, self._timeout, "configure_timeout")
         self._launcher: Launcher | None = None

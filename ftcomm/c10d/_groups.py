@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from .._runtime.deadline import to_seconds
 from .._runtime.loop import get_runtime
+from .._validate import check_int
 from ..errors import CommError, NotConfigured
-from ..group import Group, check_share_min_bytes
+from ..group import Group
 from . import _registry
 from ._base import ProcessGroup, logger
 from ._ops import GroupOps
@@ -510,7 +511,8 @@ class _Baby(ProcessGroupWrapper):
         share_min_bytes: int | None = None,
     ) -> None:
         super().__init__(timeout)
-        check_share_min_bytes(share_min_bytes)
+        if share_min_bytes is not None:
+            check_int(share_min_bytes, "share_min_bytes", minimum=0, maximum=None)
         self._share_min_bytes = share_min_bytes
 
     def _group_options(self) -> dict[str, Any]:
