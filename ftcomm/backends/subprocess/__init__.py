@@ -44,7 +44,11 @@ from ._device import PoolClosed
 from ._layout import CARRIED
 from ._ops import reduce_op_name
 
-__all__ = ["Launcher", "SubprocessBackend"]
+__all__ = ["MAX_TENSORS", "Launcher", "SubprocessBackend"]
+
+MAX_TENSORS = 1 << 12
+"""The most tensors one OP frame carries (the protocol's cap: ``Op`` refuses
+more). A call with more is refused up front, before anything is staged."""
 
 
 class SubprocessBackend(Backend):
@@ -84,13 +88,32 @@ class SubprocessBackend(Backend):
         op: str,
         tensors: Sequence[tuple[torch.Tensor, str]],
         timeout: float,
+        what: str = "tensors",
         **options: Scalar,
     ) -> Call:
+        """Stage ``tensors`` and send the OP (``what`` names them, for errors).
+
+        Raises:
+            ValueError: more tensors than one OP carries, or an op that does
+                not fit in a frame; nothing was staged or sent.
+            OSError: no room in ``/dev/shm`` for the op's tensors (the message
+                names its free space); nothing was staged or sent, and the
+                group stays usable.
+        """
+        if len(tensors) > MAX_TENSORS:
+            raise ValueError(
+                f"{op}: {what}: {len(tensors)} tensors, more than the {MAX_TENSORS} that one op "
+                "of the subprocess backend carries; split them into several ops"
+            )
         worker = self.worker
         try:
             staged = worker.pool.stage(tensors)
-        except (PoolClosed, OSError) as exc:  # the worker is gone, or /dev/shm is full
+        except PoolClosed as exc:  # the worker is gone
             return worker.failed(exc)
+        except OSError as exc:  # /dev/shm is full, or no fds are left
+            if worker.death is not None:
+                return worker.failed(exc)
+            raise OSError(exc.errno, f"{op}: {exc.strerror}") from exc
         options["timeout"] = timeout
         options.update(staged.options)
         return worker.submit(op, staged, options)
@@ -104,13 +127,14 @@ class SubprocessBackend(Backend):
     def allgather(
         self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, timeout: float
     ) -> NativeOp:
-        return self._op("allgather", [(tensor, "in"), *((o, "out") for o in outputs)], timeout)
+        items = [(tensor, "in"), *((o, "out") for o in outputs)]
+        return self._op("allgather", items, timeout, "outputs (and the input)")
 
     def allgather_into_tensor(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], timeout: float
     ) -> NativeOp:
         items = [*((o, "out") for o in outputs), *((i, "in") for i in inputs)]
-        return self._op("allgather_into_tensor", items, timeout)
+        return self._op("allgather_into_tensor", items, timeout, "outputs and inputs")
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout: float) -> NativeOp:
         role = "in" if root == self.rank else "out"
@@ -124,7 +148,13 @@ class SubprocessBackend(Backend):
         timeout: float,
     ) -> NativeOp:
         items = [(output, "out"), *((i, "in") for i in inputs)]
-        return self._op("reduce_scatter", items, timeout, reduce_op=reduce_op_name(op))
+        return self._op(
+            "reduce_scatter",
+            items,
+            timeout,
+            "inputs (and the output)",
+            reduce_op=reduce_op_name(op),
+        )
 
     def reduce_scatter_tensor(
         self,
@@ -134,7 +164,13 @@ class SubprocessBackend(Backend):
         timeout: float,
     ) -> NativeOp:
         items = [*((o, "out") for o in outputs), *((i, "in") for i in inputs)]
-        return self._op("reduce_scatter_tensor", items, timeout, reduce_op=reduce_op_name(op))
+        return self._op(
+            "reduce_scatter_tensor",
+            items,
+            timeout,
+            "outputs and inputs",
+            reduce_op=reduce_op_name(op),
+        )
 
     def alltoall_base(
         self,
@@ -213,6 +249,9 @@ class Launcher:
         self._lock = threading.Lock()
         self._spare: WorkerProcess | None = None
         self._generation = 0  # close() bumps it: a refill started before does not count
+        self._closed = False  # close() sets it, connect() clears it: no refill between
+        self._connecting: set[WorkerProcess] = set()  # killed by cancel_connects()
+        self._cancels = 0  # cancel_connects() bumps it: a connect started before fails
 
     def __repr__(self) -> str:
         return f"<ftcomm.Launcher {self.backend} spare={self._spare!r}>"
@@ -230,6 +269,8 @@ class Launcher:
         deadline = time.monotonic() + spec.timeout
         with self._lock:
             spare, self._spare = self._spare, None
+            self._closed = False
+            cancels = self._cancels
         if spare is not None:
             try:
                 spare.ready(deadline)
@@ -237,11 +278,20 @@ class Launcher:
                 spare.abandon()
                 spare = None
         worker = spare or WorkerProcess(self.backend, get_runtime())
+        with self._lock:
+            cancelled = self._cancels != cancels
+            if not cancelled:
+                self._connecting.add(worker)
         try:
+            if cancelled:  # close() or cancel_connects() came while it started
+                raise EOFError("the group was shut down or aborted while it configured")
             worker.configure(spec, deadline)
         except BaseException:
             worker.abandon()
             raise
+        finally:
+            with self._lock:
+                self._connecting.discard(worker)
         worker.pool.share_min_bytes = self.share_min_bytes
         worker.start()
         backend = self.cls(worker, spec.rank, spec.world_size)
@@ -252,7 +302,7 @@ class Launcher:
     def refill(self) -> None:
         """Start a spare if there is none (blocks for a fork/exec: a control thread)."""
         with self._lock:
-            if self._spare is not None or not self.keep_spare:
+            if self._spare is not None or not self.keep_spare or self._closed:
                 return
             generation = self._generation
         spare: WorkerProcess | None = WorkerProcess(self.backend, get_runtime())
@@ -268,11 +318,23 @@ class Launcher:
         spare = self._spare
         return spare.pid if spare is not None else None
 
+    def cancel_connects(self) -> None:
+        """Kill the workers that :meth:`connect` is configuring (non-blocking):
+        their ``connect`` raises soon after. For ``abort()`` during ``configure()``."""
+        with self._lock:
+            self._cancels += 1
+            connecting = list(self._connecting)
+        for worker in connecting:
+            worker.kill()
+
     def close(self) -> None:
-        """Stop the spare (non-blocking; it is reaped off the caller's thread)."""
+        """Stop the spare and any worker being configured; no refill until the
+        next :meth:`connect` (non-blocking; workers are reaped off this thread)."""
         with self._lock:
             spare, self._spare = self._spare, None
             self._generation += 1
+            self._closed = True
+        self.cancel_connects()
         if spare is not None:
             spare.kill()
             get_runtime().run_blocking(spare.abandon)

@@ -9,6 +9,14 @@ hands them to the owner's callbacks together with end-of-stream and
 protocol errors. Before :meth:`Channel.start`, a thread may also exchange
 frames synchronously with a deadline (the READY/CONFIGURE handshake).
 A thread waiting for a reply may read too (:meth:`Channel.pump`).
+
+A frame may carry file descriptors (``SCM_RIGHTS``). One waiting in the
+backlog keeps whatever owns them alive until they are out (an fd number
+alone can be closed, or even reused, meanwhile). A frame whose descriptors
+the kernel refuses (``EBADF``, ``ETOOMANYREFS``, ...) is dropped whole --
+nothing of it was written, its descriptors go with its first byte -- and
+its sender hears of it (``refused``); the frames behind it go on. Only the
+peer going away ends the channel.
 """
 
 from __future__ import annotations
@@ -17,18 +25,37 @@ import array
 import asyncio
 import collections
 import contextlib
+import logging
 import os
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ..._protocol import MAX_PAYLOAD, Decoder, Frame, encode
 from ...errors import ProtocolError
 
+log = logging.getLogger("ftcomm")
+
 _READ = 1 << 16
 _MAX_FDS = 64
+
+Refused = Callable[[OSError], None]
+"""Told (on the loop, or the sending thread) that a frame's descriptors were
+refused, and the frame dropped."""
+
+
+@dataclass(slots=True)
+class _Queued:
+    """A frame (or its unsent rest) waiting for room in the socket."""
+
+    data: bytes
+    fds: tuple[int, ...] = ()
+    owner: object = None
+    """Keeps ``fds`` open until they are sent."""
+    refused: Refused | None = None
 
 
 class Channel:
@@ -45,7 +72,7 @@ class Channel:
         self._lock = threading.Lock()
         self._pump_lock = threading.Lock()
         self._loop_thread: int | None = None
-        self._backlog: collections.deque[tuple[bytes, tuple[int, ...]]] = collections.deque()
+        self._backlog: collections.deque[_Queued] = collections.deque()
         self._fds: list[int] = []  # received with SCM_RIGHTS, not yet taken
         self._receive_fds = receive_fds
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -215,24 +242,61 @@ class Channel:
         """
         self.send_bytes(encode(frame))
 
-    def send_bytes(self, data: bytes, fds: Sequence[int] = ()) -> None:
+    def send_bytes(
+        self,
+        data: bytes,
+        fds: Sequence[int] = (),
+        *,
+        owner: object = None,
+        refused: Refused | None = None,
+    ) -> None:
         """Write raw bytes (a frame, or on purpose, a corrupt one), and with
-        them the file descriptors ``fds`` (``SCM_RIGHTS``: the peer gets copies)."""
+        them the file descriptors ``fds`` (``SCM_RIGHTS``: the peer gets copies).
+
+        ``owner`` keeps ``fds`` open while the frame waits in the backlog.
+        If the kernel refuses the descriptors, the frame is dropped and
+        ``refused`` is called with the error, on this thread or later on the
+        loop (without it, the error is raised here, or logged there).
+
+        Raises:
+            ConnectionError: the channel is closed or the peer is gone
+                (nothing was written).
+            OSError: the descriptors were refused and ``refused`` is ``None``
+                (nothing was written).
+            RuntimeError: the frame had to wait, and no loop was bound
+                (:meth:`bind`) to flush it.
+        """
         with self._lock:
             if self._closed:
                 raise ConnectionResetError("the channel to the worker is closed")
-            if not self._backlog:
+            if self._backlog:  # in order: behind what waits already
+                self._backlog.append(_Queued(data, tuple(fds), owner, refused))
+                return
+            try:
                 sent = self._send(data, fds)
+            except OSError as exc:
+                if not fds or isinstance(exc, ConnectionError):
+                    raise
+                # This frame's descriptors: nothing of it went out. Without its
+                # traceback, which would hold this frame (and ``refused``).
+                error = exc.with_traceback(None)
+            else:
                 if sent == len(data):
                     return
                 # The descriptors travel with the first byte sent.
-                self._backlog.append((data[sent:], () if sent else tuple(fds)))
+                rest = _Queued(data[sent:]) if sent else _Queued(data, tuple(fds), owner, refused)
+                self._backlog.append(rest)
                 loop = self._loop
                 if loop is None:
                     raise RuntimeError("Channel.send() before bind(): use send_blocking()")
                 loop.call_soon_threadsafe(self._arm)
-            else:
-                self._backlog.append((data, tuple(fds)))
+                return
+        if refused is None:
+            raise error
+        try:
+            refused(error)
+        finally:
+            del error
 
     def _send(self, data: bytes, fds: Sequence[int]) -> int:
         try:
@@ -249,20 +313,36 @@ class Channel:
                 self._loop.add_writer(self.fd, self._flush)
 
     def _flush(self) -> None:
-        with self._lock:
-            while self._backlog:
-                data, fds = self._backlog[0]
+        dropped: list[tuple[_Queued, OSError]] = []
+        try:
+            with self._lock:
+                while self._backlog:
+                    queued = self._backlog[0]
+                    try:
+                        sent = self._send(queued.data, queued.fds)
+                    except OSError as exc:
+                        if queued.fds and not isinstance(exc, ConnectionError):
+                            self._backlog.popleft()  # this frame only: the next ones go on
+                            dropped.append((queued, exc.with_traceback(None)))
+                            continue
+                        self._backlog.clear()  # the peer is gone: the reader reports it
+                        break
+                    if sent < len(queued.data):
+                        if sent:  # its descriptors are out: nothing to keep or refuse
+                            self._backlog[0] = _Queued(queued.data[sent:])
+                        return
+                    self._backlog.popleft()
+                if self._loop is not None:
+                    self._loop.remove_writer(self.fd)
+        finally:
+            for queued, error in dropped:  # outside the lock: they may send again
                 try:
-                    sent = self._send(data, fds)
-                except OSError:  # the peer is gone: the reader reports it
-                    self._backlog.clear()
-                    break
-                if sent < len(data):
-                    self._backlog[0] = (data[sent:], () if sent else fds)
-                    return
-                self._backlog.popleft()
-            if self._loop is not None:
-                self._loop.remove_writer(self.fd)
+                    if queued.refused is None:
+                        raise error
+                    queued.refused(error)
+                except Exception:
+                    log.exception("ftcomm: a frame's descriptors were refused; it was dropped")
+            dropped.clear()  # what they hold goes now, not with a garbage collection
 
     def take_fds(self, n: int) -> list[int]:
         """The next ``n`` descriptors received (their frame has arrived).

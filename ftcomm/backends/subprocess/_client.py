@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -49,7 +50,7 @@ from ..._protocol import (
     encode_op,
 )
 from ..._runtime.loop import Runtime
-from ...errors import CommAborted, CommError, ProtocolError, WorkerDied
+from ...errors import CommAborted, CommError, CommFailed, ProtocolError, WorkerDied
 from .._base import ConnectSpec
 from . import _worker
 from ._channel import Channel
@@ -341,22 +342,69 @@ class WorkerProcess:
 
     # -- ops (any thread) ---------------------------------------------------------
     def submit(self, op: str, staged: Staged, options: dict[str, Scalar]) -> Call:
-        """Send one OP; the returned call ends with the worker's reply."""
-        call = Call(self, next(_ids), staged)
+        """Send one OP; the returned call ends with the worker's reply.
+
+        The call is registered only once its frame is encoded, and whatever
+        happens, nothing of it stays behind: a frame that cannot be encoded
+        or that the socket refuses leaves no call in flight, no pin, and its
+        segment back in the pool (:meth:`Pool.unstage`).
+
+        Raises:
+            ValueError: the op cannot be put in a frame (a payload over the
+                protocol's cap, say); nothing was sent.
+        """
+        op_id = next(_ids)
+        try:
+            frame = encode_op(op_id, op, staged.descs, options)
+        except ProtocolError as exc:
+            self.pool.unstage(staged)
+            raise ValueError(
+                f"{op}: the op does not fit in a frame to the worker: {exc.message}"
+            ) from exc
+        except BaseException:
+            self.pool.unstage(staged)
+            raise
+        call = Call(self, op_id, staged)
         with self.lock:
-            if self.death is None:
-                self._calls[call.op_id] = call
-        if self.death is None:
-            try:
-                frame = encode_op(call.op_id, op, staged.descs, options)
-                self.channel.send_bytes(frame, staged.fds)
-                return call
-            except OSError:
-                pass  # the worker is going: the owner loop says how
+            death = self.death
+            if death is None:
+                self._calls[op_id] = call
+        if death is not None:
+            call.finish(death)  # its pool is closed: the segment goes with it
+            return call
+        try:
+            self.channel.send_bytes(
+                frame,
+                staged.fds,
+                owner=staged.owners,
+                refused=functools.partial(self._refused, call),
+            )
+        except BaseException as exc:
+            # Nothing of the frame went out (send_bytes raises before it
+            # writes); a reply cannot come. The segment stays out of the pool
+            # all the same (an interrupt may have come after the write).
             with self.lock:
-                self._calls.pop(call.op_id, None)
-        call.finish(self.death or WorkerDied("the worker's socket is closed", pid=self.pid))
+                self._calls.pop(op_id, None)
+            if isinstance(exc, OSError):  # the worker is going: the owner loop says how
+                call.finish(self.death or WorkerDied("the worker's socket is closed", pid=self.pid))
+                return call
+            call.finish(CommAborted(f"{op} was interrupted while it was sent to the worker"))
+            raise
         return call
+
+    def _refused(self, call: Call, error: OSError) -> None:
+        """The socket refused ``call``'s frame (its descriptors): that op
+        fails, and only it; the worker never saw it (any thread)."""
+        with self.lock:
+            if self._calls.pop(call.op_id, None) is None:  # it has ended already
+                return
+        self.pool.unstage(call.staged)
+        call.finish(
+            CommFailed(
+                f"the op could not be passed to the worker: the socket refused "
+                f"its file descriptors ({error})"
+            )
+        )
 
     def failed(self, cause: BaseException) -> Call:
         """A call that never went out: it ends at once, with the worker's

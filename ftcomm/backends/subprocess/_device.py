@@ -204,6 +204,12 @@ class DeviceStaged:
     """The caller's stream when the op was issued: it waits for the op."""
     event: Any
     """The caller's event the worker waits on: kept alive until the reply."""
+    shared: tuple[tuple[int, _Shared], ...] = ()
+    """The storages this op shares with the worker for the first time."""
+    released: tuple[_Shared, ...] = ()
+    """The shares this op tells the worker to drop (``release_ipc``)."""
+    done: tuple[int, ...] = ()
+    """The reply events this op says were waited on (``events_done``)."""
 
 
 @dataclass(frozen=True)
@@ -276,7 +282,26 @@ class DeviceStorages:
             options["release_ipc"] = tuple(share.known for share in dead)
         if done:
             options["events_done"] = tuple(done)
-        return descs, DeviceStaged(device, stream, event)
+        shares = tuple((key, share) for key, (_, share) in new.items())
+        return descs, DeviceStaged(device, stream, event, shares, tuple(dead), tuple(done))
+
+    def unstage(self, staged: DeviceStaged) -> None:
+        """``staged``'s OP never reached the worker: its new shares were never
+        mapped there (given back now; the storages are shared again by the
+        next op that uses them), and its releases and acknowledgements go
+        with the next OP instead. Nothing to do once closed: :meth:`close`
+        gave back what it held."""
+        with self._lock:
+            if self._closed:
+                return
+            ours = {id(share) for _, share in staged.shared}
+            for key, share in staged.shared:
+                if self._shared.get(key) is share:
+                    del self._shared[key]
+            # One that a later op found stale is given back here, not there.
+            self._dead = [*staged.released, *(d for d in self._dead if id(d) not in ours)]
+            self._done[:0] = staged.done
+        self._release([share for _, share in staged.shared])
 
     def _place(
         self, t: torch.Tensor, device: int, new: dict[int, tuple[torch.UntypedStorage, _Shared]]

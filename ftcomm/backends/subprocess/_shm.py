@@ -36,12 +36,21 @@ Rules:
 5. Segments are files under ``/dev/shm`` opened with ``O_EXCL`` and mode 0600,
    not :class:`multiprocessing.shared_memory.SharedMemory`, whose resource
    tracker is a process of its own and would own (and report) them.
+6. The bytes an op uses are reserved (``posix_fallocate``) before anything is
+   copied: tmpfs allocates a page on its first write, and a write that finds
+   ``/dev/shm`` full is a SIGBUS that kills the caller. A full ``/dev/shm``
+   is an :class:`OSError` (``ENOSPC``) from :meth:`Pool.stage` instead, that
+   names the directory and its free space, and leaves no segment behind. A
+   segment keeps its descriptor (closed with the pool) to reserve more when
+   a larger op of its size class reuses it: only the bytes ops use are
+   reserved, not the power-of-two rounding.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import itertools
 import logging
 import mmap
@@ -98,35 +107,116 @@ FD_PREFIX = "fd:"
 """The handle of a caller's storage already in shared memory: ``fd:<inode>``."""
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def _no_room(needed: int, cause: OSError) -> OSError:
+    """The error for an op whose ``needed`` bytes do not fit in :data:`SHM_DIR`."""
+    try:
+        st = os.statvfs(SHM_DIR)
+        room = f"{_mib(st.f_bavail * st.f_frsize)} free of {_mib(st.f_blocks * st.f_frsize)}"
+    except OSError:
+        room = "free space unknown"
+    error = OSError(
+        errno.ENOSPC,
+        f"{SHM_DIR} has no room for {_mib(needed)} more of an op's shared memory ({room}): "
+        f"issue smaller ops, or give {SHM_DIR} more room (docker run --shm-size=...)",
+    )
+    error.__cause__ = cause
+    return error
+
+
+def _reserve(fd: int, start: int, end: int) -> None:
+    """Allocate bytes ``[start, end)`` of the file ``fd`` now, so that no
+    write into its mapping can fault for want of memory.
+
+    Raises:
+        OSError: ``ENOSPC``, naming :data:`SHM_DIR` and its free space; or
+            another error of ``posix_fallocate``.
+    """
+    while True:
+        try:
+            os.posix_fallocate(fd, start, end - start)
+            return
+        except InterruptedError:  # a signal whose handler did not raise: again
+            continue
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS):  # pragma: no cover - not tmpfs
+                return  # a file system that cannot reserve: its writes find out
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise _no_room(end - start, exc) from exc
+            raise
+
+
 class Segment:
-    """One shared-memory segment of the parent's pool."""
+    """One shared-memory segment of the parent's pool.
 
-    __slots__ = ("buf", "linked", "name", "size", "views")
+    Raises (constructor):
+        OSError: the file could not be made, or ``reserve`` bytes of it not
+            reserved (rule 6); nothing is left behind then.
+    """
 
-    def __init__(self, size: int) -> None:
+    __slots__ = ("_fd", "_lock", "buf", "linked", "name", "reserved", "size", "views")
+
+    def __init__(self, size: int, reserve: int = 0) -> None:
         self.name = f"{PREFIX}{os.getpid()}-{next(_names)}-{secrets.token_hex(4)}"
         self.size = size
+        self.reserved = 0
+        """How many bytes from the start are allocated (rule 6)."""
+        self._lock = threading.Lock()
         fd = os.open(_path(self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            os.ftruncate(fd, size)  # the mapping's length; allocates nothing
+            if reserve:
+                self.reserved = _reserved(reserve, size)
+                _reserve(fd, 0, self.reserved)
+            self.buf = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
             _unlink(self.name)
             raise
+        self._fd = fd
+        """Kept to reserve more (:meth:`reserve`); -1 once closed."""
         self.linked = True
         self.views: dict[tuple[object, ...], tuple[torch.Tensor, TensorDesc]] = {}
         """(dtype, shape, offset) -> a view and its descriptor: a pooled
         segment is reused for the same layout op after op."""
-        try:
-            self.buf = _map(fd, size)
-        except BaseException:
-            _unlink(self.name)
-            raise
+
+    def reserve(self, nbytes: int) -> None:
+        """Make sure the first ``nbytes`` are allocated (rule 6).
+
+        Raises:
+            OSError: as :func:`_reserve`; what was reserved before stays.
+            PoolClosed: the pool closed meanwhile.
+        """
+        if nbytes <= self.reserved:  # a segment reused for its layout: no call
+            return
+        with self._lock:
+            if self._fd < 0:
+                raise PoolClosed("the worker's shared memory is closed")
+            want = _reserved(nbytes, self.size)
+            if want > self.reserved:
+                _reserve(self._fd, self.reserved, want)
+                self.reserved = want
 
     def unlink(self) -> None:
         if self.linked:
             self.linked = False
             _unlink(self.name)
+
+    def close(self) -> None:
+        """Unlink the name and close the descriptor; the mapping goes with its views."""
+        self.unlink()
+        with self._lock:
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _reserved(nbytes: int, size: int) -> int:
+    """``nbytes`` rounded up to whole pages, within a segment of ``size``."""
+    return min(size, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
 
 
 def _view(buf: mmap.mmap, dtype: torch.dtype, shape: Sequence[int], offset: int) -> torch.Tensor:
@@ -238,6 +328,10 @@ class Staged:
     device: DeviceStaged | None = None
     """For an op on CUDA tensors (passed by IPC handle): the caller's stream
     and event."""
+    owners: tuple[torch.UntypedStorage, ...] = ()
+    """The storages that own ``fds``: held until the OP carrying them is out
+    (a tensor alone does not keep its storage's fd open once the caller
+    drops it, and a queued OP may wait for room in the socket)."""
 
     def unpin(self) -> None:
         """Nothing is copied into or out of the caller's storages any more
@@ -298,6 +392,18 @@ class SharedStorages:
         # holds `_lock` (any allocation can start one), so it takes no lock.
         self._dying.append(ino)
 
+    def unsend(self, sent: Scalar, released: Scalar) -> None:
+        """An OP with options ``fds=sent`` and ``release=released`` never
+        reached the worker: send those descriptors again with the next OP
+        that uses them, and those releases with the next OP."""
+        with self._lock:
+            for ino in sent if isinstance(sent, tuple) else ():
+                finalizer = self._sent.pop(ino, None)
+                if finalizer is not None:
+                    finalizer.detach()
+            if isinstance(released, tuple):
+                self._dead[:0] = released
+
     def _drain(self) -> None:
         """Move the storages that died to ``_dead``. Under ``_lock``."""
         while self._dying:
@@ -355,7 +461,9 @@ class Pool:
         Raises:
             ValueError: a dtype the protocol cannot carry, or a device it
                 cannot reach (not CPU or CUDA), or CPU and CUDA tensors mixed.
-            OSError: shared memory is exhausted.
+            OSError: shared memory is exhausted (``ENOSPC``, naming
+                :data:`SHM_DIR` and its free space: nothing is staged).
+            PoolClosed: the pool's worker is gone.
         """
         device_of = self.device.calls.device_of
         devices = [device_of(t) for t, _ in tensors]
@@ -437,40 +545,78 @@ class Pool:
         descs: list[TensorDesc] = []
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         new: list[tuple[int, int]] = []
-        for (t, role), offset, fd in zip(tensors, offsets, shared, strict=True):
-            if fd is not None:  # in place: the worker maps the caller's storage
-                descs.append(self.shared.place(t, fd[0], fd[1], new))
-                continue
-            view, desc = _place(segment, t, offset)
-            if role != "out":
-                view.copy_(t)
-            if role != "in":
-                copy_back.append((t, view))
-            descs.append(desc)
+        try:
+            for (t, role), offset, fd in zip(tensors, offsets, shared, strict=True):
+                if fd is not None:  # in place: the worker maps the caller's storage
+                    descs.append(self.shared.place(t, fd[0], fd[1], new))
+                    continue
+                view, desc = _place(segment, t, offset)
+                if role != "out":
+                    view.copy_(t)
+                if role != "in":
+                    copy_back.append((t, view))
+                descs.append(desc)
+        except BaseException:  # a dtype the protocol cannot name, an interrupt
+            self.give_back(segment)
+            raise
         options: dict[str, Scalar] = {}
+        owners: dict[int, torch.UntypedStorage] = {}
         if new:
             options["fds"] = tuple(ino for _, ino in new)
+            sending = {ino for _, ino in new}
             for (t, _), fd in zip(tensors, shared, strict=True):
                 if fd is not None:
                     self.shared.sent(t, fd[1])
+                    if fd[1] in sending:
+                        owners.setdefault(fd[1], t.untyped_storage())
         dead = self.shared.take_dead()
         if dead:
             options["release"] = dead
-        return Staged(segment, tuple(descs), copy_back, tuple(fd for fd, _ in new), options, pins)
+        return Staged(
+            segment,
+            tuple(descs),
+            copy_back,
+            tuple(fd for fd, _ in new),
+            options,
+            pins,
+            owners=tuple(owners.values()),
+        )
+
+    def unstage(self, staged: Staged) -> None:
+        """``staged``'s OP never reached the worker: undo :meth:`stage` --
+        its pins, its segment (back to the pool), and what the pool counted
+        on the worker learning from it (descriptors, releases, IPC shares)."""
+        staged.unpin()
+        self.give_back(staged.segment)
+        self.shared.unsend(staged.options.get("fds"), staged.options.get("release"))
+        if staged.device is not None:
+            self.device.unstage(staged.device)
 
     def _take(self, nbytes: int) -> Segment:
+        """A segment with at least ``nbytes`` reserved (rule 6).
+
+        Raises:
+            OSError: no room in :data:`SHM_DIR`; a new segment is not kept then.
+            PoolClosed: the pool is closed.
+        """
         size = _size_class(nbytes)
         with self._lock:
             if self._closed:
                 raise PoolClosed("the worker's shared memory is closed")
             free = self._free.get(size)
-            if free:
-                return free.pop()
-        segment = Segment(size)
+            segment = free.pop() if free else None
+        if segment is not None:
+            try:
+                segment.reserve(nbytes)
+            except BaseException:
+                self.give_back(segment)  # with what it had reserved before
+                raise
+            return segment
+        segment = Segment(size, nbytes)
         with self._lock:
             self._all.append(segment)
             if self._closed:  # closed meanwhile: do not leave the name behind
-                segment.unlink()
+                segment.close()
         return segment
 
     def give_back(self, segment: Segment | None) -> None:
@@ -495,7 +641,7 @@ class Pool:
         self.shared.close()
         self.device.close(release=reaped)
         for segment in segments:
-            segment.unlink()
+            segment.close()
 
     @property
     def segments(self) -> int:
