@@ -9,6 +9,7 @@ the survivors and carry on.
 from . import errors as errors
 from ._runtime.deadline import Timeout as Timeout
 from ._runtime.work import Work as Work
+from ._state import State as State
 from .errors import CommAborted as CommAborted
 from .errors import CommError as CommError
 from .errors import CommFailed as CommFailed
@@ -16,11 +17,13 @@ from .errors import CommTimeout as CommTimeout
 from .errors import NotConfigured as NotConfigured
 from .errors import ProtocolError as ProtocolError
 from .errors import WorkerDied as WorkerDied
+from .group import Closing as Closing
 from .group import Group as Group
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Closing",
     "CommAborted",
     "CommError",
     "CommFailed",
@@ -28,6 +31,7 @@ __all__ = [
     "Group",
     "NotConfigured",
     "ProtocolError",
+    "State",
     "Timeout",
     "Work",
     "WorkerDied",

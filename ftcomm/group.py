@@ -2,9 +2,10 @@
 
 Every collective validates its arguments, issues the native op on the calling
 thread at once (so issue order is call order on every rank) and returns a
-:class:`~ftcomm.Work`. Group state lives in one :class:`_Config` per
-``configure()``; tearing it down (abort, shutdown, configure again) never
-blocks: in-flight ops end with ``CommAborted`` and the native group goes to
+:class:`~ftcomm.Work`. The group's state lives in one ``GroupCore``
+(``_state.py``: one lock, named states, a transition table), with one
+``Config`` per ``configure()``; tearing it down (abort, shutdown, configure
+again) never blocks: in-flight ops end with ``CommAborted`` and the native group goes to
 the reaper thread.
 """
 
@@ -16,8 +17,7 @@ import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -30,6 +30,7 @@ from ._runtime.deadline import Timeout, resolve, to_seconds
 from ._runtime.loop import get_runtime
 from ._runtime.native import NativeOp
 from ._runtime.work import OpTable, Work
+from ._state import Attempt, Config, GroupCore, State
 from ._store import parse_store_addr
 from .backends import Backend, ConnectSpec, backend_class
 
@@ -41,13 +42,81 @@ R = TypeVar("R")
 _SUM = ReduceOp.SUM
 
 
-@dataclass(eq=False)
-class _Config:
-    backend: Backend
-    table: OpTable
-    store_addr: str
-    sum_ok: bool = True
-    """Whether the backend takes ``ReduceOp.SUM`` (every one does so far)."""
+# What c10d raises once it has retried a store or a peer for the whole
+# timeout: a configure that fails with one of these ran out of time.
+_TIMEOUTS: tuple[type[BaseException], ...] = (
+    TimeoutError,
+    torch.distributed.DistStoreError,
+    torch.distributed.DistNetworkError,
+)
+_TIMEOUT_NAMES = frozenset(t.__name__ for t in _TIMEOUTS)
+
+
+def _connect_error(exc: Exception, where: str, rank: int) -> CommError:
+    """The one place a failed connect becomes an ftcomm error: by the type of
+    what the backend raised (a worker's error by its type's name), never by
+    the clock. The native message is kept: it is what a user can act on."""
+    if isinstance(exc, CommError):
+        return exc._located(rank, "configure", None)
+    remote_type = getattr(exc, "remote_type", None)  # raised in a subprocess worker
+    timed_out = isinstance(exc, _TIMEOUTS) or remote_type in _TIMEOUT_NAMES
+    cls = CommTimeout if timed_out else CommFailed
+    return cls(f"configure failed ({where}): {exc}", rank=rank, op="configure")
+
+
+def _wake_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> None:
+    """Complete ``fut`` on its loop, from any thread; nothing if the loop is closed."""
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+        loop.call_soon_threadsafe(wake)
+
+
+class Closing:
+    """What :meth:`Group.abort` and :meth:`Group.shutdown` return.
+
+    The abort or shutdown has already happened when you get this: in-flight
+    ops have ended and ``errored()``/``state`` say so, from every thread.
+    Awaiting it (or :meth:`wait`, from a thread) waits, bounded, until the
+    native group is closed: with ``subprocess=True``, until the worker
+    process has been reaped. Forgetting to await it loses nothing but that wait.
+    """
+
+    __slots__ = ("_closed", "_timeout")
+
+    def __init__(
+        self, closed: concurrent.futures.Future[None] | None, timeout: float = 2.0
+    ) -> None:
+        self._closed = closed
+        self._timeout = timeout
+
+    def done(self) -> bool:
+        """Whether the native group is closed (always True in process)."""
+        return self._closed is None or self._closed.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block this thread until closed, at most ``timeout`` seconds (default
+        2); whether it closed. Returns at once on the owner loop's thread."""
+        closed = self._closed
+        if closed is None:
+            return True
+        if get_runtime().in_loop_thread():
+            return closed.done()
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            closed.result(self._timeout if timeout is None else timeout)
+        return closed.done()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._until_closed().__await__()
+
+    async def _until_closed(self) -> None:
+        closed = self._closed
+        if closed is not None and not closed.done():
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.wrap_future(closed), self._timeout)
 
 
 class Group:
@@ -124,20 +193,31 @@ class Group:
         self.subprocess = subprocess
         self.backend = backend
         self._runtime = get_runtime()
-        self._config: _Config | None = None
-        self._attempt: object | None = None
+        self._core = GroupCore()
+        # Issue order is call order: one op at a time goes from "checked" to
+        # "on the wire". Not the state lock: issuing may wait on a native
+        # call, and transitions never wait.
         self._issue_lock = threading.Lock()
 
     def __repr__(self) -> str:
-        cfg = self._config
+        cfg = self._core.config
         name = f"{self.backend} subprocess" if self.subprocess else self.backend
+        state = self._core.state.value
         if cfg is None:
-            return f"<ftcomm.Group {name} unconfigured>"
-        state = "errored" if cfg.table.error is not None else "ok"
+            return f"<ftcomm.Group {name} {state}>"
         return (
             f"<ftcomm.Group {name} rank={cfg.backend.rank}/{cfg.backend.world_size} "
             f"store={cfg.store_addr} {state}>"
         )
+
+    @property
+    def state(self) -> State:
+        """Where the group is in its life: see :class:`ftcomm.State`."""
+        return self._core.state
+
+    @property
+    def _config(self) -> Config | None:
+        return self._core.config
 
     async def __aenter__(self) -> Group:
         return self
@@ -223,43 +303,29 @@ class Group:
             ranks,
         )
 
-        self._teardown(CommAborted("the group was reconfigured", rank=rank, op="configure"))
-        attempt = self._attempt = object()
-        started = time.monotonic()
-        # c10d's store client may retry once more after the timeout: allow it.
-        until = started + 2 * seconds + 2.0
-        cf = self._runtime.run_control(self._connect, spec, until=until)
-        wrapped = asyncio.wrap_future(cf)
+        attempt, teardown = self._core.begin(
+            CommAborted("the group was reconfigured", rank=rank, op="configure")
+        )
+        teardown.run()
         try:
-            done, _ = await asyncio.wait({wrapped}, timeout=seconds)
-        except BaseException:  # cancelled, possibly in the very iteration the group landed
-            self._orphan(wrapped, cf)
+            backend = await self._connect_within(spec, seconds, attempt)
+        except BaseException as exc:
+            self._core.fail(attempt)
+            if attempt.superseded_by is not None and not isinstance(exc, asyncio.CancelledError):
+                raise self._core.superseded(attempt, rank) from exc
             raise
-        if not done:
-            self._orphan(wrapped, cf)
-            raise CommTimeout(
-                f"configure did not finish within {seconds:g} s (store {addr})",
-                rank=rank,
-                op="configure",
-            )
-        try:
-            backend = wrapped.result()
-        except Exception as exc:  # arguments were checked above: this is the store or a peer
-            error_cls = CommTimeout if time.monotonic() - started >= seconds * 0.9 else CommFailed
-            raise error_cls(
-                f"configure failed (store {addr}): {exc}", rank=rank, op="configure"
-            ) from exc
-        if self._attempt is not attempt:
-            self._runtime.dispose(*backend.close())
-            raise CommAborted(
-                "configure was superseded by shutdown() or configure()", rank=rank, op="configure"
-            )
         table = OpTable(
             self._runtime,
             rank,
             lambda _, until: self._runtime.dispose(*backend.close(), until=until),
+            lock=self._core.lock,
+            on_error=self._core.table_broke,
         )
-        self._config = _Config(backend, table, str(addr), _SUM in backend.reduce_ops)
+        if not self._core.ready(
+            attempt, Config(backend, table, str(addr), _SUM in backend.reduce_ops)
+        ):
+            self._runtime.dispose(*backend.close())
+            raise self._core.superseded(attempt, rank)
         # Weakly: the worker's reader holds this callback, and must not keep a
         # group that was dropped without shutdown() (and its worker) alive.
         table_ref = weakref.ref(table)
@@ -273,6 +339,41 @@ class Group:
         if self._launcher is not None and self._launcher.keep_spare:
             self._runtime.run_control(self._launcher.refill)
 
+    async def _connect_within(self, spec: ConnectSpec, seconds: float, attempt: Attempt) -> Backend:
+        """Build the native group on a control thread, within ``seconds``,
+        unless ``attempt`` is superseded first (then stop waiting at once).
+
+        Raises the ftcomm error for what went wrong (see :func:`_connect_error`).
+        """
+        # c10d's store client may retry once more after the timeout: allow it.
+        until = time.monotonic() + 2 * seconds + 2.0
+        cf = self._runtime.run_control(self._connect, spec, until=until)
+        wrapped = asyncio.wrap_future(cf)
+        # Not wrap_future: cancelling that wrapper would cancel the attempt's future.
+        loop = asyncio.get_running_loop()
+        superseded: asyncio.Future[Any] = loop.create_future()
+        attempt.superseded.add_done_callback(lambda _: _wake_threadsafe(loop, superseded))
+        waiting: set[asyncio.Future[Any]] = {wrapped, superseded}
+        try:
+            await asyncio.wait(waiting, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled, possibly in the very iteration the group landed
+            self._orphan(wrapped, cf)
+            raise
+        where = f"store {spec.store}"
+        if not wrapped.done():
+            self._orphan(wrapped, cf)
+            if attempt.superseded_by is not None:
+                raise self._core.superseded(attempt, spec.rank)
+            raise CommTimeout(
+                f"configure did not finish within {seconds:g} s ({where})",
+                rank=spec.rank,
+                op="configure",
+            )
+        try:
+            return wrapped.result()
+        except Exception as exc:  # arguments were checked: this is the store or a peer
+            raise _connect_error(exc, where, spec.rank) from exc
+
     def _orphan(self, wrapped: asyncio.Future[Backend], cf: Any) -> None:
         """Nobody will read this connect: dispose of its group whenever it lands."""
         wrapped.cancel()  # a call already running is not stopped; its result is unread
@@ -282,67 +383,51 @@ class Group:
         if not cf.cancelled() and cf.exception() is None:
             self._runtime.dispose(*cf.result().close())
 
-    def _teardown(self, error: CommError) -> None:
-        cfg, self._config = self._config, None
-        self._attempt = None
-        if cfg is not None:
-            cfg.table.break_(error)
+    def abort(self) -> Closing:
+        """Abort the group now: in-flight ops end with ``CommAborted``, later
+        ops raise it at once, ``errored()`` reports it, until ``configure()``.
+        A ``configure()`` in progress (on any thread) is superseded: it raises
+        ``CommAborted`` and the group stays errored.
 
-    async def abort(self) -> None:
-        """Abort the group: in-flight ops end with ``CommAborted``, later ops
-        raise it at once, ``errored()`` reports it, until ``configure()``.
-
-        Never blocks and is safe to call twice (or on an unconfigured group).
-        On Gloo the native op cannot be stopped in process: it ends at its own
-        deadline, on the reaper thread. With ``subprocess=True`` the worker is
-        killed, and this returns once it has been reaped (a few ms).
+        Acts at once, from any thread, without blocking (``g.abort()`` alone
+        is enough, as in torch); safe to call twice or on an unconfigured
+        group. The returned :class:`Closing` can be awaited to wait, bounded,
+        for the native group to close: with ``subprocess=True`` the worker is
+        killed and reaped (a few ms). On in-process Gloo the native op cannot
+        be stopped: it ends at its own deadline, on the reaper thread.
         """
-        await self._until_closed(self._abort())
-
-    def _abort(self) -> Backend | None:
-        """Abort; return the backend being closed."""
-        cfg = self._config
-        if cfg is None:
-            return None
-        cfg.table.break_(CommAborted("the group was aborted by abort()", rank=cfg.backend.rank))
-        return cfg.backend
-
-    async def _until_closed(self, backend: Backend | None, timeout: float = 2.0) -> None:
-        """Wait (bounded) until ``backend`` has closed: its worker is reaped."""
-        closed = backend.closed() if backend is not None else None
-        if closed is not None:
-            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.wrap_future(closed), timeout)
-
-    def _wait_closed(self, backend: Backend | None, timeout: float = 2.0) -> None:
-        """:meth:`_until_closed` for a thread without a loop (not the owner loop's)."""
-        closed = backend.closed() if backend is not None else None
-        if closed is not None and not self._runtime.in_loop_thread():
-            with contextlib.suppress(concurrent.futures.TimeoutError):
-                closed.result(timeout)
-
-    async def shutdown(self) -> None:
-        """Tear the group down; in-flight ops end with ``CommAborted``.
-
-        Afterwards the group is unconfigured (ops raise ``NotConfigured``) and
-        may be configured again. Never blocks; safe to call twice. With
-        ``subprocess=True`` it returns once the worker has been reaped.
-        """
-        await self._until_closed(self._shutdown())
-
-    def _shutdown(self) -> Backend | None:
-        """Shut down; return the backend being closed."""
-        cfg = self._config
+        cfg = self._core.config
         rank = cfg.backend.rank if cfg is not None else None
-        self._teardown(CommAborted("the group was shut down", rank=rank))
+        teardown = self._core.abort(CommAborted("the group was aborted by abort()", rank=rank))
+        if self._launcher is not None:
+            self._launcher.cancel_connects()
+        return self._closing(teardown.run())
+
+    def shutdown(self) -> Closing:
+        """Tear the group down now; in-flight ops end with ``CommAborted``, and
+        a ``configure()`` in progress on any thread is superseded.
+
+        Afterwards the group is CLOSED (ops raise ``NotConfigured``) and may
+        be configured again. Acts at once from any thread without blocking;
+        safe to call twice. Await the returned :class:`Closing` to wait,
+        bounded, until the native group is closed (with ``subprocess=True``,
+        until the worker has been reaped).
+        """
+        cfg = self._core.config
+        rank = cfg.backend.rank if cfg is not None else None
+        teardown = self._core.shutdown(CommAborted("the group was shut down", rank=rank))
         if self._launcher is not None:
             self._launcher.close()
-        return cfg.backend if cfg is not None else None
+        return self._closing(teardown.run())
+
+    @staticmethod
+    def _closing(backend: Backend | None) -> Closing:
+        return Closing(backend.closed() if backend is not None else None)
 
     def errored(self) -> CommError | None:
-        """The error that broke the current configuration, or ``None``."""
-        cfg = self._config
-        return cfg.table.error if cfg is not None else None
+        """The error that broke the current configuration (or the ``abort()``
+        that superseded a ``configure()``), or ``None``."""
+        return self._core.errored()
 
     def set_timeout(self, timeout: Timeout) -> None:
         """Set the default deadline of ops issued from now on.
@@ -376,20 +461,28 @@ class Group:
 
     def num_active_work(self) -> int:
         """How many ops of the current configuration have not ended yet."""
-        cfg = self._config
+        cfg = self._core.config
         return cfg.table.active() if cfg is not None else 0
 
-    def _configured(self, op: str) -> _Config:
-        cfg = self._config
+    def _configured(self, op: str) -> Config:
+        cfg = self._core.config
         if cfg is None:
+            error = self._core.errored()
+            if error is not None:
+                raise CommAborted(
+                    f"{op} refused: the group is errored ({error.message}); call configure()",
+                    op=op,
+                ) from error
+            state = self._core.state
             raise NotConfigured(
-                f"{op} needs a configured group: await group.configure(...) first", op=op
+                f"{op} needs a configured group ({state.value}): await group.configure(...) first",
+                op=op,
             )
         return cfg
 
     def _issue(
         self,
-        cfg: _Config,
+        cfg: Config,
         op: str,
         timeout: Timeout | None,
         result: R,

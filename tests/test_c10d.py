@@ -216,7 +216,7 @@ def test_repr_names_class_and_state(gloo1: c10d.ProcessGroupGloo) -> None:
     text = repr(gloo1)
     assert text.startswith("ProcessGroupGloo(")
     assert "rank=0/1" in text
-    assert " ok" in text
+    assert " ready" in text
     gloo1.abort(errored=False)
     assert "errored" in repr(gloo1)
     assert repr(c10d.ProcessGroup(0, 1)) == "ProcessGroup()"

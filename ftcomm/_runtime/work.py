@@ -5,6 +5,19 @@ Rules this module keeps:
 1. Every op ends exactly once: success, or one ftcomm error. The first of the
    native completion, the deadline sweeper, a cancellation or an abort to
    settle it wins (under the table's lock); the others find it settled.
+   An op's life is a table of three states, kept by :meth:`Work._settle`
+   alone (the table's lock guards both steps)::
+
+       PENDING  --claim (first settler)-->  SETTLING  --publish-->  ENDED
+
+   SETTLING is invisible: every observer (``await``, ``wait()``, ``done()``,
+   ``exception()``, done-callbacks) still sees the op pending, and waits for
+   ENDED. Between the two steps the settler, on an error, breaks the table
+   (``errored()`` is set), abandons the native op (after which nothing writes
+   into the op's tensors) and ends the other ops in flight; only then is the
+   outcome published, as **one** assignment of ``Work._end``. So no observer
+   can see an op ended before its error is there, or hold its error while
+   the native op may still write.
 2. An op that has not completed by its deadline ends with ``CommTimeout``,
    breaks its :class:`OpTable`, and every other op in flight ends with
    ``CommAborted``. A broken table refuses new ops at once.
@@ -40,8 +53,6 @@ from .native import NativeOp
 
 R = TypeVar("R")
 
-_PENDING, _OK, _FAILED = 0, 1, 2
-
 SPIN_SECONDS = float(os.environ.get("FTCOMM_SPIN_US", "2000")) / 1e6
 """How long ``await work`` polls before it sleeps on the completion callback."""
 
@@ -58,13 +69,21 @@ class OpTable:
     """The ops in flight on one group configuration: their deadlines and their end."""
 
     def __init__(
-        self, runtime: Runtime, rank: int, on_break: Callable[[CommError, float], None]
+        self,
+        runtime: Runtime,
+        rank: int,
+        on_break: Callable[[CommError, float], None],
+        lock: threading.Lock | None = None,
+        on_error: Callable[[OpTable], None] | None = None,
     ) -> None:
         self.runtime = runtime
         self.rank = rank
         self.error: CommError | None = None
         self._on_break = on_break
-        self._lock = threading.Lock()
+        # A group passes its own lock: the table's error is the group's
+        # ERRORED state, under the one lock that guards all of it.
+        self._lock = threading.Lock() if lock is None else lock
+        self._on_error = on_error  # called under the lock when the table breaks
         self._inflight: dict[int, Work[Any]] = {}
         self._seq = 0
         self._armed_at: float | None = None
@@ -98,7 +117,7 @@ class OpTable:
         with ``CommAborted``, as it would have had it been in flight.
         """
         with self._lock:
-            if work._state != _PENDING:  # ended before it was tracked: nothing to watch
+            if work._claimed:  # ended before it was tracked: nothing to watch
                 return
             error = self.error
             if error is None:
@@ -118,11 +137,18 @@ class OpTable:
     def break_(self, error: CommError) -> None:
         """Mark the table errored (first error wins) and end every op in flight."""
         with self._lock:
-            if self.error is not None:
-                return
-            self.error = error
-            pending = list(self._inflight.values())
-        self._after_break(error, pending, time.monotonic())
+            pending = self._break_locked(error)
+        if pending is not None:
+            self._after_break(error, pending, time.monotonic())
+
+    def _break_locked(self, error: CommError) -> list[Work[Any]] | None:
+        """Under the lock: mark the table errored unless it is; the ops to end."""
+        if self.error is not None:
+            return None
+        self.error = error
+        if self._on_error is not None:
+            self._on_error(self)
+        return list(self._inflight.values())
 
     def _after_break(self, error: CommError, pending: list[Work[Any]], until: float) -> None:
         """``until``: the latest deadline of a native op the group may still hold."""
@@ -186,6 +212,21 @@ class OpTable:
         self._armed_at = None
 
 
+class Outcome:
+    """How an op ended: ``error`` is ``None`` on success. Published once."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+    def __repr__(self) -> str:
+        return "done" if self.error is None else "failed"
+
+
+_SUCCESS = Outcome(None)
+
+
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -197,6 +238,12 @@ class Work(Generic[R]):
     The op is already on the wire when you get this. ``await work`` returns its
     result (the output tensor or tensors, ``None`` for barrier and send);
     :meth:`wait` does the same for a thread without an event loop.
+
+    Every way of looking at an op (``await``, :meth:`wait`, :meth:`done`,
+    :meth:`exception`, :meth:`add_done_callback`, the c10d work and future)
+    sees the same outcome, from any thread, whenever it looks; an op whose
+    error is out never writes into its tensors afterwards (on backends that
+    can stop their native op; see docs/design.md).
 
     Attributes:
         op: the collective's name.
@@ -219,10 +266,10 @@ class Work(Generic[R]):
 
     __slots__ = (
         "_cb_armed",
-        "_error",
+        "_claimed",
+        "_end",
         "_native",
         "_result",
-        "_state",
         "_table",
         "_waiters",
         "deadline",
@@ -237,24 +284,25 @@ class Work(Generic[R]):
         self.op = op
         self.seq = seq
         self.deadline = deadline
+        # Cleared only after _end is published: "no native" means "ended".
         self._native: NativeOp | None = native
         self._result = result
-        self._state = _PENDING
-        self._error: BaseException | None = None
+        self._claimed = False  # a settler owns the op (SETTLING or ENDED)
+        self._end: Outcome | None = None  # published once, under the lock
         self._waiters: list[Callable[[], object]] | None = None  # wake-ups, any thread
         self._cb_armed = False
 
     def __repr__(self) -> str:
-        state = ("pending", "done", "failed")[self._state]
-        return f"<ftcomm.Work {self.op} seq={self.seq} {state}>"
+        end = self._end
+        return f"<ftcomm.Work {self.op} seq={self.seq} {'pending' if end is None else end!r}>"
 
     # -- public ------------------------------------------------------------
     def done(self) -> bool:
         """Whether the op has ended (it may have failed)."""
-        native = self._native  # read once: another thread may settle and clear it
-        if self._state == _PENDING and native is not None and native.poll():
+        native = self._native  # read once: a settler clears it once the end is out
+        if self._end is None and native is not None and native.poll():
             self._complete(native.outcome())
-        return self._state != _PENDING
+        return self._end is not None
 
     def cancel(self) -> bool:
         """Abort the op and its group. Returns False if it had already ended.
@@ -276,13 +324,22 @@ class Work(Generic[R]):
         """
         if not self.done():
             raise asyncio.InvalidStateError(f"{self!r} has not ended")
-        return self._error
+        return self._outcome().error
+
+    def add_done_callback(self, fn: Callable[[Work[R]], object]) -> None:
+        """Call ``fn(work)`` once the op has ended: now, on this thread, if it
+        has; else on the thread that ends it (a backend's thread, the owner
+        loop), so ``fn`` must be quick and must not block.
+
+        Exceptions ``fn`` raises are not caught.
+        """
+        self._when_done(lambda: fn(self))
 
     def __await__(self) -> Generator[Any, None, R]:
         # A plain generator, not a coroutine chain: the spin below resumes
         # once per loop iteration, and every layer it passes costs time
         # measured in the small-op bench.
-        if self._state == _PENDING:
+        if self._end is None:
             try:
                 yield from self._until_ended()
             except asyncio.CancelledError:
@@ -291,28 +348,38 @@ class Work(Generic[R]):
                         CommAborted(f"{self.op} was cancelled while in flight", **self._ctx())
                     )
                 raise
-        if self._error is not None:
-            raise self._error
+        end = self._end
+        if end is None:
+            end = self._outcome()  # raises: a bug in ftcomm
+        if end.error is not None:
+            raise end.error
         return self._result
 
     # -- awaiting ----------------------------------------------------------
+    def _outcome(self) -> Outcome:
+        end = self._end
+        if end is None:  # a caller skipped the wait: a bug in ftcomm, not the user's
+            raise RuntimeError(f"{self!r}: outcome read before the op ended")
+        return end
+
     def _until_ended(self) -> Generator[Any, None, None]:
         native = self._native
         if native is None:
             return
         spin_until = time.perf_counter() + getattr(native, "spin", SPIN_SECONDS)
-        while self._state == _PENDING:
+        while self._end is None:
             if native.poll():
                 self._complete(native.outcome())
-                return
+                break  # ended, or being settled by another thread: see below
             if time.perf_counter() >= spin_until:
-                yield from self._sleep_until_ended(native).__await__()
-                return
+                break
             # Give this core to a runnable thread first (the backend's own
             # worker, usually): on 2 cores a spin that only yields to the event
             # loop starves it and turns p90 from 0.2 ms into 4 ms.
             _sched_yield()
             yield  # what asyncio.sleep(0) does: run the loop once, then resume
+        if self._end is None:
+            yield from self._sleep_until_ended(native).__await__()
 
     async def _sleep_until_ended(self, native: NativeOp) -> None:
         loop = asyncio.get_running_loop()
@@ -320,128 +387,155 @@ class Work(Generic[R]):
         if self._add_waiter(native, lambda: loop.call_soon_threadsafe(_wake, fut)):
             await fut
 
-    def _add_waiter(self, native: NativeOp, wake: Callable[[], object]) -> bool:
-        """Have ``wake()`` called when the op ends; False if it already has."""
+    def _add_waiter(self, native: NativeOp | None, wake: Callable[[], object]) -> bool:
+        """Have ``wake()`` called once the op's end is published; False if it is."""
         with self._table._lock:
-            if self._state != _PENDING:
+            if self._end is not None:
                 return False
             if self._waiters is None:
                 self._waiters = []
             self._waiters.append(wake)
-            arm = not self._cb_armed
-            self._cb_armed = True
+            arm = not self._cb_armed and not self._claimed and native is not None
+            self._cb_armed = self._cb_armed or arm
         if arm:
+            assert native is not None  # for mypy: checked under the lock above
             native.on_done(self._complete)
         return True
 
-    def wait(self, timeout: float | timedelta | None = None) -> R:
+    def wait(
+        self, timeout: float | timedelta | None = None, *, abort_on_timeout: bool = False
+    ) -> R:
         """Block this thread until the op ends; return its result or raise its error.
 
         For code without an event loop (threads, the c10d facade). The op's
-        own deadline still applies; ``timeout`` only bounds this wait.
+        own deadline still applies; ``timeout`` only bounds this wait, unless
+        ``abort_on_timeout`` makes it a deadline (c10d's ``Work.wait(timeout)``):
+        then an op still running after ``timeout`` ends with ``CommTimeout``
+        and its group is aborted.
 
         Raises:
-            RuntimeError: called on a thread whose event loop is running
-                (it would block that loop: ``await`` the work instead).
+            RuntimeError: called, before the op ended, on a thread whose event
+                loop is running (it would block that loop: ``await`` the work).
             TimeoutError: ``timeout`` seconds passed first; the op goes on.
             TypeError, ValueError: a bad ``timeout`` (NaN, negative, ...).
             CommTimeout, CommFailed, CommAborted: as ``await work``.
         """
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:
-            raise RuntimeError("Work.wait() would block the running event loop: await it")
+        if self._end is None:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+            else:
+                raise RuntimeError("Work.wait() would block the running event loop: await it")
+        return self._wait(timeout, abort_on_timeout=abort_on_timeout)
+
+    def _wait(self, timeout: float | timedelta | None, *, abort_on_timeout: bool) -> R:
+        """:meth:`wait` for a caller that may block a running loop (the c10d
+        facade: c10d's ``wait()`` blocks whatever thread calls it)."""
         if timeout is not None:
             timeout = to_seconds(timeout, "timeout")
         if not self._block(timeout):
-            raise TimeoutError(f"{self!r} did not end within {timeout} s")
-        if self._error is not None:
-            raise self._error
+            if not abort_on_timeout:
+                raise TimeoutError(f"{self!r} did not end within {timeout} s")
+            if not self.done():
+                self._abort(
+                    CommTimeout(
+                        f"{self.op} did not complete within wait(timeout={timeout:g} s)",
+                        **self._ctx(),
+                    )
+                )
+            self._block(None)  # published at once, or by the thread settling it
+        error = self._outcome().error
+        if error is not None:
+            raise error
         return self._result
 
     def _block(self, timeout: float | None) -> bool:
-        """Block this thread until the op ends or ``timeout`` passes; whether it ended.
+        """Block this thread until the op's end is published or ``timeout``
+        passes; whether it ended.
 
         Polls for a short spin first, yielding the core between polls (on 2
         cores, a thread that sleeps and is woken costs more than the backend
         thread needs to finish a small op). Then a native op that can block a
         thread (c10d's own ``wait``) is waited on in slices of at most
         ``WAIT_SLICE`` seconds, so an abort or a deadline settled elsewhere is
-        seen within a slice; others sleep on their completion callback.
+        seen within a slice; others, and an op another thread is settling,
+        sleep until its end is published.
         """
         native = self._native
-        if self._state != _PENDING or native is None:
+        if self._end is not None or native is None:
             return True
         now = time.perf_counter()
+        end = None if timeout is None else now + timeout
         spin = getattr(native, "spin", SPIN_SECONDS)
         spin_until = now + (spin if timeout is None else min(spin, timeout))
-        end = None if timeout is None else now + timeout
-        while self._state == _PENDING:
+        natively_done = False
+        while self._end is None:
             if native.poll():
-                self._complete(native.outcome())
-                return True
+                natively_done = True
+                break
             if time.perf_counter() >= spin_until:
                 break
             _sched_yield()
         wait = getattr(native, "wait", None)
-        if wait is None:
-            ended = threading.Event()
-            left = None if end is None else max(0.0, end - time.perf_counter())
-            return not self._add_waiter(native, ended.set) or ended.wait(left)
-        while self._state == _PENDING:
-            budget = WAIT_SLICE if end is None else min(WAIT_SLICE, end - time.perf_counter())
-            if budget <= 0:
-                return False
-            if wait(budget):
-                self._complete(native.outcome())  # a no-op if it was settled meanwhile
-                return True
-        return True
+        if not natively_done and wait is not None:
+            while self._end is None and not self._claimed:
+                budget = WAIT_SLICE if end is None else min(WAIT_SLICE, end - time.perf_counter())
+                if budget <= 0:
+                    return False
+                if wait(budget):
+                    natively_done = True
+                    break
+        if natively_done:
+            self._complete(native.outcome())  # a no-op if another settler claimed it
+        if self._end is not None:
+            return True
+        # Not ended natively yet, or another thread is settling it: sleep
+        # until the end is published (the settler wakes every waiter).
+        ended = threading.Event()
+        left = None if end is None else max(0.0, end - time.perf_counter())
+        return not self._add_waiter(native, ended.set) or ended.wait(left)
 
     def _when_done(self, callback: Callable[[], object]) -> None:
-        """Call ``callback()`` once the op has ended: at once if it has, else
-        on the thread that ends it."""
-        native = self._native
-        if self._state != _PENDING or native is None or not self._add_waiter(native, callback):
+        """Call ``callback()`` once the op's end is published: at once if it
+        is, else on the thread that publishes it."""
+        if self._end is not None or not self._add_waiter(self._native, callback):
             callback()
-
-    def _time_out(self, message: str) -> None:
-        """End the op now with ``CommTimeout`` (breaking its group), unless it has ended."""
-        if not self.done():
-            self._abort(CommTimeout(message, **self._ctx()))
 
     # -- settling (any thread) ---------------------------------------------
     def _ctx(self) -> dict[str, Any]:
         return {"rank": self._table.rank, "op": self.op, "seq": self.seq}
 
     def _settle(self, error: BaseException | None, *, breaks: bool = False) -> bool:
-        """End this op once; with ``breaks``, also break the table *before*
-        any awaiter wakes, so an awaiter always sees ``errored()`` set."""
+        """End this op once (see the state table at the top); with ``breaks``,
+        also break the table. Returns whether this call was the one that
+        ended it."""
         table = self._table
+        broke: list[Work[Any]] | None = None
         with table._lock:
-            if self._state != _PENDING:
+            if self._claimed:
                 return False
+            self._claimed = True  # PENDING -> SETTLING
             table._inflight.pop(self.seq, None)
-            waiters, self._waiters = self._waiters, None
-            native, self._native = self._native, None
-            broke: CommError | None = None
-            if breaks and table.error is None and isinstance(error, CommError):
-                table.error = broke = error
-                pending = list(table._inflight.values())
-            # _state last: a spinning awaiter reads it without the lock, and
-            # once it sees the op ended, the error and errored() must be there.
-            self._error = error
-            self._state = _OK if error is None else _FAILED
-        if broke is not None:
-            table._after_break(broke, pending, self.deadline)
-        if error is not None and native is not None:
-            abandon = getattr(native, "abandon", None)
-            if abandon is not None:  # results must not arrive once the error is out
-                abandon()
-            if not native.poll():
-                # it may block whoever drops it last, until its native deadline
-                table.runtime.dispose(native, until=self.deadline)
+            if breaks and isinstance(error, CommError):
+                broke = table._break_locked(error)
+        native = self._native
+        try:
+            if error is not None and native is not None:
+                abandon = getattr(native, "abandon", None)
+                if abandon is not None:  # nothing may be written once the error is out
+                    abandon()
+            if broke is not None:
+                assert isinstance(error, CommError)  # for mypy: checked under the lock
+                table._after_break(error, broke, self.deadline)
+        finally:
+            with table._lock:
+                self._end = _SUCCESS if error is None else Outcome(error)  # SETTLING -> ENDED
+                waiters, self._waiters = self._waiters, None
+                self._native = None
+        if error is not None and native is not None and not native.poll():
+            # it may block whoever drops it last, until its native deadline
+            table.runtime.dispose(native, until=self.deadline)
         # Waiters may run user code that keeps an error whose traceback reaches
         # this frame: it must not hold the native op (and its group) then.
         del native
@@ -456,18 +550,26 @@ class Work(Generic[R]):
         if native_error is None:
             self._settle(None)
             return
-        error: CommError
+        self._settle(self._native_failure(native_error), breaks=True)
+
+    def _native_failure(self, native_error: BaseException) -> CommError:
+        """The one place a native op's error becomes an ftcomm error.
+
+        A ``CommError`` raised below the op (a subprocess worker died, a
+        frame was malformed) says what happened better than a wrapper would.
+        Gloo reports its own timeout as a plain ``RuntimeError``, so it is
+        told apart by when it came: the native op's timeout is this op's
+        deadline, and an error at the deadline is that deadline passing.
+        """
         if isinstance(native_error, CommError):
-            # Raised below the op (a subprocess worker died, a frame was
-            # malformed): it says what happened better than a wrapper would.
-            error = native_error._located(self._table.rank, self.op, self.seq)
-        elif time.monotonic() >= self.deadline - _EARLY:
+            return native_error._located(self._table.rank, self.op, self.seq)
+        error: CommError
+        if time.monotonic() >= self.deadline - _EARLY:
             error = CommTimeout(f"{self.op} did not complete by its deadline", **self._ctx())
-            error.__cause__ = native_error
         else:
             error = CommFailed(f"{self.op} failed: {native_error}", **self._ctx())
-            error.__cause__ = native_error
-        self._settle(error, breaks=True)
+        error.__cause__ = native_error
+        return error
 
     def _abort(self, error: CommError) -> bool:
         return self._settle(error, breaks=True)

@@ -208,7 +208,7 @@ class _Facade(ProcessGroup):
         if self._inner is not None:
             self._inner.abort(errored)
         elif self._group is not None:
-            self._group._wait_closed(self._group._abort())
+            self._group.abort().wait()
 
     def shutdown(self) -> None:
         """Tear the group down; ops in flight end with ``CommAborted``, later
@@ -216,7 +216,7 @@ class _Facade(ProcessGroup):
         if self._inner is not None:
             self._inner.shutdown()
         elif self._group is not None:
-            self._group._wait_closed(self._group._shutdown())
+            self._group.shutdown().wait()
 
     def errored(self) -> CommError | Exception | None:
         """The error that broke the current configuration (a deadline, a dead

@@ -108,24 +108,18 @@ class OpWork(dist.Work):
     def wait(self, timeout: object = None) -> bool:
         op = self._op
         seconds = None if timeout is None else wait_seconds(timeout)
-        if not op.done():
-            runtime = op._table.runtime
-            if runtime.in_loop_thread():
-                raise RuntimeError(
-                    "wait() would block ftcomm's owner loop: call it from another thread"
-                )
-            if not op._block(seconds):
-                op._time_out(f"{op.op} did not complete within wait(timeout={seconds:g} s)")
-        error = op._error
-        if error is not None:
-            raise error
+        if not op.done() and get_runtime().in_loop_thread():
+            raise RuntimeError(
+                "wait() would block ftcomm's owner loop: call it from another thread"
+            )
+        op._wait(seconds, abort_on_timeout=True)  # raises the op's ftcomm error
         return True
 
     def is_completed(self) -> bool:
         return self._op.done()
 
     def is_success(self) -> bool:
-        return self._op.done() and self._op._error is None
+        return self._op.done() and self._op.exception() is None
 
     def result(self) -> Any:
         return self._value
@@ -136,7 +130,8 @@ class OpWork(dist.Work):
     def get_future(self) -> torch.futures.Future[Any]:
         source, fut = _claim_future(self)
         if source is not None:
-            self._op._when_done(lambda: _complete_off_loop(source, self._op._error, self._value))
+            value = self._value
+            self._op.add_done_callback(lambda op: _complete_off_loop(source, op.exception(), value))
         return fut
 
 

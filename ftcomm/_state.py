@@ -1,0 +1,245 @@
+"""A group's state: one lock, five states, every transition in :meth:`GroupCore._go`.
+
+The rules, stated once (docs/design.md has the same table and who calls what):
+
+====================  ===============  ===============================================
+event                 from             to
+====================  ===============  ===============================================
+``begin``             any              CONFIGURING (a new attempt; the old
+                                       configuration and any older attempt are over)
+``ready``             CONFIGURING      READY, if the attempt is still the current
+                                       one; else refused: the caller disposes of
+                                       what it built
+``fail``              CONFIGURING      UNCONFIGURED, if the attempt is current
+``break``             READY            ERRORED (an op's deadline, failure or
+                                       cancel, a dead worker: the op table's
+                                       ``error`` is set under this same lock)
+``abort``             READY, ERRORED   ERRORED
+``abort``             CONFIGURING      ERRORED (the attempt is superseded)
+``abort``             UNCONFIGURED,    unchanged
+                      CLOSED
+``shutdown``          any              CLOSED
+====================  ===============  ===============================================
+
+Transitions never block: they run under the lock, and what must happen
+because of them (ending the ops of a configuration, disposing of its native
+group) runs after the lock is released, on the calling thread, and never
+waits for a native call. ``abort()`` and ``shutdown()`` may come from any
+thread while ``configure()`` runs on another: they win, because a
+configuration becomes READY only through ``ready``, under the lock, for the
+attempt that is still current.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import CommAborted, CommError
+
+if TYPE_CHECKING:
+    from ._runtime.work import OpTable, Work
+    from .backends import Backend
+
+
+class State(enum.Enum):
+    """Where a :class:`~ftcomm.Group` is in its life (``Group.state``)."""
+
+    UNCONFIGURED = "unconfigured"
+    """Never configured, or the last ``configure()`` failed."""
+    CONFIGURING = "configuring"
+    """A ``configure()`` is building the native group."""
+    READY = "ready"
+    """Configured; ops run."""
+    ERRORED = "errored"
+    """Broken by a failed op, ``abort()`` or a dead worker; ops raise
+    ``CommAborted`` until ``configure()``."""
+    CLOSED = "closed"
+    """``shutdown()`` was called; ``configure()`` may start again."""
+
+
+# (event, from) -> to. Anything not here is refused by _go (a bug in ftcomm).
+_ANY = tuple(State)
+TRANSITIONS: dict[tuple[str, State], State] = {
+    **{("begin", s): State.CONFIGURING for s in _ANY},
+    ("ready", State.CONFIGURING): State.READY,
+    ("fail", State.CONFIGURING): State.UNCONFIGURED,
+    ("break", State.READY): State.ERRORED,
+    ("abort", State.READY): State.ERRORED,
+    ("abort", State.ERRORED): State.ERRORED,
+    ("abort", State.CONFIGURING): State.ERRORED,
+    ("abort", State.UNCONFIGURED): State.UNCONFIGURED,
+    ("abort", State.CLOSED): State.CLOSED,
+    **{("shutdown", s): State.CLOSED for s in _ANY},
+}
+
+
+@dataclass(eq=False)
+class Config:
+    """One configuration: the native group and the table of its ops."""
+
+    backend: Backend
+    table: OpTable
+    store_addr: str
+    sum_ok: bool = True
+    """Whether the backend takes ``ReduceOp.SUM`` (every one does so far)."""
+
+
+class Attempt:
+    """One ``configure()`` call: current until a later event supersedes it.
+
+    ``superseded`` completes (with the superseding call's name) when that
+    happens, so a ``configure()`` waiting for its native group stops waiting.
+    """
+
+    __slots__ = ("number", "superseded", "superseded_by")
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.superseded_by: str | None = None
+        self.superseded: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+
+class Teardown:
+    """What a transition left to do once the lock is released: end the ops
+    of a configuration that is over (its table is already marked, under the
+    lock) and dispose of its native group."""
+
+    __slots__ = ("config", "error", "pending")
+
+    def __init__(
+        self, config: Config | None, error: CommError | None, pending: list[Work[Any]] | None
+    ) -> None:
+        self.config = config
+        self.error = error
+        self.pending = pending
+
+    def run(self) -> Backend | None:
+        """End the ops and dispose; the backend being closed, if any."""
+        cfg = self.config
+        if cfg is None:
+            return None
+        if self.pending is not None and self.error is not None:
+            cfg.table._after_break(self.error, self.pending, time.monotonic())
+        return cfg.backend
+
+
+class GroupCore:
+    """The state of one :class:`~ftcomm.Group`, under one lock.
+
+    The op table of the current configuration shares the lock, so an op that
+    breaks its table and ``abort()`` on another thread see one order.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._state = State.UNCONFIGURED
+        self._config: Config | None = None
+        self._attempt: Attempt | None = None
+        self._attempts = 0
+        self._error: CommError | None = None  # ERRORED without a configuration
+        self.on_transition: Callable[[str, State, State], None] | None = None
+        """Test hook: called under the lock with (event, from, to)."""
+
+    # -- reads (any thread, no lock: each is one attribute read) -------------
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def config(self) -> Config | None:
+        """The configuration ops run on (READY, or ERRORED after one), else None."""
+        return self._config
+
+    def errored(self) -> CommError | None:
+        cfg = self._config
+        if cfg is not None:
+            return cfg.table.error
+        return self._error
+
+    @property
+    def attempts(self) -> int:
+        """How many ``configure()`` calls have begun (an attempt's number)."""
+        return self._attempts
+
+    # -- transitions (each takes the lock, or is called under it) -------------
+    def _go(self, event: str, to_close: CommError | None = None) -> Teardown:
+        """Under the lock: apply ``event`` to the state; end the current
+        configuration's ops with ``to_close`` if given."""
+        before = self._state
+        after = TRANSITIONS.get((event, before))
+        if after is None:
+            raise RuntimeError(f"ftcomm bug: {event!r} is not allowed in state {before.value}")
+        if self.on_transition is not None:
+            self.on_transition(event, before, after)
+        self._state = after  # first: the table's break below must not count as "break"
+        cfg = self._config
+        if to_close is None or cfg is None:
+            return Teardown(None, None, None)
+        if event in ("begin", "shutdown"):
+            self._config = None
+        return Teardown(cfg, to_close, cfg.table._break_locked(to_close))
+
+    def table_broke(self, table: OpTable) -> None:
+        """Under the lock: the op table ``table`` has just set its ``error``."""
+        cfg = self._config
+        if cfg is not None and cfg.table is table and self._state is State.READY:
+            self._go("break")
+
+    def begin(self, closing: CommError) -> tuple[Attempt, Teardown]:
+        """A ``configure()`` starts: supersede any attempt, end the configuration."""
+        with self.lock:
+            self._supersede("configure()")
+            self._attempts += 1
+            attempt = self._attempt = Attempt(self._attempts)
+            self._error = None
+            return attempt, self._go("begin", closing)
+
+    def ready(self, attempt: Attempt, config: Config) -> bool:
+        """The attempt built ``config``; False if it was superseded (the caller
+        must then dispose of it: it never became the group's)."""
+        with self.lock:
+            if self._attempt is not attempt:
+                return False
+            self._attempt = None
+            self._config = config
+            self._go("ready")
+            return True
+
+    def fail(self, attempt: Attempt) -> None:
+        """The attempt failed or was cancelled."""
+        with self.lock:
+            if self._attempt is attempt:
+                self._attempt = None
+                self._go("fail")
+
+    def abort(self, error: CommError) -> Teardown:
+        with self.lock:
+            if self._state is State.CONFIGURING:
+                self._supersede("abort()")
+                self._error = error
+            return self._go("abort", error)
+
+    def shutdown(self, error: CommError) -> Teardown:
+        with self.lock:
+            self._supersede("shutdown()")
+            self._error = None
+            return self._go("shutdown", error)
+
+    def _supersede(self, by: str) -> None:
+        attempt, self._attempt = self._attempt, None
+        if attempt is not None:
+            attempt.superseded_by = by
+            # Its callbacks only schedule a wake-up on the configuring loop.
+            if not attempt.superseded.done():
+                attempt.superseded.set_result(by)
+
+    def superseded(self, attempt: Attempt, rank: int) -> CommAborted:
+        """The error a superseded ``configure()`` raises."""
+        by = attempt.superseded_by or "another call"
+        return CommAborted(f"configure was superseded by {by}", rank=rank, op="configure")

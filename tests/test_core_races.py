@@ -1,0 +1,507 @@
+"""The group core's promises under forced interleavings (issue 10).
+
+Each race is forced, not hoped for: a thread is paused at a chosen point by
+an event inside a stand-in that the code under test calls (only the native op
+or a constructor is stood in for; the Work, the op table and the group core
+are the real ones), and the other side runs while it is paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from helpers import ScriptedOp, StoreServer, issue
+
+import ftcomm
+from ftcomm import group as group_mod
+from ftcomm._runtime.loop import get_runtime
+from ftcomm._runtime.work import OpTable, Work
+from ftcomm.c10d._work import OpWork
+
+# How long an observer gets to (wrongly) see an op end while its settler is
+# paused. On the code under test it blocks for all of it; it only bounds how
+# long the bug, if it came back, would take to show.
+WINDOW = 0.3
+
+
+@pytest.fixture
+def store() -> Iterator[StoreServer]:
+    server = StoreServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def table() -> Iterator[OpTable]:
+    t = OpTable(get_runtime(), rank=0, on_break=lambda error, until: None)
+    yield t
+    t.break_(ftcomm.CommAborted("test over"))
+
+
+class _PauseOnce(dict):  # type: ignore[type-arg]
+    """The table's in-flight map; pauses the settler thread once, inside the
+    settle (where the table breaks), holding whatever the settler holds."""
+
+    def __init__(self, settler: list[threading.Thread]) -> None:
+        super().__init__()
+        self.settler = settler
+        self.paused = threading.Event()
+        self.go = threading.Event()
+
+    def values(self) -> Any:
+        settling = self.settler and threading.current_thread() is self.settler[0]
+        if settling and not self.paused.is_set():
+            self.paused.set()
+            self.go.wait(10)
+        return super().values()
+
+
+def _observe_in_thread(fn: Any) -> tuple[threading.Thread, list[object], threading.Event]:
+    seen: list[object] = []
+    ended = threading.Event()
+
+    def run() -> None:
+        try:
+            seen.append(fn())
+        except BaseException as exc:
+            seen.append(exc)
+        ended.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, seen, ended
+
+
+async def _await(work: Work[Any]) -> Any:
+    return await work
+
+
+def test_no_observer_sees_success_while_the_op_is_being_failed(table: OpTable) -> None:
+    """s1: the settler is paused after it claimed the op for a CommTimeout;
+    wait(), await and the c10d future must not report the op's result."""
+    settler: list[threading.Thread] = []
+    inflight = _PauseOnce(settler)
+    table._inflight = inflight
+    work = issue(table, ScriptedOp(), 60.0, result="RESULT")
+    future = OpWork(work, ["RESULT"]).get_future()
+
+    thread = threading.Thread(
+        target=work._abort, args=(ftcomm.CommTimeout("allreduce did not complete"),)
+    )
+    settler.append(thread)
+    thread.start()
+    assert inflight.paused.wait(10)
+    waiter = _observe_in_thread(lambda: work.wait(timeout=30))
+    awaiter = _observe_in_thread(lambda: asyncio.run(_await(work)))
+    try:
+        # Neither may end while the op's outcome is not out: on the old code
+        # both returned "RESULT" here, and the future held a success.
+        assert not waiter[2].wait(WINDOW), f"wait() returned {waiter[1]}"
+        assert not awaiter[2].wait(0.01), f"await returned {awaiter[1]}"
+        assert not future.done()
+        assert not work.done()
+    finally:
+        inflight.go.set()
+        thread.join(10)
+        waiter[0].join(10)
+        awaiter[0].join(10)
+    for _, seen, _ in (waiter, awaiter):
+        assert len(seen) == 1
+        assert isinstance(seen[0], ftcomm.CommTimeout), seen
+    with pytest.raises(RuntimeError, match="CommTimeout"):
+        future.wait()
+    assert isinstance(work.exception(), ftcomm.CommTimeout)
+
+
+class _Copying(ScriptedOp):
+    """A native op mid copy-back: ``abandon()`` is where it stops writing.
+    It records what an observer could see at that moment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.work: Work[object] | None = None
+        self.seen_in_abandon: dict[str, object] = {}
+
+    def abandon(self) -> None:
+        work = self.work
+        assert work is not None
+        self.seen_in_abandon["done"] = work.done()
+        try:
+            self.seen_in_abandon["exception"] = work.exception()
+        except asyncio.InvalidStateError:
+            self.seen_in_abandon["exception"] = "pending"
+        timed_out = _observe_in_thread(lambda: work.wait(timeout=0.01))
+        timed_out[0].join(10)
+        self.seen_in_abandon["wait"] = timed_out[1][0]
+
+
+def test_the_error_is_out_only_after_the_native_op_was_abandoned(table: OpTable) -> None:
+    """s6: while ``abandon()`` runs, the op still looks pending to everyone."""
+    op = _Copying()
+    work = issue(table, op, 60.0)
+    op.work = work
+    assert work.cancel() is True
+    assert op.seen_in_abandon["done"] is False
+    assert op.seen_in_abandon["exception"] == "pending"
+    assert type(op.seen_in_abandon["wait"]) is TimeoutError  # the wait's own bound
+    with pytest.raises(ftcomm.CommAborted):
+        work.wait(timeout=5)
+
+
+def test_a_late_observer_of_a_settling_op_waits_for_its_outcome(table: OpTable) -> None:
+    """A done-callback added while the op is being settled (the settler
+    paused in ``abandon()``, outside the lock) runs once, after the outcome
+    is out, and sees the error."""
+    paused, go = threading.Event(), threading.Event()
+
+    class Pausing(ScriptedOp):
+        def abandon(self) -> None:
+            paused.set()
+            go.wait(10)
+
+    work = issue(table, Pausing(), 60.0)
+    thread = threading.Thread(target=work.cancel)
+    thread.start()
+    assert paused.wait(10)
+    seen: list[object] = []
+    work.add_done_callback(lambda w: seen.append(w.exception()))
+    assert seen == []
+    assert not work.done()
+    go.set()
+    thread.join(10)
+    assert len(seen) == 1
+    assert isinstance(seen[0], ftcomm.CommAborted)
+
+
+# -- a stress run: every observer of every op agrees ---------------------------
+
+
+def _race_one_round(rng: random.Random, per_round: int) -> list[str]:
+    """One round of the stress run: its disagreements, if any."""
+    tbl = OpTable(get_runtime(), rank=0, on_break=lambda error, until: None)
+    ops = [ScriptedOp() for _ in range(per_round)]
+    works = [issue(tbl, op, 60.0, result=i) for i, op in enumerate(ops)]
+    callbacks: list[list[object]] = [[] for _ in works]
+    for i, w in enumerate(works):
+        w.add_done_callback(lambda w, i=i: callbacks[i].append(w.exception()))
+    plan = [rng.random() for _ in works]
+    waited: list[tuple[str, object] | None] = [None] * per_round
+    start = threading.Barrier(4)
+
+    def finisher() -> None:
+        start.wait()
+        for i, op in enumerate(ops):
+            op.finish(RuntimeError("peer gone") if plan[i] < 0.2 else None)
+
+    def canceller() -> None:
+        start.wait()
+        for i in reversed(range(len(works))):
+            if plan[i] > 0.7:
+                works[i].cancel()
+            elif plan[i] > 0.6:
+                works[i]._expire()
+
+    def waiter() -> None:
+        start.wait()
+        for i, w in enumerate(works):
+            try:
+                waited[i] = ("ok", w.wait(timeout=30))
+            except ftcomm.CommError as exc:
+                waited[i] = ("failed", exc)
+
+    threads = [threading.Thread(target=f) for f in (finisher, canceller, waiter)]
+    for t in threads:
+        t.start()
+    start.wait()
+    for t in threads:
+        t.join(60)
+    disagreements = []
+    for i, w in enumerate(works):
+        error = w.exception()
+        seen = waited[i]
+        verdicts = {
+            "exception()": error is None,
+            "wait()": seen is not None and seen[0] == "ok",
+            "callback": callbacks[i] == [None],
+        }
+        if len(set(verdicts.values())) != 1 or len(callbacks[i]) != 1:
+            disagreements.append(f"op {i}: {verdicts} {callbacks[i]}")
+        elif error is None and seen != ("ok", i):
+            disagreements.append(f"op {i}: wait() gave {seen}")
+    tbl.break_(ftcomm.CommAborted("round over"))
+    return disagreements
+
+
+def test_thousands_of_ops_settled_from_three_threads_look_the_same_to_everyone() -> None:
+    """Native completions (ok or failed), deadlines and cancels race on 3
+    threads while observers look; no op may look failed to one observer and
+    succeeded to another."""
+    rng = random.Random(10)
+    disagreements: list[str] = []
+    for _ in range(15):
+        disagreements += _race_one_round(rng, 200)
+    assert disagreements == []
+
+
+# -- configure against abort/shutdown on other threads -------------------------
+
+
+class _PausingTable(OpTable):
+    """Built by configure once its native group has landed, before the group
+    takes it as its configuration: the configure thread pauses here."""
+
+    paused = threading.Event()
+    go = threading.Event()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _PausingTable.paused.set()
+        assert _PausingTable.go.wait(10)
+        super().__init__(*args, **kwargs)
+
+
+@pytest.fixture
+def pausing_table(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[_PausingTable]]:
+    _PausingTable.paused = threading.Event()
+    _PausingTable.go = threading.Event()
+    monkeypatch.setattr(group_mod, "OpTable", _PausingTable)
+    yield _PausingTable
+    _PausingTable.go.set()
+
+
+def _configure_in_thread(g: ftcomm.Group, addr: str) -> tuple[threading.Thread, list[object]]:
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(g.configure(addr, 0, 1))
+            outcome.append("configured")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.mark.parametrize("backend", ["dummy", "gloo"])
+def test_shutdown_during_configure_wins(
+    pausing_table: type[_PausingTable], store: StoreServer, backend: str
+) -> None:
+    """s7: shutdown() on this thread while configure() is past its connect on
+    another: no configuration is live after shutdown() returned."""
+    g = ftcomm.Group(backend, timeout=10)
+    thread, outcome = _configure_in_thread(g, f"127.0.0.1:{store.port}/s7{backend}")
+    assert pausing_table.paused.wait(30)
+    g.shutdown()
+    assert g.state is ftcomm.State.CLOSED
+    pausing_table.go.set()
+    thread.join(30)
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], ftcomm.CommAborted), outcome
+    assert "superseded by shutdown()" in str(outcome[0])
+    assert g._config is None
+    assert g.state is ftcomm.State.CLOSED
+    with pytest.raises(ftcomm.NotConfigured):
+        g.barrier()
+
+
+def test_abort_during_configure_leaves_the_group_errored(
+    pausing_table: type[_PausingTable], store: StoreServer
+) -> None:
+    g = ftcomm.Group("dummy", timeout=10)
+    thread, outcome = _configure_in_thread(g, f"127.0.0.1:{store.port}/abort-cfg")
+    assert pausing_table.paused.wait(30)
+    g.abort()
+    pausing_table.go.set()
+    thread.join(30)
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], ftcomm.CommAborted), outcome
+    assert "superseded by abort()" in str(outcome[0])
+    assert g.state is ftcomm.State.ERRORED
+    assert isinstance(g.errored(), ftcomm.CommAborted)
+    with pytest.raises(ftcomm.CommAborted, match="refused"):
+        g.barrier()
+    # ... until the next configure.
+    pausing_table.go.set()
+    asyncio.run(g.configure(f"127.0.0.1:{store.port}/abort-cfg2", 0, 1))
+    assert g.state is ftcomm.State.READY
+    assert g.errored() is None
+    g.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_abort_and_shutdown_act_without_await() -> None:
+    """s2: torch's spelling, ``pg.abort()``, must not be a silent no-op."""
+    g = ftcomm.Group("dummy")
+    await g.configure("127.0.0.1:1/x", 0, 1)
+    work = g.barrier()
+    g.abort()  # not awaited
+    assert isinstance(g.errored(), ftcomm.CommAborted)
+    assert g.state is ftcomm.State.ERRORED
+    assert work.done()
+    closing = g.shutdown()  # not awaited either
+    assert g.state is ftcomm.State.CLOSED
+    assert closing.done()
+    await closing  # and awaiting still works
+    await g.abort()
+
+
+def test_the_state_table_is_what_the_core_enforces() -> None:
+    """Every (event, state) pair not in the table is refused."""
+    from ftcomm._state import TRANSITIONS, GroupCore, State
+
+    core = GroupCore()
+    for state in State:
+        for event in ("begin", "ready", "fail", "break", "abort", "shutdown"):
+            core._state = state
+            with core.lock:
+                if (event, state) in TRANSITIONS:
+                    core._go(event)
+                    assert core.state is TRANSITIONS[(event, state)]
+                else:
+                    with pytest.raises(RuntimeError, match="not allowed"):
+                        core._go(event)
+
+
+def test_configure_shutdown_abort_and_ops_from_three_threads() -> None:
+    """Thousands of configures, aborts, shutdowns and ops at once: every op
+    ends, with one outcome for every observer, and no configuration that
+    began before a shutdown becomes live after it."""
+    g = ftcomm.Group("dummy", timeout=30)
+    log: list[tuple[str, ftcomm.State, ftcomm.State]] = []
+    g._core.on_transition = lambda event, before, after: log.append((event, before, after))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    works: list[Work[Any]] = []
+    counts = {"configured": 0, "ops": 0}
+
+    def configurer() -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            for i in range(1000):
+                try:
+                    loop.run_until_complete(g.configure(f"127.0.0.1:1/c{i}", 0, 1))
+                    counts["configured"] += 1
+                    time.sleep(0.001)  # pacing: leave the issuer a configured group
+                except ftcomm.CommAborted:
+                    pass
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            loop.close()
+            stop.set()
+
+    def closer() -> None:
+        rng = random.Random(3)
+        try:
+            while not stop.is_set():
+                if rng.random() < 0.5:
+                    g.abort()
+                else:
+                    g.shutdown()
+                time.sleep(0.002)  # pacing: leave the configured group some ops
+        except BaseException as exc:
+            errors.append(exc)
+
+    def issuer() -> None:
+        try:
+            while not stop.is_set():
+                try:
+                    works.append(g.barrier())
+                    counts["ops"] += 1
+                except (ftcomm.NotConfigured, ftcomm.CommAborted):
+                    pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=f) for f in (configurer, closer, issuer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    g.shutdown()
+    assert errors == []
+    assert counts["configured"] > 0
+    assert counts["ops"] > 0
+    assert g.state is ftcomm.State.CLOSED
+    assert g._config is None
+    # A "ready" always belongs to an attempt that began after the last
+    # shutdown or abort-while-configuring: the core refuses any other.
+    last_begin = last_cut = -1
+    for i, (event, before, _) in enumerate(log):
+        if event == "begin":
+            last_begin = i
+        elif event == "shutdown" or (event == "abort" and before is ftcomm.State.CONFIGURING):
+            last_cut = i
+        elif event == "ready":
+            assert last_begin > last_cut, f"ready at {i} for an attempt cut at {last_cut}"
+    assert any(w.exception() is None for w in works)
+    for w in works:
+        assert w.done()
+        error = w.exception()
+        if error is None:
+            assert w.wait(timeout=1) is None
+        else:
+            with pytest.raises(ftcomm.CommError) as info:
+                w.wait(timeout=1)
+            assert info.value is error
+
+
+# -- with a worker process: nothing of a configuration outlives shutdown() ----
+
+
+def test_a_launcher_closed_never_refills_until_it_connects_again() -> None:
+    """A refill the group queued after configure() must not start a spare
+    once shutdown() closed the launcher (s7 with ``subprocess=True``)."""
+    from ftcomm.backends.subprocess import Launcher
+
+    launcher = Launcher("dummy")
+    launcher.close()
+    launcher.refill()  # what configure() queued on a control thread
+    assert launcher.spare_pid is None
+
+
+@pytest.mark.asyncio
+async def test_abort_kills_a_worker_being_configured(store: StoreServer) -> None:
+    """abort() during configure() (a peer that never comes) ends the configure
+    at once, not at its timeout, and leaves no worker behind."""
+    g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=60)
+    launcher = g._launcher
+    assert launcher is not None
+    task = asyncio.ensure_future(g.configure(f"127.0.0.1:{store.port}/abort-sub", 0, 2))
+    deadline = time.monotonic() + 30
+    while not launcher._connecting:  # the worker is started and configuring
+        assert not task.done(), task
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    started = time.monotonic()
+    g.abort()
+    with pytest.raises(ftcomm.CommAborted, match=r"superseded by abort\(\)"):
+        await task
+    assert time.monotonic() - started < 10  # the configure timeout is 60 s
+    assert g.state is ftcomm.State.ERRORED
+    await g.shutdown()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["shutdown", "abort"])
+async def test_configure_stops_waiting_once_superseded(store: StoreServer, how: str) -> None:
+    """In process, a Gloo rendezvous cannot be interrupted; configure() still
+    returns at once when abort()/shutdown() supersede it, and the group it
+    was building is disposed of when it lands (the leak check waits for it)."""
+    g = ftcomm.Group("gloo", timeout=2)
+    task = asyncio.ensure_future(g.configure(f"127.0.0.1:{store.port}/sup-{how}", 0, 2))
+    await asyncio.sleep(0)  # the task runs up to its first await: begin() is behind it
+    assert g.state is ftcomm.State.CONFIGURING
+    started = time.monotonic()
+    getattr(g, how)()
+    with pytest.raises(ftcomm.CommAborted, match=rf"superseded by {how}\(\)"):
+        await task
+    assert time.monotonic() - started < 1.0  # the peer never comes; the timeout is 2 s
+    g.shutdown()
