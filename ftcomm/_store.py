@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import os
+import platform
+import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -66,12 +71,105 @@ def parse_store_addr(value: object, name: str = "store_addr") -> StoreAddr:
 
 
 def connect_store(addr: StoreAddr, timeout: float) -> Store:
-    """A client of the TCPStore at ``addr``, scoped to its prefix. Blocks."""
-    store = TCPStore(
-        host_name=addr.host,
-        port=addr.port,
-        is_master=False,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=timeout),
-    )
+    """A client of the TCPStore at ``addr``, scoped to its prefix.
+
+    Blocks for ``timeout`` seconds at most, also against a server that takes
+    the connection and never answers (see :class:`_StuckReadGuard`).
+    """
+    with _StuckReadGuard(addr, timeout):
+        store = TCPStore(
+            host_name=addr.host,
+            port=addr.port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout),
+        )
     return PrefixStore(addr.prefix, store) if addr.prefix else store
+
+
+# Linux syscalls a thread blocked reading a socket sits in, by machine.
+_READ_SYSCALLS = {
+    "x86_64": frozenset({0, 45, 47}),  # read, recvfrom, recvmsg
+    "aarch64": frozenset({63, 207, 212}),
+}.get(platform.machine(), frozenset())
+
+
+class _StuckReadGuard:
+    """Ends a store connect that is stuck past its deadline reading the store.
+
+    c10d's store client (torch 2.13) handshakes with the server after it
+    connects and waits for the reply with no timeout: against a server that
+    accepts and never answers (hung, stopped), the constructor blocks for
+    good, whatever timeout it was given. That blocks the configure thread,
+    and, when the read returns into a finalizing interpreter at exit, aborts
+    the process. So from the deadline on, every 50 ms, this reads which
+    syscall the connecting thread is in (``/proc/self/task/<tid>/syscall``);
+    if it is a read on a TCP socket whose peer is the store's address, it
+    shuts that socket down, and the constructor raises. Nothing else is ever
+    touched: the socket is the one that thread is reading, and its peer is
+    checked. Where ``/proc`` or the syscall table is not known, it does nothing.
+    """
+
+    def __init__(self, addr: StoreAddr, timeout: float) -> None:
+        self._addr = addr
+        self._timeout = timeout
+        self._tid = threading.get_native_id()
+        self._done = threading.Event()
+        self._peers: frozenset[str] = frozenset()
+        if _READ_SYSCALLS:
+            with contextlib.suppress(OSError, UnicodeError):
+                self._peers = frozenset(
+                    _plain_ip(str(info[4][0]))
+                    for info in socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM)
+                )
+
+    def __enter__(self) -> _StuckReadGuard:
+        if self._peers:
+            threading.Thread(target=self._watch, name="ftcomm-store-guard", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        if self._done.wait(self._timeout):
+            return
+        while not self._done.is_set():
+            self._unstick()
+            self._done.wait(0.05)
+
+    def _unstick(self) -> None:
+        try:
+            with open(f"/proc/self/task/{self._tid}/syscall") as f:
+                fields = f.read().split()
+            if len(fields) < 2 or not fields[0].isdigit():
+                return  # running, or not in a syscall
+            if int(fields[0]) not in _READ_SYSCALLS:
+                return
+            fd = os.dup(int(fields[1], 16))
+        except (OSError, ValueError):
+            return
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)
+            return
+        with sock, contextlib.suppress(OSError):
+            if sock.type != socket.SOCK_STREAM or sock.family not in _INET:
+                return
+            host, port = sock.getpeername()[:2]
+            if port == self._addr.port and _plain_ip(host) in self._peers:
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+_INET = (socket.AF_INET, socket.AF_INET6)
+
+
+def _plain_ip(host: str) -> str:
+    """``::ffff:1.2.3.4`` -> ``1.2.3.4``; other addresses unchanged."""
+    with contextlib.suppress(ValueError):
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ip)
+    return host
