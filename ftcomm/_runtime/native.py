@@ -9,6 +9,7 @@ on these machines while a poll costs next to nothing (see DESIGN.md).
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
@@ -102,7 +103,17 @@ class WorkOp:
 
 
 class WorksOp:
-    """Several c10d works that make up one op (ops Gloo lacks, composed)."""
+    """Several c10d works that make up one op (ops Gloo lacks, composed).
+
+    The op ends when *every* member has ended: until then a member may still
+    write into the op's tensors, so the op must not be reported ended (nor
+    its error handed out) while one is in flight. Its outcome is the error of
+    the first failed member in member order, whichever failed first in time,
+    so that ``poll``/``outcome`` and ``on_done`` always agree. (Not
+    ``torch.futures.collect_all``: it completes at the first failure, and
+    reading a sibling's still pending future then trips torch's
+    "completed() INTERNAL ASSERT".)
+    """
 
     __slots__ = ("_works",)
 
@@ -110,26 +121,44 @@ class WorksOp:
         self._works = list(works)
 
     def poll(self) -> bool:
+        # A work's future completes before is_completed() turns true, so once
+        # this is true, every member's future can be read.
         return all(work.is_completed() for work in self._works)
 
     def outcome(self) -> BaseException | None:
-        for work in self._works:
-            error = WorkOp(work).outcome()
-            if error is not None:
-                return error
-        return None
+        return _first_error([work.get_future() for work in self._works])
 
     def on_done(self, callback: Done) -> None:
         futures = [work.get_future() for work in self._works]
+        if not futures:
+            callback(None)
+            return
+        left = [len(futures)]
+        lock = threading.Lock()
 
-        def all_done(_: object) -> None:
-            callback(next((e for e in map(_future_error, futures) if e is not None), None))
+        def member_done(_: object) -> None:
+            # Members end on Gloo's threads, several at once: count under a lock.
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:  # every member's future is complete: all may be read
+                callback(_first_error(futures))
 
-        torch.futures.collect_all(futures).add_done_callback(all_done)
+        for fut in futures:
+            fut.add_done_callback(member_done)
 
     def join_stream(self) -> None:
         for work in self._works:
             work.wait()
+
+
+def _first_error(futures: Sequence[torch.futures.Future[Any]]) -> BaseException | None:
+    """The first error among completed futures, in their order, or ``None``."""
+    for fut in futures:
+        error = _future_error(fut)
+        if error is not None:
+            return error
+    return None
 
 
 class ThreadOp:
