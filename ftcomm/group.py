@@ -505,20 +505,34 @@ class Group:
                     native = start(cfg.backend, seconds)
                 else:
                     native = inject(op, lambda: start(cfg.backend, seconds), cfg.backend)
-            except RuntimeError as exc:  # rejected before anything was sent
-                error = table.error
-                if error is not None:  # the group broke (and closed) meanwhile
-                    raise CommAborted(
-                        f"{op} refused: the group broke while it was issued ({error.message})",
-                        rank=table.rank,
-                        op=op,
-                    ) from error
-                raise ValueError(
-                    f"{op}: the {self.backend} backend rejected the arguments: {exc}"
-                ) from exc
+            except CommError as exc:  # the backend knows what broke (a dead worker)
+                raise self._failed_to_issue(table, op, exc._located(table.rank, op, None)) from exc
+            except RuntimeError as exc:
+                # The arguments were checked above, so this is the native
+                # group refusing to issue: broken (Gloo: "Application timeout
+                # caused pair closure"). The group is errored, as for an op
+                # that failed in flight.
+                failed = CommFailed(f"{op} could not be issued: {exc}", rank=table.rank, op=op)
+                failed.__cause__ = exc
+                raise self._failed_to_issue(table, op, failed) from exc
             work = Work(table, op, table.next_seq(), deadline, native, result)
             table.track(work, seconds)
         return work
+
+    @staticmethod
+    def _failed_to_issue(table: OpTable, op: str, error: CommError) -> CommError:
+        """Break ``table`` with ``error`` (unless it broke meanwhile); what to raise."""
+        table.break_(error)
+        broke = table.error
+        if broke is error or broke is None:
+            return error
+        aborted = CommAborted(
+            f"{op} refused: the group broke while it was issued ({broke.message})",
+            rank=table.rank,
+            op=op,
+        )
+        aborted.__cause__ = broke
+        return aborted
 
     # -- collectives -------------------------------------------------------
     def allreduce(
@@ -534,6 +548,10 @@ class Group:
             TypeError, ValueError: bad arguments (the group stays usable).
             NotConfigured: no configuration.
             CommAborted: the group is errored.
+            CommFailed: the native group refused to issue the op (it is
+                broken: the group is errored from now on).
+            OSError: ``subprocess=True`` and ``/dev/shm`` has no room for the
+                op's tensors (nothing was sent; the group stays usable).
         """
         cfg = self._configured("allreduce")
         v.check_tensor(tensor, "tensor", cfg.backend)

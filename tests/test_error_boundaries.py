@@ -1,5 +1,5 @@
-"""configure()'s failures: one boundary that classifies them by type, keeps the
-native message, and holds nothing native once the error is raised."""
+"""Where native failures become ftcomm errors: configure() (by type, keeping
+the native message, holding nothing native) and issuing an op."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 from helpers import StoreServer
 
@@ -84,4 +85,26 @@ async def test_a_held_configure_error_holds_no_native_fds(
     assert not left, [os.readlink(f"/proc/self/fd/{fd}") for fd in left]
     assert held is not None
     del held
+    await g.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_native_group_that_refuses_to_issue_errors_the_group() -> None:
+    """Gloo raises at issue once its pairs are closed ("Application timeout
+    caused pair closure"): that is a broken group, not a bad argument."""
+    g = ftcomm.Group("dummy")
+    await g.configure("127.0.0.1:1/refuse", 0, 1)
+    cfg = g._config
+    assert cfg is not None
+
+    def refuse(*args: object) -> object:
+        raise RuntimeError("Application timeout caused pair closure")
+
+    cfg.backend.allreduce = refuse  # type: ignore[method-assign]
+    with pytest.raises(ftcomm.CommFailed, match="could not be issued: Application timeout"):
+        g.allreduce(torch.ones(2))
+    assert g.state is ftcomm.State.ERRORED
+    assert isinstance(g.errored(), ftcomm.CommFailed)
+    with pytest.raises(ftcomm.CommAborted, match="refused"):
+        g.barrier()
     await g.shutdown()
