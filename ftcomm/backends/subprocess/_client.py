@@ -544,8 +544,12 @@ class WorkerProcess:
         self._finalizer.detach()
         self.channel.close()
         self.pool.close()
-        for call in calls:
-            call.finish(error)
+        # Each call is dropped as it ends, not when this frame returns: a call
+        # keeps its segment mapped (and the mapping keeps a descriptor open),
+        # and whoever `exited` wakes may look for both at once (a leak check,
+        # on another thread, while this one still runs).
+        while calls:
+            calls.pop(0).finish(error)
         on_break = self.on_break
         if on_break is not None and not self._killed:
             on_break(error)
