@@ -33,17 +33,18 @@ attempt that is still current.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import enum
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import CommAborted, CommError
 
 if TYPE_CHECKING:
-    from ._runtime.work import OpTable, Work
+    from ._runtime.work import Broken, OpTable
     from .backends import Backend
 
 
@@ -108,24 +109,21 @@ class Attempt:
 class Teardown:
     """What a transition left to do once the lock is released: end the ops
     of a configuration that is over (its table is already marked, under the
-    lock) and dispose of its native group."""
+    lock) and, the first time its table breaks, dispose of its native group."""
 
-    __slots__ = ("config", "error", "pending")
+    __slots__ = ("broken", "config")
 
-    def __init__(
-        self, config: Config | None, error: CommError | None, pending: list[Work[Any]] | None
-    ) -> None:
+    def __init__(self, config: Config | None, broken: Broken | None) -> None:
         self.config = config
-        self.error = error
-        self.pending = pending
+        self.broken = broken
 
     def run(self) -> Backend | None:
         """End the ops and dispose; the backend being closed, if any."""
         cfg = self.config
         if cfg is None:
             return None
-        if self.pending is not None and self.error is not None:
-            cfg.table._after_break(self.error, self.pending, time.monotonic())
+        if self.broken is not None:
+            cfg.table._after_break(self.broken, time.monotonic())
         return cfg.backend
 
 
@@ -180,10 +178,10 @@ class GroupCore:
         self._state = after  # first: the table's break below must not count as "break"
         cfg = self._config
         if to_close is None or cfg is None:
-            return Teardown(None, None, None)
+            return Teardown(None, None)
         if event in ("begin", "shutdown"):
             self._config = None
-        return Teardown(cfg, to_close, cfg.table._break_locked(to_close))
+        return Teardown(cfg, cfg.table._break_locked(to_close))
 
     def table_broke(self, table: OpTable) -> None:
         """Under the lock: the op table ``table`` has just set its ``error``."""
@@ -194,11 +192,13 @@ class GroupCore:
     def begin(self, closing: CommError) -> tuple[Attempt, Teardown]:
         """A ``configure()`` starts: supersede any attempt, end the configuration."""
         with self.lock:
-            self._supersede("configure()")
+            old = self._supersede("configure()")
             self._attempts += 1
             attempt = self._attempt = Attempt(self._attempts)
             self._error = None
-            return attempt, self._go("begin", closing)
+            teardown = self._go("begin", closing)
+        _announce(old)
+        return attempt, teardown
 
     def ready(self, attempt: Attempt, config: Config) -> bool:
         """The attempt built ``config``; False if it was superseded (the caller
@@ -220,26 +220,38 @@ class GroupCore:
 
     def abort(self, error: CommError) -> Teardown:
         with self.lock:
+            old = None
             if self._state is State.CONFIGURING:
-                self._supersede("abort()")
+                old = self._supersede("abort()")
                 self._error = error
-            return self._go("abort", error)
+            teardown = self._go("abort", error)
+        _announce(old)
+        return teardown
 
     def shutdown(self, error: CommError) -> Teardown:
         with self.lock:
-            self._supersede("shutdown()")
+            old = self._supersede("shutdown()")
             self._error = None
-            return self._go("shutdown", error)
+            teardown = self._go("shutdown", error)
+        _announce(old)
+        return teardown
 
-    def _supersede(self, by: str) -> None:
+    def _supersede(self, by: str) -> Attempt | None:
+        """Under the lock: the current attempt is over; it, to announce."""
         attempt, self._attempt = self._attempt, None
         if attempt is not None:
             attempt.superseded_by = by
-            # Its callbacks only schedule a wake-up on the configuring loop.
-            if not attempt.superseded.done():
-                attempt.superseded.set_result(by)
+        return attempt
 
     def superseded(self, attempt: Attempt, rank: int) -> CommAborted:
         """The error a superseded ``configure()`` raises."""
         by = attempt.superseded_by or "another call"
         return CommAborted(f"configure was superseded by {by}", rank=rank, op="configure")
+
+
+def _announce(attempt: Attempt | None) -> None:
+    """Complete a superseded attempt's future, with the lock released: its
+    callbacks wake the configuring loop and kill a worker being configured."""
+    if attempt is not None and attempt.superseded_by is not None:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            attempt.superseded.set_result(attempt.superseded_by)

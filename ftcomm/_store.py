@@ -8,10 +8,12 @@ import os
 import platform
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch.distributed import DistNetworkError
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,14 +78,28 @@ def connect_store(addr: StoreAddr, timeout: float) -> Store:
     Blocks for ``timeout`` seconds at most, also against a server that takes
     the connection and never answers (see :class:`_StuckReadGuard`).
     """
-    with _StuckReadGuard(addr, timeout):
-        store = TCPStore(
-            host_name=addr.host,
-            port=addr.port,
-            is_master=False,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout),
-        )
+    started = time.monotonic()
+    guard = _StuckReadGuard(addr, timeout)
+    try:
+        with guard:
+            store = TCPStore(
+                host_name=addr.host,
+                port=addr.port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=timeout),
+            )
+    except DistNetworkError as exc:
+        # c10d raises this one type both for a store that never answered
+        # within the timeout (it retries until then) and for a connection
+        # that broke: only the first is a timeout.
+        if guard.fired or time.monotonic() - started >= timeout:
+            raise TimeoutError(
+                f"the store at {addr} did not answer within {timeout:g} s: {exc}"
+            ) from exc
+        raise
+    if guard.fired:  # the reply came as the guard shut the socket: unusable
+        raise TimeoutError(f"the store at {addr} did not answer within {timeout:g} s")
     return PrefixStore(addr.prefix, store) if addr.prefix else store
 
 
@@ -115,6 +131,8 @@ class _StuckReadGuard:
         self._timeout = timeout
         self._tid = threading.get_native_id()
         self._done = threading.Event()
+        self.fired = False
+        """Whether it shut the store's socket down (the connect is then a timeout)."""
         self._peers: frozenset[str] = frozenset()
         if _READ_SYSCALLS:
             with contextlib.suppress(OSError, UnicodeError):
@@ -138,27 +156,36 @@ class _StuckReadGuard:
             self._unstick()
             self._done.wait(0.05)
 
-    def _unstick(self) -> None:
+    def _reading(self) -> int | None:
+        """The fd the connecting thread is blocked reading, if it is."""
         try:
             with open(f"/proc/self/task/{self._tid}/syscall") as f:
                 fields = f.read().split()
             if len(fields) < 2 or not fields[0].isdigit():
-                return  # running, or not in a syscall
-            if int(fields[0]) not in _READ_SYSCALLS:
-                return
-            fd = os.dup(int(fields[1], 16))
+                return None  # running, or not in a syscall
+            return int(fields[1], 16) if int(fields[0]) in _READ_SYSCALLS else None
         except (OSError, ValueError):
+            return None
+
+    def _unstick(self) -> None:
+        fd = self._reading()
+        if fd is None:
             return
         try:
-            sock = socket.socket(fileno=fd)
+            sock = socket.socket(fileno=os.dup(fd))
         except OSError:
-            os.close(fd)
             return
         with sock, contextlib.suppress(OSError):
             if sock.type != socket.SOCK_STREAM or sock.family not in _INET:
                 return
             host, port = sock.getpeername()[:2]
-            if port == self._addr.port and _plain_ip(host) in self._peers:
+            if port != self._addr.port or _plain_ip(host) not in self._peers:
+                return
+            # Still blocked reading that fd: our dup is the socket it reads
+            # (a thread blocked in a read holds its file; the fd cannot have
+            # moved to another file between the two reads of /proc).
+            if self._reading() == fd and not self._done.is_set():
+                self.fired = True
                 sock.shutdown(socket.SHUT_RDWR)
 
 

@@ -12,12 +12,14 @@ the reaper thread.
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import concurrent.futures
 import contextlib
+import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -42,13 +44,12 @@ R = TypeVar("R")
 _SUM = ReduceOp.SUM
 
 
-# What c10d raises once it has retried a store or a peer for the whole
-# timeout: a configure that fails with one of these ran out of time.
-_TIMEOUTS: tuple[type[BaseException], ...] = (
-    TimeoutError,
-    torch.distributed.DistStoreError,
-    torch.distributed.DistNetworkError,
-)
+# A configure that fails with one of these ran out of time: TimeoutError
+# (ftcomm's own connects raise it, the store's too: see _store.py) and c10d's
+# store error, raised by its waits for the peers' keys when they time out.
+# c10d's DistNetworkError is not here: it means a timeout or a broken
+# connection alike, and _store.py tells the two apart where it can.
+_TIMEOUTS: tuple[type[BaseException], ...] = (TimeoutError, torch.distributed.DistStoreError)
 _TIMEOUT_NAMES = frozenset(t.__name__ for t in _TIMEOUTS)
 
 
@@ -64,6 +65,14 @@ def _connect_error(exc: Exception, where: str, rank: int) -> CommError:
     return cls(f"configure failed ({where}): {exc}", rank=rank, op="configure")
 
 
+def _connect_in_process(
+    cls: type[Backend], spec: ConnectSpec, cancel: concurrent.futures.Future[Any]
+) -> Backend:
+    """An in-process connect cannot be interrupted: ``cancel`` is not used
+    (the group disposes of what it builds once it lands)."""
+    return cls.connect(spec)
+
+
 def _wake_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> None:
     """Complete ``fut`` on its loop, from any thread; nothing if the loop is closed."""
 
@@ -75,23 +84,28 @@ def _wake_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) 
         loop.call_soon_threadsafe(wake)
 
 
-class Closing:
+class Closing(collections.abc.Coroutine[Any, Any, None]):
     """What :meth:`Group.abort` and :meth:`Group.shutdown` return.
 
-    The abort or shutdown has already happened when you get this: in-flight
-    ops have ended and ``errored()``/``state`` say so, from every thread.
-    Awaiting it (or :meth:`wait`, from a thread) waits, bounded, until the
-    native group is closed: with ``subprocess=True``, until the worker
-    process has been reaped. Forgetting to await it loses nothing but that wait.
+    The abort or shutdown has already happened when you get this: the
+    group's state says so on every thread, and its ops in flight have ended
+    (one that another thread is ending at that moment ends when that thread
+    publishes it, within µs). Awaiting it (or :meth:`wait`, from a thread)
+    waits, bounded, until the native group is closed: with
+    ``subprocess=True``, until the worker process has been reaped.
+    Forgetting to await it loses nothing but that wait, and no warning is
+    given. It is a coroutine too, so ``asyncio.run(g.shutdown())`` and
+    ``asyncio.create_task(g.abort())`` work as they did.
     """
 
-    __slots__ = ("_closed", "_timeout")
+    __slots__ = ("_closed", "_driver", "_timeout")
 
     def __init__(
         self, closed: concurrent.futures.Future[None] | None, timeout: float = 2.0
     ) -> None:
         self._closed = closed
         self._timeout = timeout
+        self._driver: Coroutine[Any, Any, None] | None = None
 
     def done(self) -> bool:
         """Whether the native group is closed (always True in process)."""
@@ -103,10 +117,8 @@ class Closing:
         closed = self._closed
         if closed is None:
             return True
-        if get_runtime().in_loop_thread():
-            return closed.done()
-        with contextlib.suppress(concurrent.futures.TimeoutError):
-            closed.result(self._timeout if timeout is None else timeout)
+        if not get_runtime().in_loop_thread():
+            concurrent.futures.wait([closed], self._timeout if timeout is None else timeout)
         return closed.done()
 
     def __await__(self) -> Generator[Any, None, None]:
@@ -114,9 +126,32 @@ class Closing:
 
     async def _until_closed(self) -> None:
         closed = self._closed
-        if closed is not None and not closed.done():
-            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.wrap_future(closed), self._timeout)
+        if closed is None or closed.done():
+            return
+        # Not wrap_future: cancelling that wrapper on a timeout would cancel
+        # the backend's own future, which every other Closing also waits on.
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        closed.add_done_callback(lambda _: _wake_threadsafe(loop, fut))
+        await asyncio.wait({fut}, timeout=self._timeout)
+
+    # -- the coroutine protocol, for asyncio.run() and create_task() ----------
+    def _drive(self) -> Coroutine[Any, Any, None]:
+        if self._driver is None:
+            self._driver = self._until_closed()
+        return self._driver
+
+    def send(self, value: Any) -> Any:
+        return self._drive().send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        if val is None and tb is None:  # throw(exc): what asyncio calls
+            return self._drive().throw(typ)
+        return self._drive().throw(typ, val, tb)
+
+    def close(self) -> None:
+        if self._driver is not None:
+            self._driver.close()
 
 
 class Group:
@@ -182,14 +217,15 @@ class Group:
         self._timeout = to_seconds(timeout, "timeout")
         self._configure_timeout = resolve(configure_timeout, self._timeout, "configure_timeout")
         self._launcher: Launcher | None = None
-        self._connect: Callable[[ConnectSpec], Backend]
+        # connect(spec, cancel): build the native group; blocks (a control thread).
+        self._connect: Callable[[ConnectSpec, concurrent.futures.Future[Any]], Backend]
         if subprocess:
             from .backends.subprocess import Launcher
 
             self._launcher = Launcher(backend, spare=spare_worker, share_min_bytes=share_min_bytes)
             self._connect = self._launcher.connect
         else:
-            self._connect = backend_class(backend).connect
+            self._connect = functools.partial(_connect_in_process, backend_class(backend))
         self.subprocess = subprocess
         self.backend = backend
         self._runtime = get_runtime()
@@ -337,7 +373,7 @@ class Group:
 
         backend.watch(on_break)
         if self._launcher is not None and self._launcher.keep_spare:
-            self._runtime.run_control(self._launcher.refill)
+            self._runtime.run_control(self._refill_for, self._core.config)
 
     async def _connect_within(self, spec: ConnectSpec, seconds: float, attempt: Attempt) -> Backend:
         """Build the native group on a control thread, within ``seconds``,
@@ -347,7 +383,7 @@ class Group:
         """
         # c10d's store client may retry once more after the timeout: allow it.
         until = time.monotonic() + 2 * seconds + 2.0
-        cf = self._runtime.run_control(self._connect, spec, until=until)
+        cf = self._runtime.run_control(self._connect, spec, attempt.superseded, until=until)
         wrapped = asyncio.wrap_future(cf)
         # Not wrap_future: cancelling that wrapper would cancel the attempt's future.
         loop = asyncio.get_running_loop()
@@ -374,6 +410,11 @@ class Group:
         except Exception as exc:  # arguments were checked: this is the store or a peer
             raise _connect_error(exc, where, spec.rank) from exc
 
+    def _refill_for(self, config: Config | None) -> None:
+        """Start a spare worker if ``config`` is still the group's (a control thread)."""
+        if self._launcher is not None and config is not None and self._core.config is config:
+            self._launcher.refill()
+
     def _orphan(self, wrapped: asyncio.Future[Backend], cf: Any) -> None:
         """Nobody will read this connect: dispose of its group whenever it lands."""
         wrapped.cancel()  # a call already running is not stopped; its result is unread
@@ -399,8 +440,6 @@ class Group:
         cfg = self._core.config
         rank = cfg.backend.rank if cfg is not None else None
         teardown = self._core.abort(CommAborted("the group was aborted by abort()", rank=rank))
-        if self._launcher is not None:
-            self._launcher.cancel_connects()
         return self._closing(teardown.run())
 
     def shutdown(self) -> Closing:

@@ -5,6 +5,7 @@ real code under test) and an in-process TCPStore server."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 from torch.distributed import TCPStore
@@ -14,12 +15,13 @@ from ftcomm._runtime.work import OpTable, Work
 
 
 class ScriptedOp:
-    """A native op that ends when the test says so."""
+    """A native op that ends when the test says so (from any thread)."""
 
     def __init__(self, done: bool = False) -> None:
         self._done = done
         self._error: BaseException | None = None
         self._callbacks: list[Done] = []
+        self._lock = threading.Lock()
 
     def poll(self) -> bool:
         return self._done
@@ -28,14 +30,17 @@ class ScriptedOp:
         return self._error
 
     def on_done(self, callback: Done) -> None:
-        if self._done:
-            callback(self._error)
-        else:
-            self._callbacks.append(callback)
+        with self._lock:
+            if not self._done:
+                self._callbacks.append(callback)
+                return
+        callback(self._error)
 
     def finish(self, error: BaseException | None = None) -> None:
-        self._error, self._done = error, True
-        for cb in self._callbacks:
+        with self._lock:
+            self._error, self._done = error, True
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
             cb(error)
 
 

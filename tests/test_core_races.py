@@ -9,6 +9,7 @@ are the real ones), and the other side runs while it is paused.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import random
 import threading
 import time
@@ -16,13 +17,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 from helpers import ScriptedOp, StoreServer, issue
 
 import ftcomm
 from ftcomm import group as group_mod
+from ftcomm._runtime import faults
 from ftcomm._runtime.loop import get_runtime
 from ftcomm._runtime.work import OpTable, Work
 from ftcomm.c10d._work import OpWork
+from ftcomm.testing._world import _children
 
 # How long an observer gets to (wrongly) see an op end while its settler is
 # paused. On the code under test it blocks for all of it; it only bounds how
@@ -82,13 +87,32 @@ async def _await(work: Work[Any]) -> Any:
     return await work
 
 
-def test_no_observer_sees_success_while_the_op_is_being_failed(table: OpTable) -> None:
+class _PausingAbandon(ScriptedOp):
+    """Pauses the settler in ``abandon()``: SETTLING, with the lock released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused = threading.Event()
+        self.go = threading.Event()
+
+    def abandon(self) -> None:
+        self.paused.set()
+        self.go.wait(10)
+
+
+@pytest.mark.parametrize("where", ["holding the lock", "in abandon()"])
+def test_no_observer_sees_success_while_the_op_is_being_failed(table: OpTable, where: str) -> None:
     """s1: the settler is paused after it claimed the op for a CommTimeout;
     wait(), await and the c10d future must not report the op's result."""
     settler: list[threading.Thread] = []
+    native = _PausingAbandon()
     inflight = _PauseOnce(settler)
-    table._inflight = inflight
-    work = issue(table, ScriptedOp(), 60.0, result="RESULT")
+    if where == "holding the lock":
+        table._inflight = inflight
+        native.go.set()
+    else:
+        inflight.paused, inflight.go = native.paused, native.go
+    work = issue(table, native, 60.0, result="RESULT")
     future = OpWork(work, ["RESULT"]).get_future()
 
     thread = threading.Thread(
@@ -139,6 +163,7 @@ class _Copying(ScriptedOp):
         timed_out = _observe_in_thread(lambda: work.wait(timeout=0.01))
         timed_out[0].join(10)
         self.seen_in_abandon["wait"] = timed_out[1][0]
+        self.seen_in_abandon["errored"] = work._table.error
 
 
 def test_the_error_is_out_only_after_the_native_op_was_abandoned(table: OpTable) -> None:
@@ -150,6 +175,7 @@ def test_the_error_is_out_only_after_the_native_op_was_abandoned(table: OpTable)
     assert op.seen_in_abandon["done"] is False
     assert op.seen_in_abandon["exception"] == "pending"
     assert type(op.seen_in_abandon["wait"]) is TimeoutError  # the wait's own bound
+    assert op.seen_in_abandon["errored"] is None  # the group's error is not out either
     with pytest.raises(ftcomm.CommAborted):
         work.wait(timeout=5)
 
@@ -340,7 +366,12 @@ async def test_abort_and_shutdown_act_without_await() -> None:
     """s2: torch's spelling, ``pg.abort()``, must not be a silent no-op."""
     g = ftcomm.Group("dummy")
     await g.configure("127.0.0.1:1/x", 0, 1)
-    work = g.barrier()
+    previous = faults.set_injector(lambda op, issue, backend: ScriptedOp())  # in flight
+    try:
+        work = g.barrier()
+    finally:
+        faults.set_injector(previous)
+    assert not work.done()
     g.abort()  # not awaited
     assert isinstance(g.errored(), ftcomm.CommAborted)
     assert g.state is ftcomm.State.ERRORED
@@ -353,17 +384,32 @@ async def test_abort_and_shutdown_act_without_await() -> None:
 
 
 def test_the_state_table_is_what_the_core_enforces() -> None:
-    """Every (event, state) pair not in the table is refused."""
-    from ftcomm._state import TRANSITIONS, GroupCore, State
+    """The table of docs/design.md, written out again here, is what the core
+    does: every pair in it goes where it says, every other pair is refused."""
+    from ftcomm._state import GroupCore
 
+    s = ftcomm.State
+    u, c, r, e, x = s.UNCONFIGURED, s.CONFIGURING, s.READY, s.ERRORED, s.CLOSED
+    expected = {
+        **{("begin", st): c for st in s},
+        ("ready", c): r,
+        ("fail", c): u,
+        ("break", r): e,
+        ("abort", r): e,
+        ("abort", e): e,
+        ("abort", c): e,
+        ("abort", u): u,
+        ("abort", x): x,
+        **{("shutdown", st): x for st in s},
+    }
     core = GroupCore()
-    for state in State:
+    for state in s:
         for event in ("begin", "ready", "fail", "break", "abort", "shutdown"):
             core._state = state
             with core.lock:
-                if (event, state) in TRANSITIONS:
+                if (event, state) in expected:
                     core._go(event)
-                    assert core.state is TRANSITIONS[(event, state)]
+                    assert core.state is expected[(event, state)], (event, state)
                 else:
                     with pytest.raises(RuntimeError, match="not allowed"):
                         core._go(event)
@@ -456,14 +502,20 @@ def test_configure_shutdown_abort_and_ops_from_three_threads() -> None:
 # -- with a worker process: nothing of a configuration outlives shutdown() ----
 
 
-def test_a_launcher_closed_never_refills_until_it_connects_again() -> None:
-    """A refill the group queued after configure() must not start a spare
-    once shutdown() closed the launcher (s7 with ``subprocess=True``)."""
-    from ftcomm.backends.subprocess import Launcher
-
-    launcher = Launcher("dummy")
-    launcher.close()
-    launcher.refill()  # what configure() queued on a control thread
+@pytest.mark.asyncio
+async def test_a_refill_queued_before_shutdown_starts_no_spare(store: StoreServer) -> None:
+    """configure() queues a spare's start on a control thread; if that runs
+    after shutdown() (s7 with ``subprocess=True``), no spare may start."""
+    g = ftcomm.Group("dummy", subprocess=True, timeout=30)
+    await g.configure(f"127.0.0.1:{store.port}/refill", 0, 1)
+    config = g._config
+    launcher = g._launcher
+    assert config is not None
+    assert launcher is not None
+    await g.shutdown()
+    g._refill_for(config)  # what configure() queued, running late
+    assert launcher.spare_pid is None
+    assert get_runtime().control.wait_idle(30)
     assert launcher.spare_pid is None
 
 
@@ -472,14 +524,16 @@ async def test_abort_kills_a_worker_being_configured(store: StoreServer) -> None
     """abort() during configure() (a peer that never comes) ends the configure
     at once, not at its timeout, and leaves no worker behind."""
     g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=60)
-    launcher = g._launcher
-    assert launcher is not None
+    before = _children()
     task = asyncio.ensure_future(g.configure(f"127.0.0.1:{store.port}/abort-sub", 0, 2))
+    probe = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
     deadline = time.monotonic() + 30
-    while not launcher._connecting:  # the worker is started and configuring
+    # The worker is started and in the rendezvous (its keys are in the store).
+    while not (_children() - before) or probe.num_keys() == 0:
         assert not task.done(), task
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
+    del probe
     started = time.monotonic()
     g.abort()
     with pytest.raises(ftcomm.CommAborted, match=r"superseded by abort\(\)"):
@@ -505,3 +559,87 @@ async def test_configure_stops_waiting_once_superseded(store: StoreServer, how: 
         await task
     assert time.monotonic() - started < 1.0  # the peer never comes; the timeout is 2 s
     g.shutdown()
+
+
+# -- Closing -------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_closing_that_times_out_leaves_the_backends_future_alone() -> None:
+    """Every Closing of one backend waits on the same future: one that gives
+    up must not cancel it for the others (nor make their wait() raise)."""
+    exited: concurrent.futures.Future[None] = concurrent.futures.Future()
+    await ftcomm.Closing(exited, timeout=0.01)
+    assert not exited.cancelled()
+    other = ftcomm.Closing(exited)
+    assert other.done() is False
+    assert await asyncio.to_thread(other.wait, 0.01) is False
+    exited.set_result(None)
+    assert other.done() is True
+    await other
+
+
+def test_abort_and_shutdown_can_be_run_as_coroutines() -> None:
+    """They were coroutines once: asyncio.run() and create_task() still take them."""
+    g = ftcomm.Group("dummy")
+    asyncio.run(g.configure("127.0.0.1:1/coro", 0, 1))
+
+    async def both() -> None:
+        await asyncio.create_task(g.abort())
+
+    asyncio.run(both())
+    assert g.state is ftcomm.State.ERRORED
+    asyncio.run(g.shutdown())
+    assert g.state is ftcomm.State.CLOSED
+
+
+def test_a_siblings_callback_finds_the_breaking_op_ended(table: OpTable) -> None:
+    """Op A's cancel ends op B too; B's done-callback runs on A's settler
+    thread, and must find A ended (and A.wait() must not wait for the very
+    thread it runs on)."""
+    a = issue(table, ScriptedOp(), 60.0)
+    b = issue(table, ScriptedOp(), 60.0)
+    seen: dict[str, object] = {}
+
+    def on_b(w: Work[object]) -> None:
+        seen["b"] = w.exception()
+        seen["a.done"] = a.done()
+        with pytest.raises(ftcomm.CommAborted) as info:
+            a.wait(timeout=5)
+        seen["a.wait"] = info.value
+
+    b.add_done_callback(on_b)
+    assert a.cancel() is True
+    assert seen["a.done"] is True
+    assert seen["a.wait"] is a.exception()
+    assert isinstance(seen["b"], ftcomm.CommAborted)
+    assert seen["b"].__cause__ is a.exception()
+
+
+@pytest.mark.asyncio
+async def test_abort_ends_every_op_while_another_thread_settles_one() -> None:
+    """Op A is being failed on another thread (paused in its abandon()):
+    abort() still ends every other op in flight before it returns."""
+    g = ftcomm.Group("dummy", timeout=60)
+    await g.configure("127.0.0.1:1/abort-all", 0, 1)
+    slow = _PausingAbandon()
+    natives = iter([slow, ScriptedOp(), ScriptedOp()])
+    previous = faults.set_injector(lambda op, issue, backend: next(natives))
+    try:
+        a, b, c = (g.allreduce(torch.zeros(1)) for _ in range(3))
+    finally:
+        faults.set_injector(previous)
+    settler = threading.Thread(target=a.cancel)
+    settler.start()
+    try:
+        assert slow.paused.wait(10)
+        g.abort()
+        assert b.done()
+        assert c.done()
+        assert g.num_active_work() == 0
+        assert not a.done()  # its settler publishes it
+    finally:
+        slow.go.set()
+        settler.join(10)
+    assert isinstance(a.exception(), ftcomm.CommAborted)
+    await g.shutdown()

@@ -3,7 +3,11 @@ the native message, holding nothing native) and issuing an op."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -39,7 +43,7 @@ class _Refused(dist.ProcessGroupGloo):  # type: ignore[misc]
     [
         (RuntimeError, ftcomm.CommFailed),
         (dist.DistStoreError, ftcomm.CommTimeout),
-        (dist.DistNetworkError, ftcomm.CommTimeout),
+        (dist.DistNetworkError, ftcomm.CommFailed),  # a broken connection
         (TimeoutError, ftcomm.CommTimeout),
     ],
 )
@@ -108,3 +112,62 @@ async def test_a_native_group_that_refuses_to_issue_errors_the_group() -> None:
     with pytest.raises(ftcomm.CommAborted, match="refused"):
         g.barrier()
     await g.shutdown()
+
+
+_STORE_PROCESS = """
+import sys, time
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def test_a_store_that_dies_mid_configure_is_a_failure_not_a_timeout() -> None:
+    """c10d raises DistNetworkError at once for a broken store connection, as
+    it does after a connect timeout: only the timeout is CommTimeout."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", _STORE_PROCESS],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert server.stdin is not None
+    assert server.stdout is not None
+    try:
+        port = int(server.stdout.readline())
+        raised = asyncio.run(_configure_while_the_store_dies(port, server))
+    finally:
+        server.kill()
+        server.wait()
+        server.stdin.close()
+        server.stdout.close()
+    assert isinstance(raised, ftcomm.CommFailed), raised
+    assert isinstance(raised.__cause__, dist.DistNetworkError)
+
+
+async def _configure_while_the_store_dies(
+    port: int, server: subprocess.Popen[str]
+) -> BaseException | None:
+    g = ftcomm.Group("gloo", timeout=30)
+    task = asyncio.ensure_future(g.configure(f"127.0.0.1:{port}/dies", 0, 2))
+    probe = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+    try:
+        deadline = time.monotonic() + 10
+        while probe.num_keys() == 0:  # rank 0 is in the rendezvous, waiting for rank 1
+            assert not task.done(), task
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+    finally:
+        del probe
+    server.kill()  # the store's process dies
+    started = time.monotonic()
+    try:
+        await task
+    except ftcomm.CommError as exc:
+        raised: BaseException | None = exc
+    else:
+        raised = None
+    assert time.monotonic() - started < 10  # at once, not at the 30 s timeout
+    await g.shutdown()
+    return raised

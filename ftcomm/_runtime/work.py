@@ -12,12 +12,14 @@ Rules this module keeps:
 
    SETTLING is invisible: every observer (``await``, ``wait()``, ``done()``,
    ``exception()``, done-callbacks) still sees the op pending, and waits for
-   ENDED. Between the two steps the settler, on an error, breaks the table
-   (``errored()`` is set), abandons the native op (after which nothing writes
-   into the op's tensors) and ends the other ops in flight; only then is the
-   outcome published, as **one** assignment of ``Work._end``. So no observer
-   can see an op ended before its error is there, or hold its error while
-   the native op may still write.
+   ENDED. A success goes from PENDING to ENDED in one step. On an error the
+   settler first abandons the native op (after which nothing writes into the
+   op's tensors); then, under the lock, breaks the table (``errored()``) and
+   publishes the outcome, as **one** assignment of ``Work._end``; then ends
+   the other ops in flight the same way, and only then wakes the waiters of
+   all of them. So no observer can see an op ended before its error is
+   there, hold its error (or the group's) while the native op may still
+   write, or find a sibling ended but unpublished.
 2. An op that has not completed by its deadline ends with ``CommTimeout``,
    breaks its :class:`OpTable`, and every other op in flight ends with
    ``CommAborted``. A broken table refuses new ops at once.
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -63,6 +66,28 @@ _EARLY = 0.005
 """A native error this close to the deadline counts as the deadline passing."""
 
 _sched_yield = getattr(os, "sched_yield", lambda: None)
+
+
+log = logging.getLogger("ftcomm")
+
+
+class Broken:
+    """A table's break, decided under its lock: the error that broke it (the
+    first one), whether this call broke it, and the ops that were in flight."""
+
+    __slots__ = ("cause", "first", "pending")
+
+    def __init__(self, cause: CommError, first: bool, pending: list[Work[Any]]) -> None:
+        self.cause = cause
+        self.first = first
+        self.pending = pending
+
+
+def _wake_all(wakeups: list[Callable[[], object]]) -> None:
+    for wake in wakeups:
+        # A closed loop raises RuntimeError: nobody is waiting there any more.
+        with contextlib.suppress(RuntimeError):
+            wake()
 
 
 class OpTable:
@@ -124,7 +149,7 @@ class OpTable:
                 self._inflight[work.seq] = work
                 self._issued += 1
         if error is not None:
-            work._end_after_break(error)
+            _wake_all(work._end_after_break(error))
             return
         self._horizon = timeout
         armed = self._armed_at  # read after the insert: see _rearm
@@ -135,27 +160,43 @@ class OpTable:
             self.runtime.call_soon(self._on_wake)
 
     def break_(self, error: CommError) -> None:
-        """Mark the table errored (first error wins) and end every op in flight."""
+        """Mark the table errored (first error wins) and end every op in flight.
+
+        Ops that another thread is ending at this moment end when it
+        publishes their outcome (a few µs; a subprocess copy-back's chunk).
+        """
         with self._lock:
-            pending = self._break_locked(error)
-        if pending is not None:
-            self._after_break(error, pending, time.monotonic())
+            broken = self._break_locked(error)
+        self._after_break(broken, time.monotonic())
 
-    def _break_locked(self, error: CommError) -> list[Work[Any]] | None:
-        """Under the lock: mark the table errored unless it is; the ops to end."""
-        if self.error is not None:
-            return None
-        self.error = error
-        if self._on_error is not None:
-            self._on_error(self)
-        return list(self._inflight.values())
+    def _break_locked(self, error: CommError) -> Broken:
+        """Under the lock: mark the table errored unless it is; what to end."""
+        first = self.error is None
+        if first:
+            self.error = error
+            if self._on_error is not None:
+                self._on_error(self)
+        assert self.error is not None  # for mypy: set just above, or before
+        return Broken(self.error, first, list(self._inflight.values()))
 
-    def _after_break(self, error: CommError, pending: list[Work[Any]], until: float) -> None:
-        """``until``: the latest deadline of a native op the group may still hold."""
-        for work in pending:
-            work._end_after_break(error)
-        self.runtime.call_soon(self._disarm)
-        self._on_break(error, max([until, *(w.deadline for w in pending)]))
+    def _after_break(self, broken: Broken, until: float) -> None:
+        """End the ops of ``broken`` and wake their waiters (lock released).
+
+        ``until``: the latest deadline of a native op the group may still hold.
+        """
+        _wake_all(self._end_broken(broken, until))
+
+    def _end_broken(self, broken: Broken, until: float) -> list[Callable[[], object]]:
+        """End the ops of ``broken`` (and, the first time, hand the native group
+        over); their waiters, to be woken by the caller once every op has
+        ended, so a waiter never finds a sibling ended but not yet published."""
+        wakeups: list[Callable[[], object]] = []
+        for work in broken.pending:
+            wakeups += work._end_after_break(broken.cause)
+        if broken.first:
+            self.runtime.call_soon(self._disarm)
+            self._on_break(broken.cause, max([until, *(w.deadline for w in broken.pending)]))
+        return wakeups
 
     # -- owner loop only ---------------------------------------------------
     def _rearm(self) -> None:
@@ -305,7 +346,8 @@ class Work(Generic[R]):
         return self._end is not None
 
     def cancel(self) -> bool:
-        """Abort the op and its group. Returns False if it had already ended.
+        """Abort the op and its group. Returns False if it had already ended
+        (or another thread is ending it: it then ends as that thread says).
 
         Awaiters of this work then get ``CommAborted``; the group is errored
         until ``configure()``.
@@ -510,40 +552,58 @@ class Work(Generic[R]):
         """End this op once (see the state table at the top); with ``breaks``,
         also break the table. Returns whether this call was the one that
         ended it."""
+        wakeups = self._settle_quietly(error, breaks)
+        if wakeups is None:
+            return False
+        _wake_all(wakeups)
+        return True
+
+    def _settle_quietly(
+        self, error: BaseException | None, breaks: bool
+    ) -> list[Callable[[], object]] | None:
+        """:meth:`_settle` without waking anyone: the waiters to wake (this
+        op's, and, if it broke the table, those of the ops it ended), or
+        ``None`` if another settler had claimed the op."""
         table = self._table
-        broke: list[Work[Any]] | None = None
-        with table._lock:
-            if self._claimed:
-                return False
-            self._claimed = True  # PENDING -> SETTLING
-            table._inflight.pop(self.seq, None)
-            if breaks and isinstance(error, CommError):
-                broke = table._break_locked(error)
-        native = self._native
-        try:
-            if error is not None and native is not None:
-                abandon = getattr(native, "abandon", None)
-                if abandon is not None:  # nothing may be written once the error is out
-                    abandon()
-            if broke is not None:
-                assert isinstance(error, CommError)  # for mypy: checked under the lock
-                table._after_break(error, broke, self.deadline)
-        finally:
+        if error is None:  # nothing to abandon: claim and publish at once
             with table._lock:
-                self._end = _SUCCESS if error is None else Outcome(error)  # SETTLING -> ENDED
+                if self._claimed:
+                    return None
+                self._claimed = True
+                table._inflight.pop(self.seq, None)
+                self._end = _SUCCESS
                 waiters, self._waiters = self._waiters, None
                 self._native = None
-        if error is not None and native is not None and not native.poll():
+            return waiters or []
+        with table._lock:
+            if self._claimed:
+                return None
+            self._claimed = True  # PENDING -> SETTLING
+            table._inflight.pop(self.seq, None)
+        native = self._native
+        abandon = getattr(native, "abandon", None)
+        if abandon is not None:  # nothing may be written once the error is out
+            try:
+                abandon()
+            except Exception:  # a bug below: the op must still end, and its group
+                log.exception("ftcomm: abandoning %r failed", self)
+        broken: Broken | None = None
+        with table._lock:
+            if breaks and isinstance(error, CommError):
+                broken = table._break_locked(error)  # errored() set with the end
+            self._end = Outcome(error)  # SETTLING -> ENDED
+            waiters, self._waiters = self._waiters, None
+            self._native = None
+        if native is not None and not native.poll():
             # it may block whoever drops it last, until its native deadline
             table.runtime.dispose(native, until=self.deadline)
         # Waiters may run user code that keeps an error whose traceback reaches
         # this frame: it must not hold the native op (and its group) then.
-        del native
-        for wake in waiters or ():
-            # A closed loop raises RuntimeError: nobody is waiting there any more.
-            with contextlib.suppress(RuntimeError):
-                wake()
-        return True
+        del native, abandon
+        wakeups = waiters or []
+        if broken is not None:
+            wakeups += table._end_broken(broken, self.deadline)
+        return wakeups
 
     def _complete(self, native_error: BaseException | None) -> None:
         """The native op ended: settle with its outcome, mapped to ftcomm errors."""
@@ -582,13 +642,17 @@ class Work(Generic[R]):
         else:
             self._abort(CommTimeout(f"{self.op} did not complete by its deadline", **self._ctx()))
 
-    def _end_after_break(self, cause: CommError) -> None:
+    def _end_after_break(self, cause: CommError) -> list[Callable[[], object]]:
+        """End this op because its table broke (``cause``), unless it has
+        ended; the waiters to wake (the caller wakes them)."""
         native = self._native
+        error: BaseException | None
         if native is not None and native.poll():
-            self._complete(native.outcome())
-            return
-        error = CommAborted(
-            f"{self.op} was aborted: the group broke ({cause.message})", **self._ctx()
-        )
-        error.__cause__ = cause
-        self._settle(error)
+            native_error = native.outcome()
+            error = None if native_error is None else self._native_failure(native_error)
+        else:
+            error = CommAborted(
+                f"{self.op} was aborted: the group broke ({cause.message})", **self._ctx()
+            )
+            error.__cause__ = cause
+        return self._settle_quietly(error, False) or []

@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed import ReduceOp
@@ -249,19 +249,22 @@ class Launcher:
         self._lock = threading.Lock()
         self._spare: WorkerProcess | None = None
         self._generation = 0  # close() bumps it: a refill started before does not count
-        self._closed = False  # close() sets it, connect() clears it: no refill between
-        self._connecting: set[WorkerProcess] = set()  # killed by cancel_connects()
-        self._cancels = 0  # cancel_connects() bumps it: a connect started before fails
 
     def __repr__(self) -> str:
         return f"<ftcomm.Launcher {self.backend} spare={self._spare!r}>"
 
-    def connect(self, spec: ConnectSpec) -> SubprocessBackend:
+    def connect(
+        self, spec: ConnectSpec, cancel: concurrent.futures.Future[Any] | None = None
+    ) -> SubprocessBackend:
         """Configure a worker (a spare if there is one); blocks, on a control thread.
+
+        ``cancel``: once it completes (its ``configure()`` was superseded by
+        ``abort()`` or ``shutdown()``), the worker is killed and this raises
+        at once instead of waiting for the peers.
 
         Raises:
             TimeoutError: the worker did not start or configure in ``spec.timeout``.
-            EOFError: the worker exited.
+            EOFError: the worker exited, or ``cancel`` completed.
             ProtocolError: the worker broke the protocol.
             RemoteError: building the group failed in the worker (the store,
                 a peer, or bad arguments).
@@ -269,8 +272,6 @@ class Launcher:
         deadline = time.monotonic() + spec.timeout
         with self._lock:
             spare, self._spare = self._spare, None
-            self._closed = False
-            cancels = self._cancels
         if spare is not None:
             try:
                 spare.ready(deadline)
@@ -278,20 +279,13 @@ class Launcher:
                 spare.abandon()
                 spare = None
         worker = spare or WorkerProcess(self.backend, get_runtime())
-        with self._lock:
-            cancelled = self._cancels != cancels
-            if not cancelled:
-                self._connecting.add(worker)
         try:
-            if cancelled:  # close() or cancel_connects() came while it started
-                raise EOFError("the group was shut down or aborted while it configured")
+            if cancel is not None:
+                cancel.add_done_callback(lambda _: worker.kill())  # now, if it is done
             worker.configure(spec, deadline)
         except BaseException:
             worker.abandon()
             raise
-        finally:
-            with self._lock:
-                self._connecting.discard(worker)
         worker.pool.share_min_bytes = self.share_min_bytes
         worker.start()
         backend = self.cls(worker, spec.rank, spec.world_size)
@@ -300,9 +294,11 @@ class Launcher:
         return backend
 
     def refill(self) -> None:
-        """Start a spare if there is none (blocks for a fork/exec: a control thread)."""
+        """Start a spare if there is none (blocks for a fork/exec: a control
+        thread). The group calls it only while the configuration it was made
+        for is current; :meth:`close` makes one in progress give up."""
         with self._lock:
-            if self._spare is not None or not self.keep_spare or self._closed:
+            if self._spare is not None or not self.keep_spare:
                 return
             generation = self._generation
         spare: WorkerProcess | None = WorkerProcess(self.backend, get_runtime())
@@ -318,23 +314,12 @@ class Launcher:
         spare = self._spare
         return spare.pid if spare is not None else None
 
-    def cancel_connects(self) -> None:
-        """Kill the workers that :meth:`connect` is configuring (non-blocking):
-        their ``connect`` raises soon after. For ``abort()`` during ``configure()``."""
-        with self._lock:
-            self._cancels += 1
-            connecting = list(self._connecting)
-        for worker in connecting:
-            worker.kill()
-
     def close(self) -> None:
-        """Stop the spare and any worker being configured; no refill until the
-        next :meth:`connect` (non-blocking; workers are reaped off this thread)."""
+        """Stop the spare, and make a refill in progress give up (non-blocking;
+        the spare is reaped off the caller's thread)."""
         with self._lock:
             spare, self._spare = self._spare, None
             self._generation += 1
-            self._closed = True
-        self.cancel_connects()
         if spare is not None:
             spare.kill()
             get_runtime().run_blocking(spare.abandon)
