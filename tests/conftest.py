@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
 
 import pytest
+from helpers import StoreServer
 from torch._C._distributed_c10d import TCPStore
 
 from ftcomm._runtime.loop import get_runtime, new_event_loop
@@ -33,6 +34,14 @@ def pytest_asyncio_loop_factories(
         "asyncio": lambda: new_event_loop("asyncio"),
         "uvloop": lambda: new_event_loop("uvloop"),
     }
+
+
+@pytest.fixture
+def store() -> Iterator[StoreServer]:
+    """A real TCPStore server on 127.0.0.1, for this test only."""
+    server = StoreServer()
+    yield server
+    server.close()
 
 
 @pytest.fixture(autouse=True)

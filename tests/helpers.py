@@ -10,8 +10,10 @@ import time
 
 from torch.distributed import TCPStore
 
+import ftcomm
 from ftcomm._runtime.native import Done
 from ftcomm._runtime.work import OpTable, Work
+from ftcomm.backends.subprocess import SubprocessBackend
 
 
 class ScriptedOp:
@@ -77,3 +79,11 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def subprocess_backend(group: ftcomm.Group) -> SubprocessBackend:
+    """The worker-process backend of ``group``'s current configuration."""
+    cfg = group._config
+    assert cfg is not None
+    assert isinstance(cfg.backend, SubprocessBackend), cfg.backend
+    return cfg.backend

@@ -28,7 +28,7 @@ import re
 import time
 import traceback
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
@@ -48,14 +48,6 @@ Call = Callable[[ftcomm.Group, Keep], object]
 
 
 # -- fixtures ----------------------------------------------------------------
-@pytest.fixture
-def store() -> Iterator[StoreServer]:
-    """A real TCPStore server on 127.0.0.1, for this test only."""
-    server = StoreServer()
-    yield server
-    server.close()
-
-
 @pytest.fixture
 def addr(store: StoreServer, request: pytest.FixtureRequest) -> str:
     """A store address with a prefix unique to this test."""

@@ -44,13 +44,6 @@ SEED_CLASSES = [
 ]
 
 
-@pytest.fixture
-def store() -> Iterator[StoreServer]:
-    server = StoreServer()
-    yield server
-    server.close()
-
-
 _prefixes = iter(range(10**6))
 
 

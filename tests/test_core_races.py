@@ -36,13 +36,6 @@ WINDOW = 0.3
 
 
 @pytest.fixture
-def store() -> Iterator[StoreServer]:
-    server = StoreServer()
-    yield server
-    server.close()
-
-
-@pytest.fixture
 def table() -> Iterator[OpTable]:
     t = OpTable(get_runtime(), rank=0, on_break=lambda error, until: None)
     yield t

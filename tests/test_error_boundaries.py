@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,13 +18,6 @@ import ftcomm
 from ftcomm._runtime.loop import get_runtime
 from ftcomm.backends import gloo as gloo_mod
 from ftcomm.testing._world import _fds
-
-
-@pytest.fixture
-def store() -> Iterator[StoreServer]:
-    server = StoreServer()
-    yield server
-    server.close()
 
 
 class _Refused(dist.ProcessGroupGloo):  # type: ignore[misc]

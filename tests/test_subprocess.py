@@ -14,38 +14,23 @@ import os
 import select
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 import torch
-from helpers import StoreServer
+from helpers import StoreServer, subprocess_backend
 
 import ftcomm
 from ftcomm import CommAborted, CommTimeout, NotConfigured, ProtocolError, WorkerDied
 from ftcomm._protocol import Done, Ready
 from ftcomm._runtime.loop import get_runtime
-from ftcomm.backends.subprocess import SubprocessBackend
 from ftcomm.backends.subprocess._client import WorkerProcess
 from ftcomm.backends.subprocess._shm import Pool
 from ftcomm.testing import Fault, FaultPlan, Kind, RankContext, run_world
 from ftcomm.testing._world import _segments
-
-
-@pytest.fixture
-def store() -> Iterator[StoreServer]:
-    server = StoreServer()
-    yield server
-    server.close()
-
-
-def _worker(group: ftcomm.Group) -> WorkerProcess:
-    cfg = group._config
-    assert cfg is not None
-    assert isinstance(cfg.backend, SubprocessBackend)
-    return cfg.backend.worker
 
 
 def _alive(pid: int) -> bool:
@@ -77,7 +62,7 @@ async def group(store: StoreServer) -> AsyncIterator[ftcomm.Group]:
 async def test_configure_starts_a_worker_and_shutdown_reaps_it(store: StoreServer) -> None:
     g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10)
     await g.configure(f"127.0.0.1:{store.port}/a", 0, 1)
-    worker = _worker(g)
+    worker = subprocess_backend(g).worker
     assert _is_child(worker.pid)
     assert "subprocess" in repr(g)
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
@@ -98,7 +83,7 @@ async def test_each_configure_gets_a_fresh_worker_the_spare_when_there_is_one(
     rt = get_runtime()
     async with ftcomm.Group("gloo", subprocess=True, timeout=10) as g:
         await g.configure(f"127.0.0.1:{store.port}/a", 0, 1)
-        first = _worker(g)
+        first = subprocess_backend(g).worker
         launcher = g._launcher
         assert launcher is not None
         # The spare is started on a control thread once the configuration is up.
@@ -109,7 +94,7 @@ async def test_each_configure_gets_a_fresh_worker_the_spare_when_there_is_one(
         assert _is_child(spare)
 
         await g.configure(f"127.0.0.1:{store.port}/b", 0, 1)
-        second = _worker(g)
+        second = subprocess_backend(g).worker
         assert second.pid == spare  # the spare became the worker
         await _until_dead(first)  # the old worker was killed and reaped
         assert torch.equal(await g.allreduce(torch.ones(3)), torch.ones(3))
@@ -124,7 +109,7 @@ async def test_each_configure_gets_a_fresh_worker_the_spare_when_there_is_one(
 
 @pytest.mark.asyncio
 async def test_worker_death_while_idle_errors_the_group_at_once(group: ftcomm.Group) -> None:
-    worker = _worker(group)
+    worker = subprocess_backend(group).worker
     started = time.monotonic()
     os.kill(worker.pid, signal.SIGKILL)
     await _until_dead(worker)
@@ -139,7 +124,7 @@ async def test_worker_death_while_idle_errors_the_group_at_once(group: ftcomm.Gr
 
 @pytest.mark.asyncio
 async def test_worker_death_mid_op_fails_the_op_with_worker_died(group: ftcomm.Group) -> None:
-    worker = _worker(group)
+    worker = subprocess_backend(group).worker
     os.kill(worker.pid, signal.SIGSTOP)  # the op cannot complete: it stays in flight
     works = [group.allreduce(torch.ones(2)), group.broadcast(torch.ones(2), root=0)]
     assert not any(w.done() for w in works)
@@ -159,7 +144,7 @@ async def test_worker_death_mid_op_fails_the_op_with_worker_died(group: ftcomm.G
 async def test_abort_kills_the_worker_and_configure_recovers(
     group: ftcomm.Group, store: StoreServer
 ) -> None:
-    worker = _worker(group)
+    worker = subprocess_backend(group).worker
     os.kill(worker.pid, signal.SIGSTOP)
     work = group.allreduce(torch.ones(2))
     await group.abort()
@@ -168,13 +153,13 @@ async def test_abort_kills_the_worker_and_configure_recovers(
         await work
     assert isinstance(group.errored(), CommAborted)
     await group.configure(f"127.0.0.1:{store.port}/g1", 0, 1)
-    assert _worker(group).pid != worker.pid
+    assert subprocess_backend(group).worker.pid != worker.pid
     assert torch.equal(await group.allreduce(torch.full((2,), 3.0)), torch.full((2,), 3.0))
 
 
 @pytest.mark.asyncio
 async def test_deadline_kills_a_stopped_worker(group: ftcomm.Group) -> None:
-    worker = _worker(group)
+    worker = subprocess_backend(group).worker
     os.kill(worker.pid, signal.SIGSTOP)
     t = torch.ones(4)
     before = t.clone()
@@ -189,7 +174,7 @@ async def test_deadline_kills_a_stopped_worker(group: ftcomm.Group) -> None:
 
 @pytest.mark.asyncio
 async def test_cancel_kills_the_worker(group: ftcomm.Group) -> None:
-    worker = _worker(group)
+    worker = subprocess_backend(group).worker
     os.kill(worker.pid, signal.SIGSTOP)
     t = torch.ones(2)
     with pytest.raises(TimeoutError):  # the cancel scope cancels the awaiting task
@@ -204,7 +189,7 @@ async def test_cancel_kills_the_worker(group: ftcomm.Group) -> None:
 # -- replies -----------------------------------------------------------------------------------
 @pytest.mark.asyncio
 async def test_a_reply_to_no_op_in_flight_is_dropped(group: ftcomm.Group) -> None:
-    worker = _worker(group)
+    worker = subprocess_backend(group).worker
     rt = get_runtime()
     os.kill(worker.pid, signal.SIGSTOP)  # hold the real reply back
     t = torch.full((3,), 2.0)
@@ -226,7 +211,7 @@ async def test_a_reply_to_no_op_in_flight_is_dropped(group: ftcomm.Group) -> Non
 async def test_an_unexpected_frame_from_the_worker_is_a_protocol_error(
     group: ftcomm.Group,
 ) -> None:
-    worker = _worker(group)
+    worker = subprocess_backend(group).worker
     rt = get_runtime()
     await asyncio.wrap_future(rt.submit(_on_loop(worker._on_frames, [Ready(worker.pid)])))
     await _until_dead(worker)
@@ -265,7 +250,7 @@ async def survive_worker_fault(ctx: RankContext, deadline: float) -> dict[str, A
     out: dict[str, Any] = {}
     async with ftcomm.Group("gloo", subprocess=True, timeout=deadline, configure_timeout=30) as g:
         await g.configure(ctx.addr("g0"), r, n)
-        out["pid0"] = _worker(g).pid
+        out["pid0"] = subprocess_backend(g).worker.pid
         assert torch.equal(await g.allreduce(torch.ones(2)), torch.full((2,), float(n)))
         t = torch.full((2,), float(r + 1))
         started = time.monotonic()
@@ -278,7 +263,7 @@ async def survive_worker_fault(ctx: RankContext, deadline: float) -> dict[str, A
         out["errored"] = type(g.errored()).__name__
         out["untouched"] = bool(torch.equal(t, torch.full((2,), float(r + 1))))
         await g.configure(ctx.addr("g1"), r, n)
-        out["pid1"] = _worker(g).pid
+        out["pid1"] = subprocess_backend(g).worker.pid
         result = await g.allreduce(torch.full((3,), float(10 * r + 7)))
         out["after"] = result.tolist()
     return out
@@ -346,7 +331,7 @@ async def crash_with_a_worker(ctx: RankContext, record: str) -> None:
     async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10) as g:
         await g.configure(ctx.addr(), ctx.rank, ctx.world_size)
         await g.allreduce(torch.ones(1 << 16))  # a segment in the pool
-        worker = _worker(g)
+        worker = subprocess_backend(g).worker
         await asyncio.to_thread(Path(record).write_text, f"{worker.pid} {os.getpid()}")
         await g.allreduce(torch.ones(4))  # the plan SIGKILLs this rank here
 
@@ -385,7 +370,7 @@ async def test_an_op_cancelled_while_its_outputs_are_copied_back_writes_nothing_
     out = torch.zeros(n)
     work = group.allgather(torch.ones(n), out=[out])
     call = work._native
-    worker = _worker(group)
+    worker = subprocess_backend(group).worker
     seen: dict[str, Any] = {}
 
     def cancel_mid_copy(native: object) -> None:  # another thread, while this one copies
@@ -486,7 +471,7 @@ async def test_a_dead_spare_is_replaced_not_used(store: StoreServer) -> None:
         assert spare is not None
         os.kill(spare, signal.SIGKILL)
         await g.configure(f"127.0.0.1:{store.port}/b", 0, 1)
-        assert _worker(g).pid != spare
+        assert subprocess_backend(g).worker.pid != spare
         assert torch.equal(await g.allreduce(torch.ones(2)), torch.ones(2))
 
 
@@ -543,7 +528,7 @@ async def shared_in_place(ctx: RankContext) -> dict[str, Any]:
     r, n = ctx.rank, ctx.world_size
     async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=20) as g:
         await g.configure(ctx.addr(), r, n)
-        worker = _worker(g)
+        worker = subprocess_backend(g).worker
         t = torch.arange(8, dtype=torch.float32) + r
         t.share_memory_()
         ptr = t.data_ptr()
@@ -587,7 +572,7 @@ async def moved_in_place(ctx: RankContext) -> dict[str, Any]:
         "gloo", subprocess=True, spare_worker=False, timeout=20, share_min_bytes=1 << 20
     ) as g:
         await g.configure(ctx.addr(), r, n)
-        worker = _worker(g)
+        worker = subprocess_backend(g).worker
         big = torch.full((1 << 18,), float(r + 1))  # 1 MiB: moved on its second op
         ptr = big.data_ptr()
         await g.allreduce(big)  # 3.0 everywhere
@@ -798,7 +783,7 @@ def test_a_shared_storage_dying_inside_the_lock_does_not_deadlock() -> None:
 
 @pytest.mark.asyncio
 async def test_a_forked_child_leaves_its_parents_worker_alone(group: ftcomm.Group) -> None:
-    worker = _worker(group)
+    worker = subprocess_backend(group).worker
     pid = os.fork()
     if pid == 0:  # the child: what its exit would run (weakref finalizers at exit)
         try:
@@ -819,7 +804,7 @@ def _fd_count(pid: int) -> int:
 async def test_the_worker_unmaps_shared_storages_that_died(group: ftcomm.Group) -> None:
     import gc
 
-    worker = _worker(group)
+    worker = subprocess_backend(group).worker
     await group.allreduce(torch.ones(1))
     before = _fd_count(worker.pid)
     for i in range(20):

@@ -20,23 +20,15 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import subprocess_backend
 from test_collectives import assert_same, every_collective, expected
 
 import ftcomm
 from ftcomm import c10d
-from ftcomm.backends.subprocess import SubprocessBackend
-from ftcomm.backends.subprocess._client import WorkerProcess
 from ftcomm.testing import RankContext, run_world
 
 TIMEOUT = 20  # each op's and configure's deadline: generous for a 2-core machine
 _Group = ftcomm.Group  # the real class, whatever the patch below puts in its place
-
-
-def _worker(group: ftcomm.Group) -> WorkerProcess:
-    cfg = group._config
-    assert cfg is not None
-    assert isinstance(cfg.backend, SubprocessBackend), cfg.backend
-    return cfg.backend.worker
 
 
 def _is_my_child(pid: int) -> bool:
@@ -57,7 +49,7 @@ def worker_groups(backend: str | None = None) -> Iterator[list[int]]:
 
         async def configure(self, *args: Any, **kwargs: Any) -> None:
             await super().configure(*args, **kwargs)
-            worker = _worker(self)
+            worker = subprocess_backend(self).worker
             assert worker.pid != os.getpid()
             assert _is_my_child(worker.pid)
             assert worker.proc.poll() is None  # running, not exited
@@ -116,7 +108,7 @@ async def pipelined_rank(ctx: RankContext) -> list[torch.Tensor]:
     r, n = ctx.rank, ctx.world_size
     async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=TIMEOUT) as g:
         await g.configure(ctx.addr(), r, n)
-        worker = _worker(g)
+        worker = subprocess_backend(g).worker
         if r > 0:  # the others issue only once rank 0 has all of its ops in flight
             await ctx.wait_for("rank0-issued")
         # Distinct shapes as well as values: a reply given to the wrong op shows.
@@ -239,7 +231,7 @@ async def caller_tensors_rank(ctx: RankContext) -> list[str]:
 
         assert g.num_active_work() == 0
         assert g.errored() is None
-        assert _worker(g).dropped == 0
+        assert subprocess_backend(g).worker.dropped == 0
     return checked
 
 

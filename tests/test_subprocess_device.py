@@ -416,13 +416,6 @@ def test_done_carries_an_event_only_as_hex() -> None:
 
 
 # -- the parent's reply handling, on a real worker process ------------------------------------
-@pytest.fixture
-def store() -> Iterator[StoreServer]:
-    server = StoreServer()
-    yield server
-    server.close()
-
-
 @dataclass
 class InFlight:
     """A dummy group in a worker, with one call in flight on it as if it were

@@ -26,14 +26,14 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 import torch
-from helpers import StoreServer
+from helpers import StoreServer, subprocess_backend
 from test_subprocess_device import FakeCalls
 from torch.distributed import ReduceOp
 
@@ -41,17 +41,10 @@ import ftcomm
 from ftcomm import CommFailed, ProtocolError
 from ftcomm._protocol import Op, TensorDesc
 from ftcomm._runtime.loop import get_runtime
-from ftcomm.backends.subprocess import SubprocessBackend, _shm
+from ftcomm.backends.subprocess import _shm
 from ftcomm.backends.subprocess._channel import Channel
 from ftcomm.backends.subprocess._client import Call, WorkerProcess
 from ftcomm.backends.subprocess._device import DeviceStorages
-
-
-@pytest.fixture
-def store() -> Iterator[StoreServer]:
-    server = StoreServer()
-    yield server
-    server.close()
 
 
 @pytest_asyncio.fixture
@@ -59,13 +52,6 @@ async def group(store: StoreServer) -> AsyncIterator[ftcomm.Group]:
     async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10) as g:
         await g.configure(f"127.0.0.1:{store.port}/f", 0, 1)
         yield g
-
-
-def _backend(group: ftcomm.Group) -> SubprocessBackend:
-    cfg = group._config
-    assert cfg is not None
-    assert isinstance(cfg.backend, SubprocessBackend)
-    return cfg.backend
 
 
 def _mine() -> set[str]:
@@ -209,7 +195,7 @@ def test_a_real_full_tmpfs_is_an_oserror_not_a_sigbus(tmp_path: Path) -> None:
 async def test_a_full_dev_shm_reaches_the_caller_and_a_smaller_op_works(
     group: ftcomm.Group, small_shm: SmallShm
 ) -> None:
-    worker = _backend(group).worker
+    worker = subprocess_backend(group).worker
     assert torch.equal(await group.allreduce(torch.ones(2)), torch.ones(2))
     segments, pins = worker.pool.segments, dict(_shm._pins)
     with pytest.raises(OSError, match="no room") as info:
@@ -241,7 +227,7 @@ def test_the_tensor_cap_is_the_protocols() -> None:
 async def test_more_tensors_than_an_op_carries_is_a_clear_value_error(
     group: ftcomm.Group,
 ) -> None:
-    worker = _backend(group).worker
+    worker = subprocess_backend(group).worker
     pins = dict(_shm._pins)
     grads = [torch.ones(1) for _ in range(5000)]
     with pytest.raises(ValueError, match=r"allreduce: tensors: 5000 tensors, more than the 4096"):
@@ -260,7 +246,7 @@ async def test_an_op_that_fails_to_encode_leaves_nothing_behind(
 ) -> None:
     from ftcomm.backends.subprocess import _client
 
-    worker = _backend(group).worker
+    worker = subprocess_backend(group).worker
     assert torch.equal(await group.allreduce(torch.ones(2)), torch.ones(2))
     shared = torch.full((256,), 2.0)
     shared.share_memory_()  # goes by fd: the failed op must not count it as sent
@@ -347,7 +333,7 @@ def _op(worker: WorkerProcess, tensors: list[torch.Tensor]) -> tuple[Any, dict[s
 
 @pytest.mark.asyncio
 async def test_a_queued_op_keeps_the_storage_whose_fd_it_carries(group: ftcomm.Group) -> None:
-    backend = _backend(group)
+    backend = subprocess_backend(group)
     worker = backend.worker
     assert torch.equal(await group.allreduce(torch.ones(2)), torch.ones(2))
     held = _Held(worker.channel)
@@ -368,7 +354,7 @@ async def test_a_queued_op_keeps_the_storage_whose_fd_it_carries(group: ftcomm.G
 
 @pytest.mark.asyncio
 async def test_a_refused_op_fails_alone_and_the_ops_behind_it_go_on(group: ftcomm.Group) -> None:
-    worker = _backend(group).worker
+    worker = subprocess_backend(group).worker
     assert torch.equal(await group.allreduce(torch.ones(2)), torch.ones(2))
     t = torch.full((64,), 2.0)
     t.share_memory_()

@@ -25,24 +25,16 @@ import asyncio
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
 import torch
-from helpers import StoreServer
+from helpers import StoreServer, subprocess_backend
 
 import ftcomm
 from ftcomm import CommAborted, WorkerDied
-from ftcomm.backends.subprocess import SubprocessBackend
 from ftcomm.backends.subprocess._client import WorkerProcess
-
-
-@pytest.fixture
-def store() -> Iterator[StoreServer]:
-    server = StoreServer()
-    yield server
-    server.close()
 
 
 @pytest_asyncio.fixture
@@ -50,13 +42,6 @@ async def group(store: StoreServer) -> AsyncIterator[ftcomm.Group]:
     async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10) as g:
         await g.configure(f"127.0.0.1:{store.port}/t0", 0, 1)
         yield g
-
-
-def _worker(group: ftcomm.Group) -> WorkerProcess:
-    cfg = group._config
-    assert cfg is not None
-    assert isinstance(cfg.backend, SubprocessBackend)
-    return cfg.backend.worker
 
 
 def _held(name: str) -> list[str]:
@@ -75,7 +60,7 @@ def _held(name: str) -> list[str]:
 
 def _stop_with_an_op_in_flight(group: ftcomm.Group) -> tuple[ftcomm.Work[torch.Tensor], str]:
     """A stopped worker with one allreduce in flight, and the name of its segment."""
-    worker = _worker(group)
+    worker = subprocess_backend(group).worker
     os.kill(worker.pid, signal.SIGSTOP)  # the op stays in flight
     work = group.allreduce(torch.ones(4))
     (call,) = worker._calls.values()
@@ -115,7 +100,7 @@ class _Watch:
 async def test_a_dead_worker_has_released_its_segments_once_exited_completes(
     group: ftcomm.Group,
 ) -> None:
-    worker = _worker(group)
+    worker = subprocess_backend(group).worker
     work, name = _stop_with_an_op_in_flight(group)
     watch = _Watch(worker, name)
     os.kill(worker.pid, signal.SIGKILL)  # not on purpose: the group hears of it
@@ -128,7 +113,7 @@ async def test_a_dead_worker_has_released_its_segments_once_exited_completes(
 async def test_a_worker_killed_on_purpose_has_released_its_segments_once_exited_completes(
     group: ftcomm.Group,
 ) -> None:
-    worker = _worker(group)
+    worker = subprocess_backend(group).worker
     work, name = _stop_with_an_op_in_flight(group)
     ended = threading.Event()
     work.add_done_callback(lambda _: ended.set())  # the op ends with the call
