@@ -346,3 +346,70 @@ def test_members_ending_on_many_threads_end_the_op_once() -> None:
     assert len(calls) == 1
     assert isinstance(calls[0], RuntimeError)
     assert "member 7 broke" in str(calls[0])
+
+
+def _inputs(rank: int, pairs: int, size: int, n: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s inputs: ``pairs`` tensors of ``n`` chunks of ``size``."""
+    return [
+        torch.arange(n * size, dtype=torch.float32) * (p + 1) + 1000 * rank for p in range(pairs)
+    ]
+
+
+async def reduce_scatter_aliasing_and_buckets(ctx: RankContext) -> dict[str, Any]:
+    r, n = ctx.rank, ctx.world_size
+    async with ftcomm.Group("gloo", timeout=30) as g:
+        await g.configure(ctx.addr(), r, n)
+        out: dict[str, Any] = {}
+        # Pair 0's output is the other rank's chunk of pair 1's input: pair 1
+        # must reduce the input as it was, not what pair 0 wrote there.
+        ins = _inputs(r, 2, 4, n)
+        outs = [ins[1][(1 - r) * 4 : (2 - r) * 4], torch.empty(4)]
+        await g.reduce_scatter_tensor_coalesced(outs, ins, "sum")
+        out["cross"] = [o.tolist() for o in outs]
+        # Separate outputs: the inputs are never written.
+        ins = _inputs(r, 3, 8, n)
+        before = [t.clone() for t in ins]
+        await g.reduce_scatter_tensor_coalesced([torch.empty(8) for _ in ins], ins, "max")
+        out["inputs kept"] = all(torch.equal(a, b) for a, b in zip(ins, before, strict=True))
+        # Past one bucket (600 pairs x 2 chunks x 4 KiB = 4.7 MiB), and bitwise on ints.
+        ins = _inputs(r, 600, 1024, n)
+        got = await g.reduce_scatter_tensor_coalesced([torch.empty(1024) for _ in ins], ins)
+        out["many"] = [t[:3].tolist() + t[-1:].tolist() for t in got]
+        bits = [torch.tensor([0b1111 ^ (1 << r), 0b0110 | r], dtype=torch.int64) for _ in range(n)]
+        out["band"] = (
+            await g.reduce_scatter(torch.empty(2, dtype=torch.int64), bits, "band")
+        ).tolist()
+        return out
+
+
+def test_reduce_scatter_reads_every_input_before_writing_and_packs_buckets() -> None:
+    n = 2
+    results = run_world(reduce_scatter_aliasing_and_buckets, n, mode="thread", timeout=90)
+
+    def totals(pairs: int, size: int) -> list[torch.Tensor]:
+        every = [_inputs(k, pairs, size, n) for k in range(n)]
+        return [sum(rank[p] for rank in every) for p in range(pairs)]  # type: ignore[misc]
+
+    cross, many = totals(2, 4), totals(600, 1024)
+    for r, got in enumerate(results):
+        assert got["cross"] == [t[r * 4 : (r + 1) * 4].tolist() for t in cross]
+        assert got["inputs kept"] is True
+        mine = [t[r * 1024 : (r + 1) * 1024] for t in many]
+        assert got["many"] == [t[:3].tolist() + t[-1:].tolist() for t in mine]
+        assert got["band"] == [0b1111 & ~0b11, 0b0110]
+
+
+def test_buckets_pack_by_dtype_in_order_up_to_the_cap() -> None:
+    from ftcomm.backends.gloo import _FUSE_MAX_BYTES, _buckets
+
+    quarter = torch.empty(_FUSE_MAX_BYTES // 4 // 4)  # float32: a quarter of the cap
+    small_int = torch.empty(4, dtype=torch.int64)
+    big = torch.empty(_FUSE_MAX_BYTES // 4)  # the cap: alone
+    bufs = [quarter, small_int, quarter, big, quarter, quarter, quarter]
+    got = [[id(t) for t in bucket] for bucket in _buckets(bufs)]
+    assert got == [
+        [id(quarter)] * 4,  # 4 quarters fill the first float bucket ...
+        [id(small_int)],
+        [id(big)],
+        [id(quarter)],  # ... the fifth opens a second
+    ]

@@ -69,15 +69,18 @@ def _device(addr: StoreAddr) -> object:
 
 
 _FUSE_MAX_BYTES = 4 << 20
-"""A reduce-scatter whose buffers (every rank's chunk of every pair) hold up to
-this many bytes in all is one fused ``allreduce_coalesced`` per dtype (its
-flatten and unflatten copy everything twice more); a bigger one is one
-in-place allreduce per chunk (no extra copy), as Gloo's own reduce-scatter.
-Measured, 2 ranks, ``await``, p50, 2 busy cores: fused beats Gloo's own
-(waited on a thread) on small chunks (4 B: 0.35-0.4 against 0.5-0.55 ms;
-64 KiB: 0.6 against 0.8 ms) and is never worse up to 1 MiB chunks, where
-two allreduces in flight at once sometimes take 15-40 ms; with 16 MiB chunks
-its copies lose (69-90 against 26-46 ms); 4 MiB chunks are about even."""
+"""A reduce-scatter's buffers (every rank's chunk of every pair) are packed, by
+dtype and in order, into fused ``allreduce_coalesced`` calls of up to this
+many bytes each; a buffer this big or bigger goes alone, as one in-place
+allreduce (no extra copy), as in Gloo's own reduce-scatter. Measured, 2
+ranks, ``await``, p50, 2 busy cores: fused beats Gloo's own (waited on a
+thread) on small chunks (4 B: 0.35-0.4 against 0.5-0.55 ms; 64 KiB: 0.6
+against 0.8 ms) and is never worse up to 1 MiB chunks, where two allreduces
+in flight at once sometimes take 15-40 ms; with 16 MiB chunks its copies
+lose (69-90 against 26-46 ms); 4 MiB chunks are about even. Packing by
+bucket, not by the op's total, keeps an op just past the cap from falling
+back to one allreduce per small chunk (16x slower: 21 ms against 310-450 ms
+for 513 pairs of 4 KiB outputs)."""
 
 
 def _wait(work: dist.Work, deadline: float) -> None:
@@ -89,22 +92,65 @@ def _waited(work: dist.Work, timeout: float) -> NativeOp:
 
     Waited on a thread that starts now, not queued behind other waits: it
     only sleeps in C++ (GIL released) and ends by the op's deadline (a
-    ``wait()`` past it fails the op and closes the group's pairs).
+    ``wait()`` past it fails the op and closes the group's pairs). If no
+    thread can be started, the posted work goes to the reaper (dropping it
+    may block until its deadline) and the error is raised: the group is then
+    errored, as for any op its native group refused.
     """
     deadline = time.monotonic() + timeout
-    return ThreadOp(get_runtime().workers.spawn(_wait, work, deadline, until=deadline))
+    rt = get_runtime()
+    try:
+        return ThreadOp(rt.workers.spawn(_wait, work, deadline, until=deadline))
+    except BaseException:
+        rt.dispose(work, until=deadline)
+        raise
 
 
 def _scatter_buffers(
-    output: torch.Tensor, chunks: Sequence[torch.Tensor], rank: int
+    pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]], rank: int
 ) -> list[torch.Tensor]:
-    """The tensors to allreduce so that ``output`` ends up holding this rank's
-    reduced chunk: ``output`` itself, filled with this rank's chunk, and a
-    copy of every other chunk (reduced too, then dropped). Gloo's own
-    reduce-scatter does the same, less the wait it needs to end."""
-    bufs = [output if d == rank else chunk.clone() for d, chunk in enumerate(chunks)]
-    output.copy_(chunks[rank])  # after the copies: output may overlap another chunk
-    return bufs
+    """The tensors to allreduce so that each pair's ``output`` ends up
+    holding this rank's reduced chunk: the output itself, filled with this
+    rank's chunk, and a copy of every other chunk (reduced too, then
+    dropped), pair after pair. Gloo's own reduce-scatter does the same, less
+    the wait it needs to end.
+
+    Every chunk is read before any output is written: an output may overlap
+    a chunk of its own pair or of another pair, and the caller's inputs are
+    never written.
+    """
+    outputs = {o.untyped_storage().data_ptr() for o, _ in pairs}
+    bufs: list[list[torch.Tensor]] = []
+    own: list[torch.Tensor] = []
+    for output, chunks in pairs:
+        bufs.append([output if d == rank else c.clone() for d, c in enumerate(chunks)])
+        mine = chunks[rank]
+        shared = mine.untyped_storage().data_ptr() in outputs and mine is not output
+        own.append(mine.clone() if shared else mine)
+    for (output, _), mine in zip(pairs, own, strict=True):
+        output.copy_(mine)
+    return [b for pair in bufs for b in pair]
+
+
+def _buckets(bufs: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``bufs`` packed by dtype, in order, into buckets of at most
+    :data:`_FUSE_MAX_BYTES` (one buffer that big or bigger: a bucket alone).
+    The same on every rank: it depends on shapes and dtypes only."""
+    buckets: list[list[torch.Tensor]] = []
+    open_: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}
+    for b in bufs:
+        size = b.numel() * b.element_size()
+        if size >= _FUSE_MAX_BYTES:
+            buckets.append([b])
+            continue
+        bucket, used = open_.get(b.dtype, (None, [0]))
+        if bucket is None or used[0] + size > _FUSE_MAX_BYTES:
+            bucket, used = [], [0]
+            buckets.append(bucket)
+            open_[b.dtype] = (bucket, used)
+        bucket.append(b)
+        used[0] += size
+    return buckets
 
 
 class GlooBackend(Backend):
@@ -246,23 +292,17 @@ class GlooBackend(Backend):
         op: ReduceOp.RedOpType,
         timeout: float,
     ) -> NativeOp:
-        """Reduce-scatter ``chunks`` (one per rank) into ``output``, for each pair.
-
-        Up to :data:`_FUSE_MAX_BYTES`, one fused ``allreduce_coalesced`` per
-        dtype; above, one in-place allreduce per chunk, as Gloo's own
-        reduce-scatter does.
-        """
+        """Reduce-scatter ``chunks`` (one per rank) into ``output``, for each pair:
+        allreduces of the buffers of :func:`_scatter_buffers`, packed by
+        :func:`_buckets` (see :data:`_FUSE_MAX_BYTES`)."""
         pg = self.pg  # before any output is written
-        bufs = [b for output, chunks in pairs for b in _scatter_buffers(output, chunks, self.rank)]
-        if sum(b.numel() * b.element_size() for b in bufs) > _FUSE_MAX_BYTES:
-            opts = self._opts(AllreduceOptions, timeout, op)
-            works = [pg.allreduce([b], opts) for b in bufs]
-        else:
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for b in bufs:
-                by_dtype.setdefault(b.dtype, []).append(b)
-            copts = self._opts(AllreduceCoalescedOptions, timeout, op)
-            works = [pg.allreduce_coalesced(group, copts) for group in by_dtype.values()]
+        works = []
+        for bucket in _buckets(_scatter_buffers(pairs, self.rank)):
+            if len(bucket) == 1:
+                works.append(pg.allreduce(bucket, self._opts(AllreduceOptions, timeout, op)))
+            else:
+                copts = self._opts(AllreduceCoalescedOptions, timeout, op)
+                works.append(pg.allreduce_coalesced(bucket, copts))
         return WorkOp(works[0]) if len(works) == 1 else WorksOp(works)
 
     def alltoall_base(
