@@ -94,8 +94,10 @@ class Config:
 class Attempt:
     """One ``configure()`` call: current until a later event supersedes it.
 
-    ``superseded`` completes (with the superseding call's name) when that
-    happens, so a ``configure()`` waiting for its native group stops waiting.
+    ``superseded`` completes when the attempt is over without having become
+    the group's configuration (superseded, failed, timed out, cancelled): a
+    ``configure()`` waiting for its native group stops waiting, and a worker
+    process being configured for it is killed.
     """
 
     __slots__ = ("number", "superseded", "superseded_by")
@@ -212,11 +214,14 @@ class GroupCore:
             return True
 
     def fail(self, attempt: Attempt) -> None:
-        """The attempt failed or was cancelled."""
+        """The attempt failed, timed out or was cancelled: it is over, and
+        what it was still building is stopped (its future completes)."""
         with self.lock:
             if self._attempt is attempt:
                 self._attempt = None
                 self._go("fail")
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            attempt.superseded.set_result("failed")
 
     def abort(self, error: CommError) -> Teardown:
         with self.lock:

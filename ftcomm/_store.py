@@ -131,6 +131,10 @@ class _StuckReadGuard:
         self._timeout = timeout
         self._tid = threading.get_native_id()
         self._done = threading.Event()
+        # Held across "still stuck? then cut it", and to end the guard: a
+        # connect that returns meanwhile is either cut (and fired is set
+        # before connect_store reads it) or never touched.
+        self._cut_lock = threading.Lock()
         self.fired = False
         """Whether it shut the store's socket down (the connect is then a timeout)."""
         self._peers: frozenset[str] = frozenset()
@@ -147,7 +151,8 @@ class _StuckReadGuard:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._done.set()
+        with self._cut_lock:
+            self._done.set()
 
     def _watch(self) -> None:
         if self._done.wait(self._timeout):
@@ -184,9 +189,10 @@ class _StuckReadGuard:
             # Still blocked reading that fd: our dup is the socket it reads
             # (a thread blocked in a read holds its file; the fd cannot have
             # moved to another file between the two reads of /proc).
-            if self._reading() == fd and not self._done.is_set():
-                self.fired = True
-                sock.shutdown(socket.SHUT_RDWR)
+            with self._cut_lock:
+                if self._reading() == fd and not self._done.is_set():
+                    self.fired = True
+                    sock.shutdown(socket.SHUT_RDWR)
 
 
 _INET = (socket.AF_INET, socket.AF_INET6)

@@ -342,8 +342,8 @@ class Group:
         attempt, teardown = self._core.begin(
             CommAborted("the group was reconfigured", rank=rank, op="configure")
         )
-        teardown.run()
         try:
+            teardown.run()  # may run the old ops' done-callbacks: user code
             backend = await self._connect_within(spec, seconds, attempt)
         except BaseException as exc:
             self._core.fail(attempt)
@@ -357,9 +357,8 @@ class Group:
             lock=self._core.lock,
             on_error=self._core.table_broke,
         )
-        if not self._core.ready(
-            attempt, Config(backend, table, str(addr), _SUM in backend.reduce_ops)
-        ):
+        config = Config(backend, table, str(addr), _SUM in backend.reduce_ops)
+        if not self._core.ready(attempt, config):
             self._runtime.dispose(*backend.close())
             raise self._core.superseded(attempt, rank)
         # Weakly: the worker's reader holds this callback, and must not keep a
@@ -373,7 +372,7 @@ class Group:
 
         backend.watch(on_break)
         if self._launcher is not None and self._launcher.keep_spare:
-            self._runtime.run_control(self._refill_for, self._core.config)
+            self._runtime.run_control(self._refill_for, config)
 
     async def _connect_within(self, spec: ConnectSpec, seconds: float, attempt: Attempt) -> Backend:
         """Build the native group on a control thread, within ``seconds``,
@@ -410,10 +409,17 @@ class Group:
         except Exception as exc:  # arguments were checked: this is the store or a peer
             raise _connect_error(exc, where, spec.rank) from exc
 
-    def _refill_for(self, config: Config | None) -> None:
+    def _refill_for(self, config: Config) -> None:
         """Start a spare worker if ``config`` is still the group's (a control thread)."""
-        if self._launcher is not None and config is not None and self._core.config is config:
-            self._launcher.refill()
+        launcher = self._launcher
+        if launcher is None:
+            return
+        # Read before the check: shutdown() clears the configuration before it
+        # closes the launcher, so either the check fails or refill() sees the
+        # generation move and gives up.
+        generation = launcher.generation
+        if self._core.config is config:
+            launcher.refill(generation)
 
     def _orphan(self, wrapped: asyncio.Future[Backend], cf: Any) -> None:
         """Nobody will read this connect: dispose of its group whenever it lands."""
@@ -544,34 +550,37 @@ class Group:
                     native = start(cfg.backend, seconds)
                 else:
                     native = inject(op, lambda: start(cfg.backend, seconds), cfg.backend)
-            except CommError as exc:  # the backend knows what broke (a dead worker)
-                raise self._failed_to_issue(table, op, exc._located(table.rank, op, None)) from exc
-            except RuntimeError as exc:
-                # The arguments were checked above, so this is the native
-                # group refusing to issue: broken (Gloo: "Application timeout
-                # caused pair closure"). The group is errored, as for an op
-                # that failed in flight.
-                failed = CommFailed(f"{op} could not be issued: {exc}", rank=table.rank, op=op)
-                failed.__cause__ = exc
-                raise self._failed_to_issue(table, op, failed) from exc
-            work = Work(table, op, table.next_seq(), deadline, native, result)
-            table.track(work, seconds)
-        return work
-
-    @staticmethod
-    def _failed_to_issue(table: OpTable, op: str, error: CommError) -> CommError:
-        """Break ``table`` with ``error`` (unless it broke meanwhile); what to raise."""
-        table.break_(error)
-        broke = table.error
-        if broke is error or broke is None:
-            return error
+            except (CommError, RuntimeError) as exc:
+                refused = self._refused(table, op, exc)
+                # Marked under the locks; the ops it ends (and their callbacks,
+                # which may issue ops) end with _issue_lock released.
+                with table._lock:
+                    broken = table._break_locked(refused)
+            else:
+                work = Work(table, op, table.next_seq(), deadline, native, result)
+                table.track(work, seconds)
+                return work
+        table._after_break(broken, time.monotonic())
+        if broken.cause is refused:
+            raise refused from refused.__cause__
         aborted = CommAborted(
-            f"{op} refused: the group broke while it was issued ({broke.message})",
+            f"{op} refused: the group broke while it was issued ({broken.cause.message})",
             rank=table.rank,
             op=op,
         )
-        aborted.__cause__ = broke
-        return aborted
+        raise aborted from broken.cause
+
+    @staticmethod
+    def _refused(table: OpTable, op: str, exc: Exception) -> CommError:
+        """The error of an op the native group refused to issue. Arguments
+        were checked before, so this is a broken group (Gloo: "Application
+        timeout caused pair closure"); a CommError from below (a dead worker)
+        says what broke."""
+        if isinstance(exc, CommError):
+            return exc._located(table.rank, op, None)
+        failed = CommFailed(f"{op} could not be issued: {exc}", rank=table.rank, op=op)
+        failed.__cause__ = exc
+        return failed
 
     # -- collectives -------------------------------------------------------
     def allreduce(

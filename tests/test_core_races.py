@@ -636,3 +636,154 @@ async def test_abort_ends_every_op_while_another_thread_settles_one() -> None:
         settler.join(10)
     assert isinstance(a.exception(), ftcomm.CommAborted)
     await g.shutdown()
+
+
+# -- callbacks, interrupts and refusals (second review) ---------------------------
+
+
+def _injecting(*natives: object) -> Any:
+    """An injector that hands out ``natives`` in turn; an exception is raised."""
+    queue = list(natives)
+
+    def inject(op: str, issue: Any, backend: Any) -> object:
+        native = queue.pop(0)
+        if isinstance(native, BaseException):
+            raise native
+        return native
+
+    return inject
+
+
+@pytest.mark.asyncio
+async def test_a_callback_that_issues_an_op_when_an_issue_is_refused_does_not_deadlock() -> None:
+    """A refused issue breaks the group and ends the ops in flight; their
+    callbacks (a DDP comm hook's then()) may issue an op: not under the issue lock."""
+    g = ftcomm.Group("dummy", timeout=60)
+    await g.configure("127.0.0.1:1/refused-cb", 0, 1)
+    previous = faults.set_injector(
+        _injecting(ScriptedOp(), RuntimeError("Application timeout caused pair closure"))
+    )
+    try:
+        first = g.barrier()
+        seen: list[BaseException] = []
+
+        def issue_again(_: Work[None]) -> None:
+            try:
+                g.barrier()
+            except ftcomm.CommError as exc:
+                seen.append(exc)
+
+        first.add_done_callback(issue_again)
+        refused = _observe_in_thread(g.barrier)
+        refused[0].join(10)
+        assert not refused[0].is_alive(), "issuing deadlocked in a callback"
+    finally:
+        faults.set_injector(previous)
+    assert isinstance(refused[1][0], ftcomm.CommFailed)
+    assert len(seen) == 1
+    assert isinstance(seen[0], ftcomm.CommAborted)
+    await g.shutdown()
+
+
+def test_a_raising_callback_neither_escapes_nor_leaves_waiters_asleep(
+    table: OpTable, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = issue(table, ScriptedOp(), 60.0)
+    b = issue(table, ScriptedOp(), 60.0)
+    a.add_done_callback(lambda _: {}["user bug"])
+    waiter = _observe_in_thread(lambda: b.wait(timeout=30))
+    table.break_(ftcomm.CommAborted("aborted"))  # must not raise the KeyError
+    waiter[0].join(10)
+    assert not waiter[0].is_alive(), "b's waiter was never woken"
+    assert isinstance(waiter[1][0], ftcomm.CommAborted)
+    assert "a done-callback raised" in caplog.text
+
+
+@pytest.mark.asyncio
+async def test_configure_goes_on_when_an_old_ops_callback_raises() -> None:
+    g = ftcomm.Group("dummy", timeout=60)
+    await g.configure("127.0.0.1:1/old", 0, 1)
+    previous = faults.set_injector(_injecting(ScriptedOp()))
+    try:
+        old = g.barrier()
+    finally:
+        faults.set_injector(previous)
+    old.add_done_callback(lambda _: {}["user bug"])
+    await g.configure("127.0.0.1:1/new", 0, 1)
+    assert g.state is ftcomm.State.READY
+    assert isinstance(old.exception(), ftcomm.CommAborted)
+    await g.shutdown()
+
+
+def test_an_interrupt_in_abandon_still_ends_the_op(table: OpTable) -> None:
+    class Interrupted(ScriptedOp):
+        def abandon(self) -> None:
+            raise KeyboardInterrupt
+
+    work = issue(table, Interrupted(), 60.0)
+    other = issue(table, ScriptedOp(), 60.0)
+    with pytest.raises(KeyboardInterrupt):
+        work.cancel()
+    assert work.done()
+    assert isinstance(work.exception(), ftcomm.CommAborted)
+    assert table.error is not None
+    assert other.done()
+
+
+def test_a_break_peeks_at_the_ops_it_ends_and_never_polls(table: OpTable) -> None:
+    """A subprocess call's poll reads the socket and can end other ops on the
+    breaking thread: a break only peeks. An op that had completed keeps its
+    success."""
+    polled: list[int] = []
+
+    class Peekable(ScriptedOp):
+        def poll(self) -> bool:
+            polled.append(1)
+            return super().poll()
+
+        def peek(self) -> bool:
+            return self._done
+
+    natives = [Peekable() for _ in range(3)]
+    works = [issue(table, native, 60.0) for native in natives]
+    natives[1].finish()  # completed, not yet settled
+    table.break_(ftcomm.CommAborted("aborted"))
+    assert polled == []
+    assert [w.exception() is None for w in works] == [False, True, False]
+
+
+def test_a_refill_decided_before_close_gives_up() -> None:
+    """The group reads the launcher's generation, checks its configuration,
+    then refills: a close() in between must win."""
+    from ftcomm.backends.subprocess import Launcher
+
+    launcher = Launcher("dummy")
+    generation = launcher.generation
+    launcher.close()
+    launcher.refill(generation)
+    assert launcher.spare_pid is None
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_configure_kills_its_worker(store: StoreServer) -> None:
+    """Cancelling configure() (a peer that never comes) kills the worker it
+    was configuring, now, not at the configure timeout."""
+    g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=60)
+    before = _children()
+    task = asyncio.ensure_future(g.configure(f"127.0.0.1:{store.port}/cancel-sub", 0, 2))
+    probe = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
+    deadline = time.monotonic() + 30
+    while not (_children() - before) or probe.num_keys() == 0:
+        assert not task.done(), task
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    del probe
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deadline = time.monotonic() + 10  # the configure timeout is 60 s
+    while _children() - before:
+        assert time.monotonic() < deadline, "the cancelled configure's worker lives on"
+        await asyncio.sleep(0.01)
+    assert g.state is ftcomm.State.UNCONFIGURED
+    await g.shutdown()

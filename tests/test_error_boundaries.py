@@ -163,3 +163,16 @@ async def _configure_while_the_store_dies(
     assert time.monotonic() - started < 10  # at once, not at the 30 s timeout
     await g.shutdown()
     return raised
+
+
+def test_a_store_nobody_listens_on_is_a_timeout() -> None:
+    """c10d retries a refused connect until its timeout and then raises
+    DistNetworkError, as it does at once for a broken connection: ftcomm's
+    store client tells the first apart (TimeoutError)."""
+    from helpers import free_port
+
+    from ftcomm._store import StoreAddr, connect_store
+
+    with pytest.raises(TimeoutError, match=r"did not answer within 0\.5 s") as info:
+        connect_store(StoreAddr("127.0.0.1", free_port(), "x"), 0.5)
+    assert isinstance(info.value.__cause__, dist.DistNetworkError)

@@ -30,11 +30,14 @@ class NativeOp(Protocol):
     ``on_done``. And ``abandon()``: the op has ended with an error (a
     deadline, an abort); once it returns, nothing may write into the op's
     tensors any more (the subprocess backend stops copying results back).
-    And ``join_stream()``, after a success: make the calling thread's current
-    accelerator stream wait for the op's device work (c10d's ``Work.wait()``,
-    which for NCCL orders streams and for Gloo returns at once); the
-    subprocess worker calls it on its stream before recording the event the
-    caller's stream waits on.
+    And ``peek()``: ``poll()`` without side effects (a subprocess call's
+    ``poll`` reads its socket, which may end other ops and run their
+    callbacks on the polling thread); a break of the group uses it, and
+    ``poll`` where it is missing. And ``join_stream()``, after a success:
+    make the calling thread's current accelerator stream wait for the op's
+    device work (c10d's ``Work.wait()``, which for NCCL orders streams and
+    for Gloo returns at once); the subprocess worker calls it on its stream
+    before recording the event the caller's stream waits on.
     """
 
     def poll(self) -> bool:

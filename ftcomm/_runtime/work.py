@@ -84,10 +84,34 @@ class Broken:
 
 
 def _wake_all(wakeups: list[Callable[[], object]]) -> None:
+    """Run every wake-up, whatever one of them raises: a user's done-callback
+    that fails must not leave the waiters after it asleep, nor escape into
+    whoever ended the op (an ``abort()``, the owner loop, a Gloo thread).
+    Its error is logged; a ``KeyboardInterrupt`` or ``SystemExit`` is raised
+    again once every wake-up has run."""
+    interrupted: BaseException | None = None
     for wake in wakeups:
-        # A closed loop raises RuntimeError: nobody is waiting there any more.
-        with contextlib.suppress(RuntimeError):
+        try:
             wake()
+        except Exception:
+            log.exception("ftcomm: a done-callback raised")
+        except BaseException as exc:
+            interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
+
+
+def _peek(native: NativeOp) -> bool:
+    """Whether ``native`` has ended, without side effects (see NativeOp)."""
+    peek = getattr(native, "peek", None)
+    return bool(peek()) if peek is not None else native.poll()
+
+
+def _wake_loop(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
+    """Wake an awaiter on ``loop`` from any thread; nothing if the loop is
+    closed (nobody is waiting there any more)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_wake, fut)
 
 
 class OpTable:
@@ -191,11 +215,18 @@ class OpTable:
         over); their waiters, to be woken by the caller once every op has
         ended, so a waiter never finds a sibling ended but not yet published."""
         wakeups: list[Callable[[], object]] = []
+        interrupted: BaseException | None = None
         for work in broken.pending:
-            wakeups += work._end_after_break(broken.cause)
+            try:
+                wakeups += work._end_after_break(broken.cause)
+            except BaseException as exc:  # KeyboardInterrupt: end the others all the same
+                interrupted = interrupted or exc
         if broken.first:
             self.runtime.call_soon(self._disarm)
             self._on_break(broken.cause, max([until, *(w.deadline for w in broken.pending)]))
+        if interrupted is not None:
+            _wake_all(wakeups)
+            raise interrupted
         return wakeups
 
     # -- owner loop only ---------------------------------------------------
@@ -426,7 +457,7 @@ class Work(Generic[R]):
     async def _sleep_until_ended(self, native: NativeOp) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        if self._add_waiter(native, lambda: loop.call_soon_threadsafe(_wake, fut)):
+        if self._add_waiter(native, lambda: _wake_loop(loop, fut)):
             await fut
 
     def _add_waiter(self, native: NativeOp | None, wake: Callable[[], object]) -> bool:
@@ -581,12 +612,15 @@ class Work(Generic[R]):
             self._claimed = True  # PENDING -> SETTLING
             table._inflight.pop(self.seq, None)
         native = self._native
+        interrupted: BaseException | None = None
         abandon = getattr(native, "abandon", None)
         if abandon is not None:  # nothing may be written once the error is out
             try:
                 abandon()
             except Exception:  # a bug below: the op must still end, and its group
                 log.exception("ftcomm: abandoning %r failed", self)
+            except BaseException as exc:  # KeyboardInterrupt: end the op all the same
+                interrupted = exc
         broken: Broken | None = None
         with table._lock:
             if breaks and isinstance(error, CommError):
@@ -594,7 +628,7 @@ class Work(Generic[R]):
             self._end = Outcome(error)  # SETTLING -> ENDED
             waiters, self._waiters = self._waiters, None
             self._native = None
-        if native is not None and not native.poll():
+        if native is not None and not _peek(native):
             # it may block whoever drops it last, until its native deadline
             table.runtime.dispose(native, until=self.deadline)
         # Waiters may run user code that keeps an error whose traceback reaches
@@ -603,6 +637,9 @@ class Work(Generic[R]):
         wakeups = waiters or []
         if broken is not None:
             wakeups += table._end_broken(broken, self.deadline)
+        if interrupted is not None:
+            _wake_all(wakeups)
+            raise interrupted
         return wakeups
 
     def _complete(self, native_error: BaseException | None) -> None:
@@ -645,10 +682,12 @@ class Work(Generic[R]):
     def _end_after_break(self, cause: CommError) -> list[Callable[[], object]]:
         """End this op because its table broke (``cause``), unless it has
         ended; the waiters to wake (the caller wakes them)."""
+        # peek, not poll: a subprocess call's poll reads the socket and may
+        # end other ops on this thread, with their callbacks, mid-break.
         native = self._native
         error: BaseException | None
-        if native is not None and native.poll():
-            native_error = native.outcome()
+        if native is not None and _peek(native):
+            native_error = native.outcome()  # it completed before the break
             error = None if native_error is None else self._native_failure(native_error)
         else:
             error = CommAborted(

@@ -293,12 +293,19 @@ class Launcher:
         weakref.finalize(backend, worker.kill)
         return backend
 
-    def refill(self) -> None:
+    @property
+    def generation(self) -> int:
+        """Bumped by every :meth:`close`."""
+        return self._generation
+
+    def refill(self, generation: int | None = None) -> None:
         """Start a spare if there is none (blocks for a fork/exec: a control
-        thread). The group calls it only while the configuration it was made
-        for is current; :meth:`close` makes one in progress give up."""
+        thread), unless :meth:`close` ran since ``generation`` (read by the
+        caller before it decided to refill) or runs meanwhile."""
         with self._lock:
             if self._spare is not None or not self.keep_spare:
+                return
+            if generation is not None and generation != self._generation:
                 return
             generation = self._generation
         spare: WorkerProcess | None = WorkerProcess(self.backend, get_runtime())

@@ -145,6 +145,13 @@ class Call:
         worker.channel.pump()
         return self._done
 
+    def peek(self) -> bool:
+        """:meth:`poll` without reading the socket, which may end other calls
+        (and run their callbacks) on this thread: what a break uses."""
+        if self._done:
+            return True
+        return self._worker.death is not None and not self._copying
+
     def outcome(self) -> BaseException | None:
         return self._error if self._done else self._worker.death
 
@@ -162,14 +169,21 @@ class Call:
                 return
         callback(self._error)
 
-    def finish(self, error: BaseException | None) -> None:
+    def finish(self, error: BaseException | None, *, copied: bool = False) -> None:
+        """End the call once. ``copied``: from the copy-back, which has
+        unpinned already; it stops counting as copying in the same step as
+        the call ends, so that a worker dying in between cannot make a
+        complete success look failed (``poll`` reads ``_copying``)."""
         with self._worker.lock:
+            if copied:
+                self._copying = False
             if self._done:
                 return
+            unpin = not self._copying and not copied  # else the copy-back unpins
             self._error = error
             self._done = True
             callbacks, self._callbacks = self._callbacks, []
-        if not self._copying:  # else the copy-back unpins when it stops
+        if unpin:
             self.staged.unpin()
         for callback in callbacks:
             callback(error)
@@ -499,11 +513,10 @@ class WorkerProcess:
             error = exc  # this op fails; the other replies of the batch go on
         finally:
             # Before the call ends: its waiter may issue the next op on the
-            # same storage at once, and must find it neither pinned nor copying.
-            call._copying = False
+            # same storage at once, and must find it unpinned.
             call.staged.unpin()
             self.pool.give_back(call.staged.segment)
-        call.finish(error)
+        call.finish(error, copied=True)
 
     def _on_protocol_error(self, error: ProtocolError) -> None:
         self._reason = ProtocolError(f"the worker sent a malformed frame: {error.message}")
