@@ -750,7 +750,8 @@ class Group:
         for i, (o, t) in enumerate(zip(outs, ins, strict=True)):
             v.check_stacked(t, f"inputs[{i}]", o, f"outputs[{i}]", ws)
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
-        v.check_reduce_dtype(rop, outs[0], "outputs[0]")
+        for i, o in enumerate(outs):  # the dtypes may differ from one pair to the next
+            v.check_reduce_dtype(rop, o, f"outputs[{i}]")
         return self._issue(
             cfg,
             "reduce_scatter_tensor_coalesced",

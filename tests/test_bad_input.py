@@ -451,6 +451,16 @@ COLLECTIVE_CASES = [
         lambda g, k: g.reduce_scatter_tensor_coalesced([k(torch.zeros(2))], []),
     ),
     bad(
+        "reduce_scatter_tensor_coalesced-bitwise-on-a-later-float",
+        ValueError,
+        r"needs integer or bool tensors, outputs\[1\] is torch\.float32",
+        lambda g, k: g.reduce_scatter_tensor_coalesced(
+            [k(torch.zeros(1, dtype=torch.int64)), k(torch.zeros(1))],
+            [k(torch.tensor([1], dtype=torch.int64)), k(f32(1))],
+            "band",
+        ),
+    ),
+    bad(
         "reduce_scatter_tensor_coalesced-op-int",
         TypeError,
         r"^op must be a torch\.distributed",
