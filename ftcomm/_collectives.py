@@ -1,0 +1,294 @@
+"""The collectives of :class:`~ftcomm.Group`: argument checks, then one issue.
+
+Each method checks its arguments (``TypeError``/``ValueError`` naming the
+argument, before anything is sent: the group stays usable) and hands the
+native call to ``Group._issue``, which issues it on the calling thread at
+once, so issue order is call order on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+from torch.distributed import ReduceOp
+
+from . import _validate as v
+from ._runtime.deadline import Timeout
+from ._runtime.native import NativeOp
+from ._runtime.work import Work
+from ._state import Config
+from .backends import Backend
+
+R = TypeVar("R")
+_SUM = ReduceOp.SUM
+
+
+class Collectives:
+    """What :class:`~ftcomm.Group` offers to issue; it provides the two hooks."""
+
+    backend: str
+
+    def _configured(self, op: str) -> Config:
+        raise NotImplementedError
+
+    def _issue(
+        self,
+        cfg: Config,
+        op: str,
+        timeout: Timeout | None,
+        result: R,
+        start: Callable[[Backend, float], NativeOp],
+    ) -> Work[R]:
+        raise NotImplementedError
+
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp.RedOpType | str = _SUM,
+        *,
+        timeout: Timeout | None = None,
+    ) -> Work[torch.Tensor]:
+        """Reduce ``tensor`` in place across all ranks; ``await`` gives ``tensor``.
+
+        Raises:
+            TypeError, ValueError: bad arguments (the group stays usable).
+            NotConfigured: no configuration.
+            CommAborted: the group is errored.
+            CommFailed: the native group refused to issue the op (it is
+                broken: the group is errored from now on).
+            OSError: ``subprocess=True`` and ``/dev/shm`` has no room for the
+                op's tensors (nothing was sent; the group stays usable).
+        """
+        cfg = self._configured("allreduce")
+        v.check_tensor(tensor, "tensor", cfg.backend)
+        if op is _SUM and cfg.sum_ok:
+            # The default, valid for every dtype: each check is a few calls
+            # into torch, and on the small-op path they cost more than the op's
+            # Python elsewhere (cold caches after every wait).
+            rop: ReduceOp.RedOpType = _SUM
+        else:
+            rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
+            v.check_reduce_dtype(rop, tensor, "tensor")
+        return self._issue(
+            cfg, "allreduce", timeout, tensor, lambda b, s: b.allreduce([tensor], rop, s)
+        )
+
+    def allreduce_coalesced(
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: ReduceOp.RedOpType | str = _SUM,
+        *,
+        timeout: Timeout | None = None,
+    ) -> Work[list[torch.Tensor]]:
+        """Reduce several tensors of one dtype in place as one op; ``await`` gives the list.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("allreduce_coalesced")
+        ts = v.check_tensor_list(tensors, "tensors", cfg.backend)
+        for i, t in enumerate(ts[1:], 1):
+            v.check_dtype(t, f"tensors[{i}]", ts[0], "tensors[0]")
+        rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
+        v.check_reduce_dtype(rop, ts[0], "tensors[0]")
+        return self._issue(
+            cfg, "allreduce_coalesced", timeout, ts, lambda b, s: b.allreduce(ts, rop, s)
+        )
+
+    def allgather(
+        self,
+        tensor: torch.Tensor,
+        *,
+        out: Sequence[torch.Tensor] | None = None,
+        timeout: Timeout | None = None,
+    ) -> Work[list[torch.Tensor]]:
+        """Gather ``tensor`` from every rank into ``out`` (allocated if ``None``):
+        one tensor per rank, in rank order. ``await`` gives that list.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("allgather")
+        rules, ws = cfg.backend, cfg.backend.world_size
+        v.check_tensor(tensor, "tensor", rules)
+        if out is None:
+            outs = [torch.empty_like(tensor) for _ in range(ws)]
+        else:
+            outs = v.check_tensor_list(out, "out", rules, length=ws)
+            for i, o in enumerate(outs):
+                v.check_like(o, f"out[{i}]", tensor, "tensor")
+        return self._issue(
+            cfg, "allgather", timeout, outs, lambda b, s: b.allgather(outs, tensor, s)
+        )
+
+    def allgather_into_tensor_coalesced(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        *,
+        timeout: Timeout | None = None,
+    ) -> Work[list[torch.Tensor]]:
+        """For each pair, gather every rank's ``inputs[i]`` into ``outputs[i]``
+        (``world_size`` times as many elements, rank-major). ``await`` gives ``outputs``.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("allgather_into_tensor_coalesced")
+        rules, ws = cfg.backend, cfg.backend.world_size
+        outs = v.check_tensor_list(outputs, "outputs", rules)
+        ins = v.check_tensor_list(inputs, "inputs", rules, length=len(outs))
+        for i, (o, t) in enumerate(zip(outs, ins, strict=True)):
+            v.check_stacked(o, f"outputs[{i}]", t, f"inputs[{i}]", ws)
+        return self._issue(
+            cfg,
+            "allgather_into_tensor_coalesced",
+            timeout,
+            outs,
+            lambda b, s: b.allgather_into_tensor(outs, ins, s),
+        )
+
+    def broadcast(
+        self, tensor: torch.Tensor, root: int = 0, *, timeout: Timeout | None = None
+    ) -> Work[torch.Tensor]:
+        """Copy ``root``'s ``tensor`` into every rank's ``tensor``; ``await`` gives it.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("broadcast")
+        v.check_tensor(tensor, "tensor", cfg.backend)
+        root = v.check_rank(root, "root", cfg.backend.world_size)
+        return self._issue(
+            cfg, "broadcast", timeout, tensor, lambda b, s: b.broadcast(tensor, root, s)
+        )
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        inputs: Sequence[torch.Tensor],
+        op: ReduceOp.RedOpType | str = _SUM,
+        *,
+        timeout: Timeout | None = None,
+    ) -> Work[torch.Tensor]:
+        """Reduce ``inputs[r]`` across ranks into rank ``r``'s ``output``
+        (``inputs`` holds one tensor per rank, each shaped like ``output``).
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("reduce_scatter")
+        rules, ws = cfg.backend, cfg.backend.world_size
+        v.check_tensor(output, "output", rules)
+        ins = v.check_tensor_list(inputs, "inputs", rules, length=ws)
+        for i, t in enumerate(ins):
+            v.check_like(t, f"inputs[{i}]", output, "output")
+        rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
+        v.check_reduce_dtype(rop, output, "output")
+        return self._issue(
+            cfg,
+            "reduce_scatter",
+            timeout,
+            output,
+            lambda b, s: b.reduce_scatter(output, ins, rop, s),
+        )
+
+    def reduce_scatter_tensor_coalesced(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        op: ReduceOp.RedOpType | str = _SUM,
+        *,
+        timeout: Timeout | None = None,
+    ) -> Work[list[torch.Tensor]]:
+        """For each pair, reduce ``inputs[i]`` (``world_size`` chunks, rank-major)
+        across ranks and keep this rank's chunk in ``outputs[i]``.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("reduce_scatter_tensor_coalesced")
+        rules, ws = cfg.backend, cfg.backend.world_size
+        outs = v.check_tensor_list(outputs, "outputs", rules)
+        ins = v.check_tensor_list(inputs, "inputs", rules, length=len(outs))
+        for i, (o, t) in enumerate(zip(outs, ins, strict=True)):
+            v.check_stacked(t, f"inputs[{i}]", o, f"outputs[{i}]", ws)
+        rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
+        for i, o in enumerate(outs):  # the dtypes may differ from one pair to the next
+            v.check_reduce_dtype(rop, o, f"outputs[{i}]")
+        return self._issue(
+            cfg,
+            "reduce_scatter_tensor_coalesced",
+            timeout,
+            outs,
+            lambda b, s: b.reduce_scatter_tensor(outs, ins, rop, s),
+        )
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        *,
+        timeout: Timeout | None = None,
+    ) -> Work[torch.Tensor]:
+        """Send slice ``r`` of ``tensor`` (along dim 0) to rank ``r`` and receive
+        rank ``r``'s slice into slice ``r`` of ``output``. Split sizes default to
+        equal slices. ``await`` gives ``output``.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("alltoall_base")
+        rules, ws = cfg.backend, cfg.backend.world_size
+        v.check_tensor(output, "output", rules)
+        v.check_tensor(tensor, "tensor", rules)
+        v.check_dtype(output, "output", tensor, "tensor")
+        for name, t in (("output", output), ("tensor", tensor)):
+            if t.dim() == 0:
+                raise ValueError(f"{name} must have at least one dimension")
+        if output.shape[1:] != tensor.shape[1:]:
+            raise ValueError("output and tensor must have the same shape past dim 0")
+        outs = v.check_splits(
+            output_split_sizes, "output_split_sizes", ws, output.shape[0], "output"
+        )
+        ins = v.check_splits(input_split_sizes, "input_split_sizes", ws, tensor.shape[0], "tensor")
+        if not outs and not ins and output.shape[0] != tensor.shape[0]:
+            raise ValueError("output and tensor must have the same shape[0] with equal splits")
+        return self._issue(
+            cfg,
+            "alltoall_base",
+            timeout,
+            output,
+            lambda b, s: b.alltoall_base(output, tensor, outs, ins, s),
+        )
+
+    def barrier(self, *, timeout: Timeout | None = None) -> Work[None]:
+        """Wait until every rank has reached the barrier.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("barrier")
+        return self._issue(cfg, "barrier", timeout, None, lambda b, s: b.barrier(s))
+
+    def send(
+        self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: Timeout | None = None
+    ) -> Work[None]:
+        """Send ``tensor`` to rank ``dst``; the matching ``recv`` uses the same ``tag``.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("send")
+        v.check_tensor(tensor, "tensor", cfg.backend)
+        dst = v.check_rank(dst, "dst", cfg.backend.world_size, not_self=cfg.backend.rank)
+        tag = v.check_int(tag, "tag", minimum=0)
+        return self._issue(cfg, "send", timeout, None, lambda b, s: b.send(tensor, dst, tag, s))
+
+    def recv(
+        self, tensor: torch.Tensor, src: int, tag: int = 0, *, timeout: Timeout | None = None
+    ) -> Work[torch.Tensor]:
+        """Receive into ``tensor`` from rank ``src``; ``await`` gives ``tensor``.
+
+        Raises: as :meth:`allreduce`.
+        """
+        cfg = self._configured("recv")
+        v.check_tensor(tensor, "tensor", cfg.backend)
+        src = v.check_rank(src, "src", cfg.backend.world_size, not_self=cfg.backend.rank)
+        tag = v.check_int(tag, "tag", minimum=0)
+        return self._issue(cfg, "recv", timeout, tensor, lambda b, s: b.recv(tensor, src, tag, s))
