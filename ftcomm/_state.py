@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from .errors import CommAborted, CommError
 
 if TYPE_CHECKING:
-    from ._runtime.work import Broken, OpTable
+    from ._runtime.table import Broken, OpTable
     from .backends import Backend
 
 

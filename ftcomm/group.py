@@ -32,7 +32,8 @@ from ._runtime import faults
 from ._runtime.deadline import Timeout, resolve, to_seconds
 from ._runtime.loop import get_runtime
 from ._runtime.native import NativeOp
-from ._runtime.work import OpTable, Work
+from ._runtime.table import OpTable
+from ._runtime.work import Work
 from ._state import Attempt, Config, GroupCore, State
 from ._store import parse_store_addr
 from .backends import Backend, ConnectSpec, backend_class

@@ -12,7 +12,8 @@ from torch.distributed import TCPStore
 
 import ftcomm
 from ftcomm._runtime.native import Done
-from ftcomm._runtime.work import OpTable, Work
+from ftcomm._runtime.table import OpTable
+from ftcomm._runtime.work import Work
 from ftcomm.backends.subprocess import SubprocessBackend
 
 

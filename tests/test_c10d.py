@@ -27,7 +27,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 import ftcomm
 from ftcomm import c10d
 from ftcomm._runtime.loop import get_runtime
-from ftcomm._runtime.work import OpTable
+from ftcomm._runtime.table import OpTable
 from ftcomm.c10d._work import OpWork
 from ftcomm.testing import Fault, FaultPlan, RankContext, run_world
 

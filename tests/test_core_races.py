@@ -25,7 +25,8 @@ import ftcomm
 from ftcomm import group as group_mod
 from ftcomm._runtime import faults
 from ftcomm._runtime.loop import get_runtime
-from ftcomm._runtime.work import OpTable, Work
+from ftcomm._runtime.table import OpTable
+from ftcomm._runtime.work import Work
 from ftcomm.c10d._work import OpWork
 from ftcomm.testing._world import _children
 

@@ -21,8 +21,9 @@ import ftcomm
 from ftcomm._runtime import loop as loop_mod
 from ftcomm._runtime.deadline import to_seconds
 from ftcomm._runtime.loop import Runtime, get_runtime
+from ftcomm._runtime.table import OpTable
 from ftcomm._runtime.threads import WorkerPool
-from ftcomm._runtime.work import OpTable, Work
+from ftcomm._runtime.work import Work
 
 
 @pytest.fixture

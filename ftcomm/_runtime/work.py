@@ -1,4 +1,5 @@
-"""Op records and the awaitable :class:`Work`.
+"""The awaitable :class:`Work`: one op, and how it ends (its table is in
+``table.py``).
 
 Rules this module keeps:
 
@@ -40,8 +41,6 @@ Rules this module keeps:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import os
 import threading
 import time
@@ -51,8 +50,8 @@ from typing import Any, Generic, TypeVar
 
 from ..errors import CommAborted, CommError, CommFailed, CommTimeout
 from .deadline import to_seconds
-from .loop import Runtime
 from .native import NativeOp
+from .table import Broken, OpTable, _peek, _wake_all, _wake_loop, log
 
 R = TypeVar("R")
 
@@ -68,222 +67,6 @@ _EARLY = 0.005
 _sched_yield = getattr(os, "sched_yield", lambda: None)
 
 
-log = logging.getLogger("ftcomm")
-
-
-class Broken:
-    """A table's break, decided under its lock: the error that broke it (the
-    first one), whether this call broke it, and the ops that were in flight."""
-
-    __slots__ = ("cause", "first", "pending")
-
-    def __init__(self, cause: CommError, first: bool, pending: list[Work[Any]]) -> None:
-        self.cause = cause
-        self.first = first
-        self.pending = pending
-
-
-def _wake_all(wakeups: list[Callable[[], object]]) -> None:
-    """Run every wake-up, whatever one of them raises: a user's done-callback
-    that fails must not leave the waiters after it asleep, nor escape into
-    whoever ended the op (an ``abort()``, the owner loop, a Gloo thread).
-    Its error is logged; a ``KeyboardInterrupt`` or ``SystemExit`` is raised
-    again once every wake-up has run."""
-    interrupted: BaseException | None = None
-    for wake in wakeups:
-        try:
-            wake()
-        except Exception:
-            log.exception("ftcomm: a done-callback raised")
-        except BaseException as exc:
-            interrupted = interrupted or exc
-    if interrupted is not None:
-        raise interrupted
-
-
-def _peek(native: NativeOp) -> bool:
-    """Whether ``native`` has ended, without side effects (see NativeOp)."""
-    peek = getattr(native, "peek", None)
-    return bool(peek()) if peek is not None else native.poll()
-
-
-def _wake_loop(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
-    """Wake an awaiter on ``loop`` from any thread; nothing if the loop is
-    closed (nobody is waiting there any more)."""
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(_wake, fut)
-
-
-class OpTable:
-    """The ops in flight on one group configuration: their deadlines and their end."""
-
-    def __init__(
-        self,
-        runtime: Runtime,
-        rank: int,
-        on_break: Callable[[CommError, float], None],
-        lock: threading.Lock | None = None,
-        on_error: Callable[[OpTable], None] | None = None,
-    ) -> None:
-        self.runtime = runtime
-        self.rank = rank
-        self.error: CommError | None = None
-        self._on_break = on_break
-        # A group passes its own lock: the table's error is the group's
-        # ERRORED state, under the one lock that guards all of it.
-        self._lock = threading.Lock() if lock is None else lock
-        self._on_error = on_error  # called under the lock when the table breaks
-        self._inflight: dict[int, Work[Any]] = {}
-        self._seq = 0
-        self._armed_at: float | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._horizon = 0.0  # the latest op's timeout
-        self._issued = 0  # ops tracked so far: an idle sentinel disarms if unchanged
-        self._issued_at_arm = -1
-        self._wake_pending = False
-
-    def __len__(self) -> int:
-        return len(self._inflight)
-
-    def active(self) -> int:
-        """Ops not ended yet (ends the completed ones nobody has awaited)."""
-        return sum(1 for work in list(self._inflight.values()) if not work.done())
-
-    @property
-    def timer_armed(self) -> bool:
-        """Whether the owner loop holds a deadline timer for this table."""
-        return self._timer is not None
-
-    def next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
-    def track(self, work: Work[Any], timeout: float) -> None:
-        """Register an issued op (caller's thread).
-
-        The table may have broken while the op was being issued (a deadline,
-        a callback or ``abort()`` on another thread): the op then ends at once
-        with ``CommAborted``, as it would have had it been in flight.
-        """
-        with self._lock:
-            if work._claimed:  # ended before it was tracked: nothing to watch
-                return
-            error = self.error
-            if error is None:
-                self._inflight[work.seq] = work
-                self._issued += 1
-        if error is not None:
-            _wake_all(work._end_after_break(error))
-            return
-        self._horizon = timeout
-        armed = self._armed_at  # read after the insert: see _rearm
-        if (armed is None or work.deadline < armed) and not self._wake_pending:
-            # One wake-up in the owner's queue at a time: callers issuing
-            # faster than the owner runs must not pile up handles.
-            self._wake_pending = True
-            self.runtime.call_soon(self._on_wake)
-
-    def break_(self, error: CommError) -> None:
-        """Mark the table errored (first error wins) and end every op in flight.
-
-        Ops that another thread is ending at this moment end when it
-        publishes their outcome (a few µs; a subprocess copy-back's chunk).
-        """
-        with self._lock:
-            broken = self._break_locked(error)
-        self._after_break(broken, time.monotonic())
-
-    def _break_locked(self, error: CommError) -> Broken:
-        """Under the lock: mark the table errored unless it is; what to end."""
-        first = self.error is None
-        if first:
-            self.error = error
-            if self._on_error is not None:
-                self._on_error(self)
-        assert self.error is not None  # for mypy: set just above, or before
-        return Broken(self.error, first, list(self._inflight.values()))
-
-    def _after_break(self, broken: Broken, until: float) -> None:
-        """End the ops of ``broken`` and wake their waiters (lock released).
-
-        ``until``: the latest deadline of a native op the group may still hold.
-        """
-        _wake_all(self._end_broken(broken, until))
-
-    def _end_broken(self, broken: Broken, until: float) -> list[Callable[[], object]]:
-        """End the ops of ``broken`` (and, the first time, hand the native group
-        over); their waiters, to be woken by the caller once every op has
-        ended, so a waiter never finds a sibling ended but not yet published."""
-        wakeups: list[Callable[[], object]] = []
-        interrupted: BaseException | None = None
-        for work in broken.pending:
-            try:
-                wakeups += work._end_after_break(broken.cause)
-            except BaseException as exc:  # KeyboardInterrupt: end the others all the same
-                interrupted = interrupted or exc
-        if broken.first:
-            self.runtime.call_soon(self._disarm)
-            self._on_break(broken.cause, max([until, *(w.deadline for w in broken.pending)]))
-        if interrupted is not None:
-            _wake_all(wakeups)
-            raise interrupted
-        return wakeups
-
-    # -- owner loop only ---------------------------------------------------
-    def _rearm(self) -> None:
-        while self.error is None:
-            now = time.monotonic()
-            earliest: float | None = None
-            for work in list(self._inflight.values()):
-                if work.deadline <= now:
-                    work._expire()
-                elif earliest is None or work.deadline < earliest:
-                    earliest = work.deadline
-            if earliest is None:
-                if self._timer is None and self._issued == self._issued_at_arm:
-                    # The sentinel fired on a table idle for a whole timeout:
-                    # let go (the next op wakes us), so that a group dropped
-                    # without shutdown() is not kept alive by our timer.
-                    self._armed_at = None
-                    if not self._inflight:
-                        return
-                    continue  # an op slipped in as we let go: watch it
-                # Nothing in flight: keep a sentinel timer one op-timeout
-                # ahead. An op issued from now on with that timeout ends after
-                # it, so its caller need not wake us; the sentinel finds it.
-                earliest = now + max(self._horizon, 0.001)
-                self._issued_at_arm = self._issued
-            if self._timer is None or self._armed_at != earliest:
-                if self._timer is not None:
-                    self._timer.cancel()
-                self._armed_at = earliest
-                self._timer = self.runtime.loop.call_later(earliest - now, self._on_timer)
-            # A caller inserts its op, then reads _armed_at; we write
-            # _armed_at, then read the ops: one of us sees the other. An op
-            # that slipped in under the new time is caught here.
-            if all(w.deadline >= earliest for w in list(self._inflight.values())):
-                return
-        self._disarm()
-
-    def _on_wake(self) -> None:
-        # Cleared before the scan: a caller that still saw it set had inserted
-        # its op before, so the scan finds the op; a later one wakes us again.
-        self._wake_pending = False
-        self._rearm()
-
-    def _on_timer(self) -> None:
-        # The handle has fired: forget it, or _rearm would take it for armed.
-        # (uvloop may fire a timer up to 1 ms early; _rearm then arms again.)
-        self._timer = None
-        self._rearm()
-
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._armed_at = None
-
-
 class Outcome:
     """How an op ended: ``error`` is ``None`` on success. Published once."""
 
@@ -297,11 +80,6 @@ class Outcome:
 
 
 _SUCCESS = Outcome(None)
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class Work(Generic[R]):
