@@ -513,21 +513,31 @@ async def test_a_refill_queued_before_shutdown_starts_no_spare(store: StoreServe
     assert launcher.spare_pid is None
 
 
+async def _configuring_in_a_worker(
+    g: ftcomm.Group, store: StoreServer, prefix: str
+) -> asyncio.Future[None]:
+    """Start ``g.configure`` as rank 0 of 2 (rank 1 never comes); return its
+    task once the worker is started and in the rendezvous (keys in the store)."""
+    before = _children()
+    task = asyncio.ensure_future(g.configure(f"127.0.0.1:{store.port}/{prefix}", 0, 2))
+    probe = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
+    try:
+        deadline = time.monotonic() + 30
+        while not (_children() - before) or probe.num_keys() == 0:
+            assert not task.done(), task
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+    finally:
+        del probe
+    return task
+
+
 @pytest.mark.asyncio
 async def test_abort_kills_a_worker_being_configured(store: StoreServer) -> None:
     """abort() during configure() (a peer that never comes) ends the configure
     at once, not at its timeout, and leaves no worker behind."""
     g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=60)
-    before = _children()
-    task = asyncio.ensure_future(g.configure(f"127.0.0.1:{store.port}/abort-sub", 0, 2))
-    probe = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
-    deadline = time.monotonic() + 30
-    # The worker is started and in the rendezvous (its keys are in the store).
-    while not (_children() - before) or probe.num_keys() == 0:
-        assert not task.done(), task
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.01)
-    del probe
+    task = await _configuring_in_a_worker(g, store, "abort-sub")
     started = time.monotonic()
     g.abort()
     with pytest.raises(ftcomm.CommAborted, match=r"superseded by abort\(\)"):
@@ -771,14 +781,7 @@ async def test_a_cancelled_configure_kills_its_worker(store: StoreServer) -> Non
     was configuring, now, not at the configure timeout."""
     g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=60)
     before = _children()
-    task = asyncio.ensure_future(g.configure(f"127.0.0.1:{store.port}/cancel-sub", 0, 2))
-    probe = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
-    deadline = time.monotonic() + 30
-    while not (_children() - before) or probe.num_keys() == 0:
-        assert not task.done(), task
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.01)
-    del probe
+    task = await _configuring_in_a_worker(g, store, "cancel-sub")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
