@@ -100,10 +100,9 @@ class Attempt:
     process being configured for it is killed.
     """
 
-    __slots__ = ("number", "superseded", "superseded_by")
+    __slots__ = ("superseded", "superseded_by")
 
-    def __init__(self, number: int) -> None:
-        self.number = number
+    def __init__(self) -> None:
         self.superseded_by: str | None = None
         self.superseded: concurrent.futures.Future[str] = concurrent.futures.Future()
 
@@ -141,7 +140,6 @@ class GroupCore:
         self._state = State.UNCONFIGURED
         self._config: Config | None = None
         self._attempt: Attempt | None = None
-        self._attempts = 0
         self._error: CommError | None = None  # ERRORED without a configuration
         self.on_transition: Callable[[str, State, State], None] | None = None
         """Test hook: called under the lock with (event, from, to)."""
@@ -161,11 +159,6 @@ class GroupCore:
         if cfg is not None:
             return cfg.table.error
         return self._error
-
-    @property
-    def attempts(self) -> int:
-        """How many ``configure()`` calls have begun (an attempt's number)."""
-        return self._attempts
 
     # -- transitions (each takes the lock, or is called under it) -------------
     def _go(self, event: str, to_close: CommError | None = None) -> Teardown:
@@ -195,8 +188,7 @@ class GroupCore:
         """A ``configure()`` starts: supersede any attempt, end the configuration."""
         with self.lock:
             old = self._supersede("configure()")
-            self._attempts += 1
-            attempt = self._attempt = Attempt(self._attempts)
+            attempt = self._attempt = Attempt()
             self._error = None
             teardown = self._go("begin", closing)
         _announce(old)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import concurrent.futures
-import contextlib
 import functools
 import threading
 import time
@@ -30,7 +29,7 @@ from . import _validate as v
 from ._collectives import Collectives
 from ._runtime import faults
 from ._runtime.deadline import Timeout, resolve, to_seconds
-from ._runtime.loop import get_runtime
+from ._runtime.loop import get_runtime, wake_threadsafe
 from ._runtime.native import NativeOp
 from ._runtime.table import OpTable
 from ._runtime.work import Work
@@ -73,17 +72,6 @@ def _connect_in_process(
     """An in-process connect cannot be interrupted: ``cancel`` is not used
     (the group disposes of what it builds once it lands)."""
     return cls.connect(spec)
-
-
-def _wake_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> None:
-    """Complete ``fut`` on its loop, from any thread; nothing if the loop is closed."""
-
-    def wake() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-        loop.call_soon_threadsafe(wake)
 
 
 class Closing(collections.abc.Coroutine[Any, Any, None]):
@@ -134,7 +122,7 @@ class Closing(collections.abc.Coroutine[Any, Any, None]):
         # the backend's own future, which every other Closing also waits on.
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        closed.add_done_callback(lambda _: _wake_threadsafe(loop, fut))
+        closed.add_done_callback(lambda _: wake_threadsafe(loop, fut))
         await asyncio.wait({fut}, timeout=self._timeout)
 
     # -- the coroutine protocol, for asyncio.run() and create_task() ----------
@@ -389,7 +377,7 @@ class Group(Collectives):
         # Not wrap_future: cancelling that wrapper would cancel the attempt's future.
         loop = asyncio.get_running_loop()
         superseded: asyncio.Future[Any] = loop.create_future()
-        attempt.superseded.add_done_callback(lambda _: _wake_threadsafe(loop, superseded))
+        attempt.superseded.add_done_callback(lambda _: wake_threadsafe(loop, superseded))
         waiting: set[asyncio.Future[Any]] = {wrapped, superseded}
         try:
             await asyncio.wait(waiting, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)

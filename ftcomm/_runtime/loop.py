@@ -66,6 +66,18 @@ def new_event_loop(kind: str | None = None) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+def _set_none(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def wake_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> None:
+    """Complete ``fut`` (with ``None``) on ``loop``, from any thread; nothing
+    if the loop is closed (nobody is waiting there any more)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_set_none, fut)
+
+
 @dataclass(frozen=True)
 class Stall:
     """The owner loop was held by one callback for longer than the threshold.

@@ -10,7 +10,6 @@ and how each one ends, are in ``work.py``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -61,18 +60,6 @@ def _peek(native: NativeOp) -> bool:
     """Whether ``native`` has ended, without side effects (see NativeOp)."""
     peek = getattr(native, "peek", None)
     return bool(peek()) if peek is not None else native.poll()
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _wake_loop(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
-    """Wake an awaiter on ``loop`` from any thread; nothing if the loop is
-    closed (nobody is waiting there any more)."""
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(_wake, fut)
 
 
 class OpTable:

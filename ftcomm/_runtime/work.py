@@ -50,8 +50,9 @@ from typing import Any, Generic, TypeVar
 
 from ..errors import CommAborted, CommError, CommFailed, CommTimeout
 from .deadline import to_seconds
+from .loop import wake_threadsafe
 from .native import NativeOp
-from .table import Broken, OpTable, _peek, _wake_all, _wake_loop, log
+from .table import Broken, OpTable, _peek, _wake_all, log
 
 R = TypeVar("R")
 
@@ -235,7 +236,7 @@ class Work(Generic[R]):
     async def _sleep_until_ended(self, native: NativeOp) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        if self._add_waiter(native, lambda: _wake_loop(loop, fut)):
+        if self._add_waiter(native, lambda: wake_threadsafe(loop, fut)):
             await fut
 
     def _add_waiter(self, native: NativeOp | None, wake: Callable[[], object]) -> bool:
