@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: install test unit lint typecheck demo bench clean
+.PHONY: install test unit lint typecheck demo bench soak clean
 
 install: $(STAMP)
 
@@ -34,6 +34,16 @@ demo: install
 
 bench: install
 	$(PY) -m ftcomm bench
+
+# The abort drills at full size (tests/test_abort_drill.py): 2000 seeded
+# in-process trials, 200 subprocess ones, 50 copy-back kills (about an hour
+# on 2 cores; the default suite runs 200, 8 and 4).
+SOAK_TRIALS ?= 2000
+SOAK_SUB_TRIALS ?= 200
+SOAK_COPY_TRIALS ?= 50
+soak: install
+	FTCOMM_DEBUG=1 FTCOMM_DRILL_TRIALS=$(SOAK_TRIALS) FTCOMM_DRILL_SUB_TRIALS=$(SOAK_SUB_TRIALS) \
+	FTCOMM_DRILL_COPY_TRIALS=$(SOAK_COPY_TRIALS) $(PY) -m pytest -q -o timeout=0 tests/test_abort_drill.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -210,6 +210,11 @@ async def _open_ftcomm(env: ChildEnv) -> Runner:
     return await _group_runner(env, "ftcomm", "ftcomm-bench")
 
 
+async def _open_verified(env: ChildEnv) -> Runner:
+    """``verify=True``: a descriptor allgather before every op."""
+    return await _group_runner(env, "verify", "verify-bench", verify=True)
+
+
 async def _open_subprocess(env: ChildEnv) -> Runner:
     return await _group_runner(
         env, "subproc", "subprocess-bench", subprocess=True, spare_worker=False
@@ -281,6 +286,7 @@ BASELINE = "raw"
 CASES: list[Case] = [
     Case(BASELINE, _open_raw),
     Case("ftcomm", _open_ftcomm),
+    Case("verify", _open_verified),
     Case("facade", _open_facade),
     Case("subproc", _open_subprocess),
     Case("sub+move", _open_subprocess_moved),

@@ -19,6 +19,7 @@ from ._runtime.deadline import Timeout
 from ._runtime.native import NativeOp
 from ._runtime.work import Work
 from ._state import Config
+from ._verify import dtype_code, reduce_code
 from .backends import Backend
 
 R = TypeVar("R")
@@ -40,7 +41,11 @@ class Collectives:
         timeout: Timeout | None,
         result: R,
         start: Callable[[Backend, float], NativeOp],
+        check: Sequence[torch.Tensor] | None = (),
+        extra: int = 0,
     ) -> Work[R]:
+        """Issue ``start``; with ``verify=True``, after the ranks agreed on
+        ``check``'s dtypes and shapes and on ``extra`` (``None``: unchecked)."""
         raise NotImplementedError
 
     def allreduce(
@@ -72,7 +77,13 @@ class Collectives:
             rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
             v.check_reduce_dtype(rop, tensor, "tensor")
         return self._issue(
-            cfg, "allreduce", timeout, tensor, lambda b, s: b.allreduce([tensor], rop, s)
+            cfg,
+            "allreduce",
+            timeout,
+            tensor,
+            lambda b, s: b.allreduce([tensor], rop, s),
+            (tensor,),
+            reduce_code(rop),
         )
 
     def allreduce_coalesced(
@@ -93,7 +104,13 @@ class Collectives:
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
         v.check_reduce_dtype(rop, ts[0], "tensors[0]")
         return self._issue(
-            cfg, "allreduce_coalesced", timeout, ts, lambda b, s: b.allreduce(ts, rop, s)
+            cfg,
+            "allreduce_coalesced",
+            timeout,
+            ts,
+            lambda b, s: b.allreduce(ts, rop, s),
+            ts,
+            reduce_code(rop),
         )
 
     def allgather(
@@ -118,7 +135,7 @@ class Collectives:
             for i, o in enumerate(outs):
                 v.check_like(o, f"out[{i}]", tensor, "tensor")
         return self._issue(
-            cfg, "allgather", timeout, outs, lambda b, s: b.allgather(outs, tensor, s)
+            cfg, "allgather", timeout, outs, lambda b, s: b.allgather(outs, tensor, s), (tensor,)
         )
 
     def allgather_into_tensor_coalesced(
@@ -145,6 +162,7 @@ class Collectives:
             timeout,
             outs,
             lambda b, s: b.allgather_into_tensor(outs, ins, s),
+            ins,
         )
 
     def broadcast(
@@ -158,7 +176,13 @@ class Collectives:
         v.check_tensor(tensor, "tensor", cfg.backend)
         root = v.check_rank(root, "root", cfg.backend.world_size)
         return self._issue(
-            cfg, "broadcast", timeout, tensor, lambda b, s: b.broadcast(tensor, root, s)
+            cfg,
+            "broadcast",
+            timeout,
+            tensor,
+            lambda b, s: b.broadcast(tensor, root, s),
+            (tensor,),
+            root,
         )
 
     def reduce_scatter(
@@ -188,6 +212,8 @@ class Collectives:
             timeout,
             output,
             lambda b, s: b.reduce_scatter(output, ins, rop, s),
+            ins,
+            reduce_code(rop),
         )
 
     def reduce_scatter_tensor_coalesced(
@@ -218,6 +244,8 @@ class Collectives:
             timeout,
             outs,
             lambda b, s: b.reduce_scatter_tensor(outs, ins, rop, s),
+            ins,
+            reduce_code(rop),
         )
 
     def alltoall_base(
@@ -257,6 +285,8 @@ class Collectives:
             timeout,
             output,
             lambda b, s: b.alltoall_base(output, tensor, outs, ins, s),
+            (),  # sizes may differ by rank; the dtype may not
+            dtype_code(tensor.dtype),
         )
 
     def barrier(self, *, timeout: Timeout | None = None) -> Work[None]:
@@ -278,7 +308,9 @@ class Collectives:
         v.check_tensor(tensor, "tensor", cfg.backend)
         dst = v.check_rank(dst, "dst", cfg.backend.world_size, not_self=cfg.backend.rank)
         tag = v.check_int(tag, "tag", minimum=0)
-        return self._issue(cfg, "send", timeout, None, lambda b, s: b.send(tensor, dst, tag, s))
+        return self._issue(
+            cfg, "send", timeout, None, lambda b, s: b.send(tensor, dst, tag, s), None
+        )
 
     def recv(
         self, tensor: torch.Tensor, src: int, tag: int = 0, *, timeout: Timeout | None = None
@@ -291,4 +323,6 @@ class Collectives:
         v.check_tensor(tensor, "tensor", cfg.backend)
         src = v.check_rank(src, "src", cfg.backend.world_size, not_self=cfg.backend.rank)
         tag = v.check_int(tag, "tag", minimum=0)
-        return self._issue(cfg, "recv", timeout, tensor, lambda b, s: b.recv(tensor, src, tag, s))
+        return self._issue(
+            cfg, "recv", timeout, tensor, lambda b, s: b.recv(tensor, src, tag, s), None
+        )

@@ -35,9 +35,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import enum
+import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,7 @@ from .errors import CommAborted, CommError
 
 if TYPE_CHECKING:
     from ._runtime.table import Broken, OpTable
+    from ._verify import Chain
     from .backends import Backend
 
 
@@ -89,6 +91,8 @@ class Config:
     store_addr: str
     sum_ok: bool = True
     """Whether the backend takes ``ReduceOp.SUM`` (every one does so far)."""
+    chain: Chain | None = None
+    """With ``verify=True``: issues each collective after a descriptor check."""
 
 
 class Attempt:
@@ -126,6 +130,40 @@ class Teardown:
         if self.broken is not None:
             cfg.table._after_break(self.broken, time.monotonic())
         return cfg.backend
+
+    def ended(self) -> concurrent.futures.Future[None] | None:
+        """A future done once every op this teardown ended has published its
+        end (a stopped Gloo op publishes once its native op has ended, a
+        millisecond or two later); ``None`` if none is left to wait for."""
+        broken = self.broken
+        futures = []
+        for work in [] if broken is None else broken.pending:
+            ended: concurrent.futures.Future[None] = concurrent.futures.Future()
+            work._when_done(functools.partial(ended.set_result, None))
+            futures.append(ended)
+        return all_of(futures)
+
+
+def all_of(
+    futures: Sequence[concurrent.futures.Future[None]],
+) -> concurrent.futures.Future[None] | None:
+    """One future done once all of ``futures`` are (``None`` for none)."""
+    if len(futures) <= 1:
+        return futures[0] if futures else None
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one(_: object) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            done.set_result(None)
+
+    for fut in futures:
+        fut.add_done_callback(one)
+    return done
 
 
 class GroupCore:

@@ -33,8 +33,9 @@ from ._runtime.loop import get_runtime, wake_threadsafe
 from ._runtime.native import NativeOp
 from ._runtime.table import OpTable
 from ._runtime.work import Work
-from ._state import Attempt, Config, GroupCore, State
+from ._state import Attempt, Config, GroupCore, State, Teardown, all_of
 from ._store import parse_store_addr
+from ._verify import Chain, VerifiedOp, describe
 from .backends import Backend, ConnectSpec, backend_class
 
 if TYPE_CHECKING:
@@ -78,10 +79,12 @@ class Closing(collections.abc.Coroutine[Any, Any, None]):
     """What :meth:`Group.abort` and :meth:`Group.shutdown` return.
 
     The abort or shutdown has already happened when you get this: the
-    group's state says so on every thread, and its ops in flight have ended
-    (one that another thread is ending at that moment ends when that thread
-    publishes it, within µs). Awaiting it (or :meth:`wait`, from a thread)
-    waits, bounded, until the native group is closed: with
+    group's state says so on every thread, and its ops in flight are ending:
+    each publishes its error once nothing can write into its tensors any
+    more (at once, or, for an in-process Gloo op whose sockets were just
+    shut down, once that native op has failed, a millisecond or two later).
+    Awaiting it (or :meth:`wait`, from a thread) waits, bounded, until those
+    ops have ended and the native group is closed: with
     ``subprocess=True``, until the worker process has been reaped.
     Forgetting to await it loses nothing but that wait, and no warning is
     given. It is a coroutine too, so ``asyncio.run(g.shutdown())`` and
@@ -98,7 +101,7 @@ class Closing(collections.abc.Coroutine[Any, Any, None]):
         self._driver: Coroutine[Any, Any, None] | None = None
 
     def done(self) -> bool:
-        """Whether the native group is closed (always True in process)."""
+        """Whether the ops have ended and the native group is closed."""
         return self._closed is None or self._closed.done()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -177,6 +180,15 @@ class Group(Collectives):
             also have written part of its result, as on in-process Gloo. Storages torch does
             not own (``from_numpy``) and pinned memory are never moved.
             ``None`` (the default): always copy.
+        verify: before each collective, check that every rank issued the
+            same op (name, dtype, shape, root or reduce op), with one small
+            allgather; if not, the op fails with ``CommFailed`` naming both
+            sides, on every rank, nothing of it is sent, and the group is
+            errored. Without it, ranks that disagree can crash the process
+            in Gloo (``std::terminate``) or, for an allgather, get garbage
+            (docs/errors.md). Costs one small op per collective (about
+            doubling a small op's latency; docs/design.md). Send and recv
+            are not checked.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -196,14 +208,17 @@ class Group(Collectives):
         configure_timeout: Timeout | None = None,
         spare_worker: bool = True,
         share_min_bytes: int | None = None,
+        verify: bool = False,
     ) -> None:
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-        for name, flag in (("subprocess", subprocess), ("spare_worker", spare_worker)):
+        flags = (("subprocess", subprocess), ("spare_worker", spare_worker), ("verify", verify))
+        for name, flag in flags:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         if share_min_bytes is not None:
             v.check_int(share_min_bytes, "share_min_bytes", minimum=0, maximum=None)
+        self._verify = verify
         self._timeout = to_seconds(timeout, "timeout")
         self._configure_timeout = resolve(configure_timeout, self._timeout, "configure_timeout")
         self._launcher: Launcher | None = None
@@ -347,7 +362,15 @@ class Group(Collectives):
             lock=self._core.lock,
             on_error=self._core.table_broke,
         )
-        config = Config(backend, table, str(addr), _SUM in backend.reduce_ops)
+        chain = None
+        if self._verify:
+            chain = Chain(
+                lambda outs, t, seconds: backend.allgather(outs, t, seconds),
+                rank,
+                world_size,
+                table.break_,
+            )
+        config = Config(backend, table, str(addr), _SUM in backend.reduce_ops, chain)
         if not self._core.ready(attempt, config):
             self._runtime.dispose(*backend.close())
             raise self._core.superseded(attempt, rank)
@@ -429,14 +452,16 @@ class Group(Collectives):
         Acts at once, from any thread, without blocking (``g.abort()`` alone
         is enough, as in torch); safe to call twice or on an unconfigured
         group. The returned :class:`Closing` can be awaited to wait, bounded,
-        for the native group to close: with ``subprocess=True`` the worker is
-        killed and reaped (a few ms). On in-process Gloo the native op cannot
-        be stopped: it ends at its own deadline, on the reaper thread.
+        for the ops to end and the native group to close: with
+        ``subprocess=True`` the worker is killed and reaped (a few ms); on
+        in-process Gloo the group's connections are shut down, so its ops
+        fail here and at every peer within milliseconds (docs/errors.md,
+        "Abort truth table").
         """
         cfg = self._core.config
         rank = cfg.backend.rank if cfg is not None else None
         teardown = self._core.abort(CommAborted("the group was aborted by abort()", rank=rank))
-        return self._closing(teardown.run())
+        return self._closing(teardown)
 
     def shutdown(self) -> Closing:
         """Tear the group down now; in-flight ops end with ``CommAborted``, and
@@ -453,11 +478,13 @@ class Group(Collectives):
         teardown = self._core.shutdown(CommAborted("the group was shut down", rank=rank))
         if self._launcher is not None:
             self._launcher.close()
-        return self._closing(teardown.run())
+        return self._closing(teardown)
 
     @staticmethod
-    def _closing(backend: Backend | None) -> Closing:
-        return Closing(backend.closed() if backend is not None else None)
+    def _closing(teardown: Teardown) -> Closing:
+        backend = teardown.run()
+        futures = [teardown.ended(), backend.closed() if backend is not None else None]
+        return Closing(all_of([f for f in futures if f is not None]))
 
     def errored(self) -> CommError | None:
         """The error that broke the current configuration (or the ``abort()``
@@ -522,6 +549,8 @@ class Group(Collectives):
         timeout: Timeout | None,
         result: R,
         start: Callable[[Backend, float], NativeOp],
+        check: Sequence[torch.Tensor] | None = (),
+        extra: int = 0,
     ) -> Work[R]:
         seconds = self._timeout if timeout is None else to_seconds(timeout)
         table = cfg.table
@@ -535,6 +564,8 @@ class Group(Collectives):
                 ) from error
             deadline = time.monotonic() + seconds
             try:
+                if cfg.chain is not None and check is not None:
+                    start = self._verified(cfg.chain, op, check, extra, deadline, start)
                 inject = faults.injector
                 if inject is None:
                     native = start(cfg.backend, seconds)
@@ -559,6 +590,24 @@ class Group(Collectives):
             op=op,
         )
         raise aborted from broken.cause
+
+    @staticmethod
+    def _verified(
+        chain: Chain,
+        op: str,
+        check: Sequence[torch.Tensor],
+        extra: int,
+        deadline: float,
+        start: Callable[[Backend, float], NativeOp],
+    ) -> Callable[[Backend, float], NativeOp]:
+        """``start`` behind a descriptor check (``verify=True``; under the issue lock)."""
+        desc = describe(op, chain.next_seq(), check, extra)
+
+        def verified(backend: Backend, seconds: float) -> NativeOp:
+            vop = VerifiedOp(desc, lambda s: start(backend, s), deadline)
+            return chain.submit(vop)
+
+        return verified
 
     @staticmethod
     def _refused(table: OpTable, op: str, exc: Exception) -> CommError:

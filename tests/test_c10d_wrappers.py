@@ -980,6 +980,10 @@ def _send_recv(ctx: RankContext) -> list[str]:
 
         sw.configure(ctx.addr("b"), "0", rank, 2)
         assert sw.error() is None
+        # Both ranks hold the group before either aborts it: an abort shuts
+        # the group's connections, and would fail a peer still building it.
+        ctx.store.set(f"b-built-{rank}", b"1")
+        ctx.store.wait([f"b-built-{1 - rank}"])
         gloo.abort(errored=False)
         work, default, t = send_or_recv(sw, 6.0)
         assert work.is_completed()

@@ -33,7 +33,11 @@ class NativeOp(Protocol):
     And ``peek()``: ``poll()`` without side effects (a subprocess call's
     ``poll`` reads its socket, which may end other ops and run their
     callbacks on the polling thread); a break of the group uses it, and
-    ``poll`` where it is missing. And ``join_stream()``, after a success:
+    ``poll`` where it is missing. An ``abandon()`` that returns True means
+    "the native op was stopped and ends by itself shortly (Gloo: its group's
+    sockets were shut down)": the op's error is then published only once
+    ``on_done`` reports that end, since until then it may still write. And
+    ``join_stream()``, after a success:
     make the calling thread's current accelerator stream wait for the op's
     device work (c10d's ``Work.wait()``, which for NCCL orders streams and
     for Gloo returns at once); the subprocess worker calls it on its stream
@@ -67,13 +71,26 @@ def _future_error(fut: torch.futures.Future[Any]) -> BaseException | None:
     return None
 
 
+Sever = Callable[[], bool]
+"""Stop a native group for real (see :meth:`WorkOp.abandon`); whether it did."""
+
+
 class WorkOp:
-    """One c10d ``Work`` with a future (Gloo collectives)."""
+    """One c10d ``Work`` with a future (Gloo collectives).
 
-    __slots__ = ("_work",)
+    ``sever``: how to stop the op's native group for real, if there is one.
+    """
 
-    def __init__(self, work: dist.Work) -> None:
+    __slots__ = ("_sever", "_work")
+
+    def __init__(self, work: dist.Work, sever: Sever | None = None) -> None:
         self._work = work
+        self._sever = sever
+
+    def abandon(self) -> bool:
+        """Stop the native group (if it can be): the op then fails by itself
+        within milliseconds; True if so (its end must be awaited)."""
+        return self._sever is not None and self._sever()
 
     def poll(self) -> bool:
         return bool(self._work.is_completed())
@@ -118,10 +135,15 @@ class WorksOp:
     "completed() INTERNAL ASSERT".)
     """
 
-    __slots__ = ("_works",)
+    __slots__ = ("_sever", "_works")
 
-    def __init__(self, works: Sequence[dist.Work]) -> None:
+    def __init__(self, works: Sequence[dist.Work], sever: Sever | None = None) -> None:
         self._works = list(works)
+        self._sever = sever
+
+    def abandon(self) -> bool:
+        """As :meth:`WorkOp.abandon`."""
+        return self._sever is not None and self._sever()
 
     def poll(self) -> bool:
         # A work's future completes before is_completed() turns true, so once
@@ -167,10 +189,15 @@ def _first_error(futures: Sequence[torch.futures.Future[Any]]) -> BaseException 
 class ThreadOp:
     """A blocking wait run on a worker thread (Gloo send/recv have no future)."""
 
-    __slots__ = ("_future",)
+    __slots__ = ("_future", "_sever")
 
-    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
+    def __init__(self, future: concurrent.futures.Future[Any], sever: Sever | None = None) -> None:
         self._future = future
+        self._sever = sever
+
+    def abandon(self) -> bool:
+        """As :meth:`WorkOp.abandon`: the blocked wait fails, and the thread ends."""
+        return self._sever is not None and self._sever()
 
     def poll(self) -> bool:
         return self._future.done()

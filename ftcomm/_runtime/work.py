@@ -62,6 +62,10 @@ SPIN_SECONDS = float(os.environ.get("FTCOMM_SPIN_US", "2000")) / 1e6
 WAIT_SLICE = 0.01
 """How long a blocked thread sleeps in a native wait before it rechecks the op."""
 
+STOP_WAIT = 1.0
+"""How long an abort waits, on the aborting thread, for a stopped native op
+to end (measured: 1-2 ms; see docs/design.md)."""
+
 _EARLY = 0.005
 """A native error this close to the deadline counts as the deadline passing."""
 
@@ -110,9 +114,12 @@ class Work(Generic[R]):
             aborted (unless the op had already completed) and the error is
             re-raised as it is.
 
-    On the in-process Gloo backend an aborted op cannot be stopped: it may
-    still write into its tensors until its own timeout. Do not reuse the
-    tensors of an op that did not succeed.
+    An aborted in-process Gloo op is stopped by shutting its group's
+    connections down; its error is out only once it has ended (a millisecond
+    or two). Where the group's connections could not be identified (a
+    ``RuntimeWarning`` said so at ``configure()``), it cannot be stopped and
+    may write into its tensors until its own timeout: do not reuse the
+    tensors of an op that did not succeed there.
     """
 
     __slots__ = (
@@ -164,9 +171,11 @@ class Work(Generic[R]):
         """
         if self.done():
             return False
-        return self._abort(
+        ended = self._abort(
             CommAborted(f"{self.op} was cancelled with Work.cancel()", **self._ctx())
         )
+        self._until_published()
+        return ended
 
     def exception(self) -> BaseException | None:
         """The op's error, or ``None`` if it succeeded.
@@ -199,6 +208,7 @@ class Work(Generic[R]):
                     self._abort(
                         CommAborted(f"{self.op} was cancelled while in flight", **self._ctx())
                     )
+                    self._until_published()
                 raise
         end = self._end
         if end is None:
@@ -392,15 +402,38 @@ class Work(Generic[R]):
             table._inflight.pop(self.seq, None)
         native = self._native
         interrupted: BaseException | None = None
+        stopped = False
         abandon = getattr(native, "abandon", None)
         if abandon is not None:  # nothing may be written once the error is out
             try:
-                abandon()
+                stopped = bool(abandon())
             except Exception:  # a bug below: the op must still end, and its group
                 log.exception("ftcomm: abandoning %r failed", self)
             except BaseException as exc:  # KeyboardInterrupt: end the op all the same
                 interrupted = exc
         broken: Broken | None = None
+        if stopped and native is not None and not _peek(native):
+            # Stopped for real, but still running for a moment (a Gloo op whose
+            # sockets were just shut down): publish once it has ended, on the
+            # thread that ends it. The table breaks now, so no new op meets
+            # the stopped group.
+            if breaks and isinstance(error, CommError):
+                with table._lock:
+                    broken = table._break_locked(error)
+            try:
+                native.on_done(lambda _: self._publish(error))
+            except BaseException as exc:  # never left SETTLING: publish now
+                log.exception("ftcomm: waiting for %r's native end failed", self)
+                self._publish(error)
+                interrupted = interrupted or (None if isinstance(exc, Exception) else exc)
+            del native, abandon
+            wakeups: list[Callable[[], object]] = []
+            if broken is not None:
+                wakeups += table._end_broken(broken, self.deadline)
+            if interrupted is not None:
+                _wake_all(wakeups)
+                raise interrupted
+            return wakeups
         with table._lock:
             if breaks and isinstance(error, CommError):
                 broken = table._break_locked(error)  # errored() set with the end
@@ -420,6 +453,32 @@ class Work(Generic[R]):
             _wake_all(wakeups)
             raise interrupted
         return wakeups
+
+    def _publish(self, error: BaseException) -> None:
+        """SETTLING -> ENDED for an op whose native op was stopped and has
+        now ended (its end callback, any thread): publish and wake."""
+        with self._table._lock:
+            if self._end is not None:
+                return
+            self._end = Outcome(error)
+            waiters, self._waiters = self._waiters, None
+            self._native = None
+        _wake_all(waiters or [])
+
+    def _until_published(self) -> None:
+        """After this thread aborted the op (or found it being ended): block,
+        briefly, until its end is published, so that a caller who gets the
+        error (or a ``CancelledError``) back finds its tensors no longer
+        written. Only a stopped Gloo op is still running here, for a
+        millisecond or two; past :data:`STOP_WAIT` it is left to end by its
+        own deadline, and logged."""
+        if self._end is None and not self._block(STOP_WAIT):
+            log.warning(
+                "ftcomm: %r did not end within %g s of its group being stopped; "
+                "it may write into its tensors until its deadline",
+                self,
+                STOP_WAIT,
+            )
 
     def _complete(self, native_error: BaseException | None) -> None:
         """The native op ended: settle with its outcome, mapped to ftcomm errors."""

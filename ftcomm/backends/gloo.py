@@ -29,7 +29,10 @@ Facts of torch 2.13 this backend is built around (DESIGN.md):
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+import warnings
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -47,11 +50,40 @@ from torch._C._distributed_c10d import (
 from torch.distributed import ReduceOp
 
 from .._runtime.loop import get_runtime
-from .._runtime.native import NativeOp, ThreadOp, WorkOp, WorksOp
+from .._runtime.native import NativeOp, Sever, ThreadOp, WorkOp, WorksOp
 from .._store import StoreAddr, connect_store
 from ._base import Backend, ConnectSpec
+from ._gloo_pairs import (
+    LISTENER_KEY,
+    PairSockets,
+    decode_addr,
+    encode_addr,
+    find_pairs,
+    make_device,
+    socket_inodes,
+)
+
+log = logging.getLogger("ftcomm")
 
 _MIN_NATIVE_TIMEOUT = 0.001
+
+_warned_local = threading.Event()
+
+
+def warn_local_aborts() -> None:
+    """Warn, once per process, that a Gloo group's aborts stay local."""
+    if _warned_local.is_set():
+        return
+    _warned_local.set()
+    warnings.warn(
+        "ftcomm: the Gloo group's sockets could not be identified exactly, so an "
+        "abort, deadline or cancellation gives up its op on this rank only: the "
+        "native op may still write into its tensors until its own timeout, and "
+        "a late peer may complete it (see docs/errors.md, 'Abort truth table'). "
+        "subprocess=True aborts for real.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _td(seconds: float) -> timedelta:
@@ -59,13 +91,24 @@ def _td(seconds: float) -> timedelta:
     return timedelta(seconds=max(seconds, _MIN_NATIVE_TIMEOUT))
 
 
-def _device(addr: StoreAddr) -> object:
-    """Where Gloo listens: the store's loopback address, else Gloo's default."""
+def _device(addr: StoreAddr) -> tuple[object, tuple[str, int] | None]:
+    """Where Gloo listens (the store's loopback address, else Gloo's
+    default), and the address of its listening socket if found exactly."""
     pg_gloo: Any = dist.ProcessGroupGloo
     if addr.is_loopback:
         host = "127.0.0.1" if addr.host == "localhost" else addr.host
-        return pg_gloo.create_device(hostname=host)
-    return pg_gloo.create_default_device()
+        return make_device(lambda: pg_gloo.create_device(hostname=host))
+    return make_device(pg_gloo.create_default_device)
+
+
+def _listeners(store: Any, world_size: int) -> list[tuple[str, int] | None]:
+    """Every member's listener address as published (``None`` where missing:
+    a member that is not ftcomm's publishes none, and is not waited for)."""
+    keys = [LISTENER_KEY.format(rank=r) for r in range(world_size)]
+    if not store.check(keys):
+        log.debug("ftcomm: a member published no Gloo listener address")
+        return [None] * world_size
+    return [decode_addr(bytes(value)) for value in store.multi_get(keys)]
 
 
 _FUSE_MAX_BYTES = 4 << 20
@@ -87,7 +130,7 @@ def _wait(work: dist.Work, deadline: float) -> None:
     work.wait(_td(deadline - time.monotonic()))
 
 
-def _waited(work: dist.Work, timeout: float) -> NativeOp:
+def _waited(work: dist.Work, timeout: float, sever: Sever | None) -> NativeOp:
     """An op over a work that learns it completed only inside ``wait()``.
 
     Waited on a thread that starts now, not queued behind other waits: it
@@ -100,7 +143,7 @@ def _waited(work: dist.Work, timeout: float) -> NativeOp:
     deadline = time.monotonic() + timeout
     rt = get_runtime()
     try:
-        return ThreadOp(rt.workers.spawn(_wait, work, deadline, until=deadline))
+        return ThreadOp(rt.workers.spawn(_wait, work, deadline, until=deadline), sever)
     except BaseException:
         rt.dispose(work, until=deadline)
         raise
@@ -183,12 +226,37 @@ class GlooBackend(Backend):
         }
     )
 
-    def __init__(self, pg: Any, store: object, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        pg: Any,
+        store: object,
+        rank: int,
+        world_size: int,
+        pairs: PairSockets | None = None,
+    ) -> None:
         super().__init__(rank, world_size)
         # Any: torch's stubs for ProcessGroupGloo lack most backend methods.
         self._pg: Any = pg
         self._store: object | None = store
         self._options: dict[tuple[object, ...], Any] = {}
+        self._pairs = pairs
+        self._sever = None if pairs is None else pairs.abort  # not self.sever: no cycle
+
+    @property
+    def aborts_for_real(self) -> bool:
+        """Whether an abort stops the native group for every member (its pair
+        sockets were found), rather than only giving up locally."""
+        return self._pairs is not None
+
+    def sever(self) -> bool:
+        """Shut down the group's pair sockets (once; then a no-op): every op in
+        flight fails within milliseconds, here and at every peer, and so do
+        later ones. False when they are not known (an abort stays local)."""
+        pairs = self._pairs
+        if pairs is None:
+            return False
+        pairs.sever()
+        return True
 
     def _opts(self, kind: type, timeout: float, reduce_op: object = None, root: int = 0) -> Any:
         """An options object, built once per (kind, timeout, op, root) and reused.
@@ -218,14 +286,28 @@ class GlooBackend(Backend):
         pg_gloo: Any = dist.ProcessGroupGloo
         opts = pg_gloo._Options()
         opts._timeout = timedelta(seconds=spec.timeout)
-        opts._devices = [_device(spec.store)]
+        device, listener = _device(spec.store)
+        opts._devices = [device]
         if spec.global_ranks is not None:
             opts.global_ranks_in_group = list(spec.global_ranks)
         opts.group_name = f"ftcomm:{spec.replica_id}:{spec.quorum_id}:{spec.store.prefix}"
+        if listener is not None:
+            store.set(LISTENER_KEY.format(rank=spec.rank), encode_addr(listener))
+        before = socket_inodes()
         pg = pg_gloo(store, spec.rank, spec.world_size, opts)
-        return cls(pg, store, spec.rank, spec.world_size)
+        pairs = None
+        if listener is not None:
+            pairs = find_pairs(before, _listeners(store, spec.world_size), spec.rank)
+        if pairs is None:
+            warn_local_aborts()
+        return cls(pg, store, spec.rank, spec.world_size, pairs)
 
     def close(self) -> list[object]:
+        """Let go of the native objects. Not a sever: an op in flight was
+        severed when it was abandoned, and an idle group's connections close
+        when it is dropped. (Severing here would also cut, in a process that
+        holds several ranks of the group, pairs between the other ranks that
+        are still finishing their last op.)"""
         pg, store = self._pg, self._store
         self._pg = self._store = None
         return [obj for obj in (pg, store) if obj is not None]
@@ -242,15 +324,15 @@ class GlooBackend(Backend):
     ) -> NativeOp:
         if len(tensors) == 1:
             opts = self._opts(AllreduceOptions, timeout, op)
-            return WorkOp(self.pg.allreduce(list(tensors), opts))
+            return WorkOp(self.pg.allreduce(list(tensors), opts), self._sever)
         copts = self._opts(AllreduceCoalescedOptions, timeout, op)
-        return WorkOp(self.pg.allreduce_coalesced(list(tensors), copts))
+        return WorkOp(self.pg.allreduce_coalesced(list(tensors), copts), self._sever)
 
     def allgather(
         self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, timeout: float
     ) -> NativeOp:
         opts = self._opts(AllgatherOptions, timeout)
-        return WorkOp(self.pg.allgather([list(outputs)], [tensor], opts))
+        return WorkOp(self.pg.allgather([list(outputs)], [tensor], opts), self._sever)
 
     def allgather_into_tensor(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], timeout: float
@@ -258,12 +340,13 @@ class GlooBackend(Backend):
         opts = self._opts(AllgatherOptions, timeout)
         pg = self.pg
         return WorksOp(
-            [pg._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+            [pg._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)],
+            self._sever,
         )
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout: float) -> NativeOp:
         opts = self._opts(BroadcastOptions, timeout, root=root)
-        return WorkOp(self.pg.broadcast([tensor], opts))
+        return WorkOp(self.pg.broadcast([tensor], opts), self._sever)
 
     def reduce_scatter(
         self,
@@ -303,7 +386,7 @@ class GlooBackend(Backend):
             else:
                 copts = self._opts(AllreduceCoalescedOptions, timeout, op)
                 works.append(pg.allreduce_coalesced(bucket, copts))
-        return WorkOp(works[0]) if len(works) == 1 else WorksOp(works)
+        return WorkOp(works[0], self._sever) if len(works) == 1 else WorksOp(works, self._sever)
 
     def alltoall_base(
         self,
@@ -315,14 +398,14 @@ class GlooBackend(Backend):
     ) -> NativeOp:
         opts = self._opts(AllToAllOptions, timeout)
         work = self.pg.alltoall_base(output, tensor, output_split_sizes, input_split_sizes, opts)
-        return WorkOp(work)
+        return WorkOp(work, self._sever)
 
     def barrier(self, timeout: float) -> NativeOp:
         opts = self._opts(BarrierOptions, timeout)
-        return WorkOp(self.pg.barrier(opts))
+        return WorkOp(self.pg.barrier(opts), self._sever)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float) -> NativeOp:
-        return _waited(self.pg.send([tensor], dst, tag), timeout)
+        return _waited(self.pg.send([tensor], dst, tag), timeout, self._sever)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, timeout: float) -> NativeOp:
-        return _waited(self.pg.recv([tensor], src, tag), timeout)
+        return _waited(self.pg.recv([tensor], src, tag), timeout, self._sever)
