@@ -19,6 +19,7 @@ dominate a trial's time. ``FTCOMM_DRILL_TRIALS`` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import random
@@ -45,9 +46,7 @@ HOWS = ("deadline", "task-cancel", "work-cancel", "abort-thread")
 MAX_CANCEL_AFTER = 0.05
 MAX_PEER_DELAY = 2.0
 WAVE = 16
-"""Trials at once, each on its own group. Gloo's own construction loses
-connections with 25 groups built at once per process (seen at 9e7e988
-too), never at 8 or 16 here."""
+"""Trials at once, each on its own group (see :func:`_group_works`)."""
 
 
 @dataclass(frozen=True)
@@ -131,8 +130,8 @@ async def _trial(ctx: RankContext, trial: Trial, subprocess: bool) -> dict[str, 
     key = f"t{trial.index}"
     try:
         await g.configure(ctx.addr(key), ctx.rank, WORLD)
-        warm = await g.allreduce(torch.ones(1))  # the group works before the drill
-        assert warm.item() == WORLD
+        if not await _group_works(ctx, g, key):
+            return {"outcome": "setup failed"}
         if not subprocess:  # its sockets were found: its abort is real
             backend = g._config.backend if g._config is not None else None
             assert getattr(backend, "aborts_for_real", False), (trial, backend)
@@ -158,6 +157,25 @@ async def _trial(ctx: RankContext, trial: Trial, subprocess: bool) -> dict[str, 
         await g.shutdown()
 
 
+async def _group_works(ctx: RankContext, g: ftcomm.Group, key: str) -> bool:
+    """Whether a first allreduce worked on every rank (agreed through the
+    store). Not the drill's subject: Gloo's own construction, with 16
+    groups built at once per process, once in about a thousand groups
+    hands over a connection its peer has closed (seen at 9e7e988 too, with
+    25 at once); such a trial is counted, and bounded, not checked."""
+    try:
+        ok = (await g.allreduce(torch.ones(1))).item() == WORLD
+    except ftcomm.CommError:
+        ok = False
+    ctx.store.set(f"{ctx.world_id}/{key}/warm/{ctx.rank}", b"1" if ok else b"0")
+    keys = [f"{ctx.world_id}/{key}/warm/{r}" for r in range(WORLD)]
+    deadline = time.monotonic() + 60
+    while not ctx.store.check(keys):
+        assert time.monotonic() < deadline, f"{key}: a rank never said how its warm-up went"
+        await asyncio.sleep(0.005)
+    return all(ctx.store.get(k) == b"1" for k in keys)
+
+
 async def drill(ctx: RankContext, trials: list[Trial], wave: int, subprocess: bool) -> Any:
     started = time.monotonic()
     results: list[dict[str, Any]] = []
@@ -173,6 +191,9 @@ def _check(trials: list[Trial], ranks: list[Any]) -> Counter[str]:
     seen: Counter[str] = Counter()
     for i, trial in enumerate(trials):
         r0 = ranks[0]["results"][i]
+        if r0["outcome"] == "setup failed":
+            seen["setup failed"] += 1
+            continue
         peers = [ranks[p]["results"][i]["outcome"] for p in range(1, WORLD)]
         seen.update([f"rank0 {r0['outcome']}", *(f"peer {p}" for p in peers)])
         if r0["outcome"] == "success" or "success" in peers:
@@ -180,6 +201,7 @@ def _check(trials: list[Trial], ranks: list[Any]) -> Counter[str]:
         if trial.op != "barrier" and not (r0["at_error"] and r0["later"]):
             bad.append(f"{trial}: rank 0's tensor written (at error {r0}, later)")
     assert not bad, f"{len(bad)} of {len(trials)} trials broke the abort:\n" + "\n".join(bad[:20])
+    assert seen["setup failed"] <= max(1, len(trials) // 100), seen
     return seen
 
 
@@ -190,6 +212,7 @@ def test_no_rank_completes_an_op_that_rank_0_aborted_in_process() -> None:
     ranks = run_world(drill, WORLD, args=(trials, WAVE, False), timeout=60 + 2 * TRIALS)
     seen = _check(trials, ranks)
     assert seen["peer CommFailed"] > 0  # the peers met the severed group
+    print(f"in-process drill: {len(trials)} trials in {ranks[0]['took']:.1f} s: {dict(seen)}")
 
 
 @pytest.mark.slow
@@ -197,7 +220,8 @@ def test_no_rank_completes_an_op_that_rank_0_aborted_in_process() -> None:
 def test_no_rank_completes_an_op_that_rank_0_aborted_subprocess() -> None:
     trials = plan(SEED + 1, SUB_TRIALS)
     ranks = run_world(drill, WORLD, args=(trials, 4, True), timeout=120 + 15 * SUB_TRIALS)
-    _check(trials, ranks)
+    seen = _check(trials, ranks)
+    print(f"subprocess drill: {len(trials)} trials in {ranks[0]['took']:.1f} s: {dict(seen)}")
 
 
 async def peer_comes_late(ctx: RankContext, subprocess: bool) -> dict[str, Any]:
@@ -254,7 +278,8 @@ class _KillAt:
     def __enter__(self) -> Any:
         if self._n == self._at:
             killed.append(self._pid)
-            os.kill(self._pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it died on its own
+                os.kill(self._pid, signal.SIGKILL)
             while _alive(self._pid):  # a few ms: the kernel tears it down
                 time.sleep(0.001)
         self._n += 1
@@ -323,10 +348,15 @@ def test_a_worker_killed_during_the_copy_back_never_gives_a_stale_success() -> N
     full = float(sum(r + 1 for r in range(WORLD)))
     for i, at in enumerate(trials):
         r0 = ranks[0][i]
-        assert r0["fired"] == i + 1, (i, r0)  # the kill did happen, in this trial's copy-back
+        # The kill did happen in this trial: in its copy-back, or, when the
+        # op was abandoned first (the worker's death broke the group), in
+        # the abandon's take of the same lock, with the worker already dead.
+        assert r0["fired"] >= i + 1, (i, r0)
         if r0["outcome"] == "success":  # the whole result, never part of it
             assert r0["values"] == {full}, (i, at, r0)
         else:  # failed: untouched, or partly written but reported failed
             assert r0["values"] <= {1.0, full}, (i, at, r0)
         for rank in range(WORLD):
             assert ranks[rank][i]["after"] == [10.0 * full] * 4, (i, at, rank)
+    outcomes = Counter(r["outcome"] for r in ranks[0])
+    print(f"copy-back kills: {len(trials)} trials: rank 0 {dict(outcomes)}")

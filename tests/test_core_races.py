@@ -791,3 +791,55 @@ async def test_a_cancelled_configure_kills_its_worker(store: StoreServer) -> Non
         await asyncio.sleep(0.01)
     assert g.state is ftcomm.State.UNCONFIGURED
     await g.shutdown()
+
+
+class _Stoppable(ScriptedOp):
+    """A native op whose abandon() stops it for real: it ends when the test
+    says so, as a Gloo op ends once its sockets are shut down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.abandoned = threading.Event()
+
+    def abandon(self) -> bool:
+        self.abandoned.set()
+        return True
+
+
+def test_a_stopped_op_publishes_its_error_only_once_its_native_op_ended(
+    table: OpTable,
+) -> None:
+    native = _Stoppable()
+    work = issue(table, native, 30.0)
+    seen: list[bool] = []
+    work.add_done_callback(lambda w: seen.append(native.poll()))
+    canceller = threading.Thread(target=work.cancel)
+    canceller.start()
+    assert native.abandoned.wait(5)
+    assert table.error is not None  # errored() at once: no new op meets the stopped group
+    assert not work.done()  # but the op's own error waits for its native end
+    native.finish(RuntimeError("Connection closed by peer"))
+    canceller.join(5)
+    assert not canceller.is_alive()  # cancel() returned once it was published
+    assert seen == [True]  # published after the native op had ended
+    assert isinstance(work.exception(), ftcomm.CommAborted)
+
+
+def test_a_stopped_op_that_never_ends_is_published_after_stop_wait(
+    table: OpTable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gloo sometimes leaves a big send blocked after the shutdown, until its
+    own timeout: no observer may wait that long."""
+    from ftcomm._runtime import work as work_mod
+
+    monkeypatch.setattr(work_mod, "STOP_WAIT", 0.2)
+    native = _Stoppable()
+    work = issue(table, native, 30.0)
+    started = time.monotonic()
+    assert work.cancel()
+    took = time.monotonic() - started
+    assert work.done()
+    assert isinstance(work.exception(), ftcomm.CommAborted)
+    assert 0.15 < took < 0.2 + 1.0  # published by the fallback, not the native end
+    native.finish(RuntimeError("late"))  # its late end changes nothing
+    assert isinstance(work.exception(), ftcomm.CommAborted)
