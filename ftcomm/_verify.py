@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -31,7 +32,7 @@ import torch
 from ._runtime.native import Done, NativeOp
 from .errors import CommAborted, CommError, CommFailed
 
-DESC_LEN = 11
+DESC_LEN = 12
 _VERSION = 1
 _OPS = (
     "allreduce",
@@ -72,8 +73,11 @@ def describe(op: str, seq: int, tensors: Sequence[torch.Tensor], extra: int = 0)
     shape = [] if first is None else list(first.shape)
     dims = [*shape[:3], -1, -1, -1][:3]
     numel = sum(t.numel() for t in tensors)
+    # Every tensor's dtype and shape, not only the first's: a coalesced op
+    # whose later tensors differ moves other byte counts on each rank.
+    every = zlib.crc32(repr([(dtype_code(t.dtype), tuple(t.shape)) for t in tensors]).encode())
     row = [_VERSION, seq, _OPS.index(op), len(tensors), dtype, numel, len(shape), *dims, extra]
-    return torch.tensor(row, dtype=torch.int64)
+    return torch.tensor([*row, every], dtype=torch.int64)
 
 
 def reduce_code(op: object) -> int:
@@ -99,7 +103,8 @@ def explain(row: Sequence[int]) -> str:
     shape = ", ".join(map(str, dims)) + (", ..." if ndim > 3 else "")
     many = f" x{count}" if count > 1 else ""
     extra = f", root/op {int(row[10])}" if int(row[10]) else ""
-    return f"{name} #{seq} {kind} [{shape}]{many} ({numel} elements{extra})"
+    every = f", shapes {int(row[11]):08x}" if count > 1 else ""
+    return f"{name} #{seq} {kind} [{shape}]{many} ({numel} elements{extra}{every})"
 
 
 def mismatch(rows: torch.Tensor, rank: int) -> str | None:

@@ -843,3 +843,26 @@ def test_a_stopped_op_that_never_ends_is_published_after_stop_wait(
     assert 0.15 < took < 0.2 + 1.0  # published by the fallback, not the native end
     native.finish(RuntimeError("late"))  # its late end changes nothing
     assert isinstance(work.exception(), ftcomm.CommAborted)
+
+
+def test_cancel_on_the_owner_loop_does_not_hold_it(
+    table: OpTable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review finding: cancel() of a stopped op waits for its publication,
+    which the owner loop itself may have to make (_overdue): there it must
+    not block."""
+    from ftcomm._runtime import work as work_mod
+
+    monkeypatch.setattr(work_mod, "STOP_WAIT", 0.3)
+    native = _Stoppable()
+    work = issue(table, native, 30.0)
+
+    async def cancel_here() -> float:
+        started = time.monotonic()
+        work.cancel()
+        return time.monotonic() - started
+
+    took = get_runtime().call(cancel_here(), timeout=10)
+    assert took < 0.25  # returned at once, not after STOP_WAIT
+    with pytest.raises(ftcomm.CommAborted):
+        work.wait(5)  # then published by _overdue on the owner loop

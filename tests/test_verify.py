@@ -289,3 +289,20 @@ def test_a_verified_op_peeks_and_spins_as_its_op_does() -> None:
     rec.agree(0)
     assert vop.peek() is False
     assert vop.spin == 0.0
+
+
+def test_every_tensor_of_a_coalesced_op_is_checked() -> None:
+    """Review finding: only the first tensor's dtype and shape were kept, so
+    [2, 4, 6] against [2, 6, 4] (or f32+f32 against f32+f64) passed the check
+    and the ranks' native ops diverged."""
+
+    def rows(*sizes: tuple[int, torch.dtype]) -> torch.Tensor:
+        return describe("allreduce_coalesced", 1, [torch.ones(n, dtype=d) for n, d in sizes])
+
+    f32, f64 = torch.float32, torch.float64
+    a = rows((2, f32), (4, f32), (6, f32))
+    b = rows((2, f32), (6, f32), (4, f32))
+    c = rows((2, f32), (4, f32), (6, f64))
+    assert mismatch(torch.stack([a, b]), 0) is not None
+    assert mismatch(torch.stack([a, c]), 0) is not None
+    assert mismatch(torch.stack([a, rows((2, f32), (4, f32), (6, f32))]), 1) is None

@@ -41,9 +41,11 @@ Rules this module keeps:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
@@ -124,6 +126,7 @@ class Work(Generic[R]):
     """
 
     __slots__ = (
+        "__weakref__",
         "_cb_armed",
         "_claimed",
         "_end",
@@ -423,16 +426,12 @@ class Work(Generic[R]):
                     broken = table._break_locked(error)
             try:
                 native.on_done(lambda _: self._publish(error))
-                # Gloo sometimes leaves a large send blocked after the shutdown,
-                # until its own timeout (measured: 3 in 35 aborts in the middle
-                # of a 64 MiB allreduce): past STOP_WAIT the error goes out anyway.
-                runtime = table.runtime
-                runtime.call_soon(runtime.loop.call_later, STOP_WAIT, self._overdue, error)
             except BaseException as exc:  # never left SETTLING: publish now
                 log.exception("ftcomm: waiting for %r's native end failed", self)
                 self._publish(error)
                 interrupted = interrupted or (None if isinstance(exc, Exception) else exc)
             del native, abandon
+            self._publish_by(STOP_WAIT, error)
             return self._after_settle([], broken, interrupted)
         with table._lock:
             if breaks and isinstance(error, CommError):
@@ -474,6 +473,24 @@ class Work(Generic[R]):
             self._native = None
         _wake_all(waiters or [])
 
+    def _publish_by(self, seconds: float, error: BaseException) -> None:
+        """Have the owner loop publish ``error`` in ``seconds`` unless the
+        native op has ended by then (:meth:`_overdue`). Gloo sometimes leaves
+        a large send blocked after the shutdown until its own timeout
+        (measured: 3 in 35 aborts in the middle of a 64 MiB allreduce). The
+        timer holds the op weakly; with the owner loop gone (interpreter
+        exit) the native op's end publishes it."""
+        ref = weakref.ref(self)
+
+        def overdue() -> None:
+            work = ref()
+            if work is not None:
+                work._overdue(error)
+
+        runtime = self._table.runtime
+        with contextlib.suppress(RuntimeError):  # the owner loop is closed
+            runtime.call_soon(runtime.loop.call_later, seconds, overdue)
+
     def _overdue(self, error: BaseException) -> None:
         """STOP_WAIT after a stopped op's abandon (owner loop): if its native
         op has still not ended, publish its error all the same, so that no
@@ -497,7 +514,9 @@ class Work(Generic[R]):
         written. Only a stopped Gloo op is still running here, for a
         millisecond or two; past :data:`STOP_WAIT` it is published anyway
         (:meth:`_overdue`)."""
-        if self._end is None and not self._block(STOP_WAIT + 0.5):
+        if self._end is not None or self._table.runtime.in_loop_thread():
+            return  # on the owner loop, blocking would hold up _overdue itself
+        if not self._block(STOP_WAIT + 0.5):
             log.warning(
                 "ftcomm: %r did not end within %g s of its group being stopped",
                 self,
