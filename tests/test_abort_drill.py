@@ -161,7 +161,7 @@ async def _group_works(ctx: RankContext, g: ftcomm.Group, key: str) -> bool:
     """Whether a first allreduce worked on every rank (agreed through the
     store). Not the drill's subject: Gloo's own construction, with 16
     groups built at once per process, once in about a thousand groups
-    hands over a connection its peer has closed (seen at 9e7e988 too, with
+    hands over a connection its peer has closed (seen before it at 0400b54 too, with
     25 at once); such a trial is counted, and bounded, not checked."""
     try:
         ok = (await g.allreduce(torch.ones(1))).item() == WORLD
