@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ._runtime.native import countdown
 from .errors import CommAborted, CommError
 
 if TYPE_CHECKING:
@@ -151,16 +152,7 @@ def all_of(
     if len(futures) <= 1:
         return futures[0] if futures else None
     done: concurrent.futures.Future[None] = concurrent.futures.Future()
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one(_: object) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            done.set_result(None)
-
+    one = countdown(len(futures), lambda: done.set_result(None))
     for fut in futures:
         fut.add_done_callback(one)
     return done

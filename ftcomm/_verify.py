@@ -20,7 +20,6 @@ one small allgather per op (docs/design.md, "verify=True").
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import zlib
@@ -30,6 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ._runtime.native import Done, NativeOp
+from ._runtime.work import SPIN_SECONDS
 from .errors import CommAborted, CommError, CommFailed
 
 DESC_LEN = 12
@@ -119,9 +119,6 @@ def mismatch(rows: torch.Tensor, rank: int) -> str | None:
     return None
 
 
-SPIN_DEFAULT = float(os.environ.get("FTCOMM_SPIN_US", "2000")) / 1e6
-"""As ``work.SPIN_SECONDS`` (not imported: work imports nothing of ours)."""
-
 Start = Callable[[float], NativeOp]
 """Issue the data op with the given seconds left."""
 Exchange = Callable[[list[torch.Tensor], torch.Tensor, float], NativeOp]
@@ -141,8 +138,7 @@ class VerifiedOp:
         self.deadline = deadline
         self._lock = threading.Lock()
         self._data: NativeOp | None = None
-        self._ended = False
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # set once: it failed before its op
         self._callbacks: list[Done] = []
         self._stage: NativeOp | None = None  # what is running now (for abandon)
         self.abandoned = False
@@ -150,7 +146,7 @@ class VerifiedOp:
     # -- NativeOp ------------------------------------------------------------
     def poll(self) -> bool:
         data = self._data
-        return data.poll() if data is not None else self._ended
+        return data.poll() if data is not None else self._error is not None
 
     def outcome(self) -> BaseException | None:
         data = self._data
@@ -159,7 +155,7 @@ class VerifiedOp:
     def on_done(self, callback: Done) -> None:
         with self._lock:
             data = self._data
-            if data is None and not self._ended:
+            if data is None and self._error is None:
                 self._callbacks.append(callback)
                 return
         if data is not None:
@@ -171,14 +167,14 @@ class VerifiedOp:
         """``poll`` without side effects (see NativeOp)."""
         data = self._data
         if data is None:
-            return self._ended
+            return self._error is not None
         peek = getattr(data, "peek", None)
         return bool(peek()) if peek is not None else data.poll()
 
     @property
     def spin(self) -> float:
         """How long an awaiter polls: the op's own (a subprocess call: 0)."""
-        return float(getattr(self._data, "spin", SPIN_DEFAULT))
+        return float(getattr(self._data, "spin", SPIN_SECONDS))
 
     def abandon(self) -> bool:
         """Never issue the op; stop the stage running now (see NativeOp)."""
@@ -198,10 +194,9 @@ class VerifiedOp:
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
-            if self._ended or self._data is not None:
+            if self._error is not None or self._data is not None:
                 return
             self._error = error
-            self._ended = True
             callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
             cb(error)

@@ -158,23 +158,30 @@ class WorksOp:
         if not futures:
             callback(None)
             return
-        left = [len(futures)]
-        lock = threading.Lock()
-
-        def member_done(_: object) -> None:
-            # Members end on Gloo's threads, several at once: count under a lock.
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:  # every member's future is complete: all may be read
-                callback(_first_error(futures))
-
+        # Once every member's future is complete, all may be read.
+        member_done = countdown(len(futures), lambda: callback(_first_error(futures)))
         for fut in futures:
             fut.add_done_callback(member_done)
 
     def join_stream(self) -> None:
         for work in self._works:
             work.wait()
+
+
+def countdown(n: int, then: Callable[[], object]) -> Callable[[object], None]:
+    """A callback to call ``n`` times, from any threads at once: the last
+    call runs ``then()``."""
+    left = [n]
+    lock = threading.Lock()
+
+    def one(_: object) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then()
+
+    return one
 
 
 def _first_error(futures: Sequence[torch.futures.Future[Any]]) -> BaseException | None:

@@ -395,10 +395,7 @@ class Work(Generic[R]):
                     return None
                 self._claimed = True
                 table._inflight.pop(self.seq, None)
-                self._end = _SUCCESS
-                waiters, self._waiters = self._waiters, None
-                self._native = None
-            return waiters or []
+                return self._end_locked(_SUCCESS)
         with table._lock:
             if self._claimed:
                 return None
@@ -436,16 +433,14 @@ class Work(Generic[R]):
         with table._lock:
             if breaks and isinstance(error, CommError):
                 broken = table._break_locked(error)  # errored() set with the end
-            self._end = Outcome(error)  # SETTLING -> ENDED
-            waiters, self._waiters = self._waiters, None
-            self._native = None
+            waiters = self._end_locked(Outcome(error))
         if native is not None and not _peek(native):
             # it may block whoever drops it last, until its native deadline
             table.runtime.dispose(native, until=self.deadline)
         # Waiters may run user code that keeps an error whose traceback reaches
         # this frame: it must not hold the native op (and its group) then.
         del native, abandon
-        return self._after_settle(waiters or [], broken, interrupted)
+        return self._after_settle(waiters, broken, interrupted)
 
     def _after_settle(
         self,
@@ -468,10 +463,16 @@ class Work(Generic[R]):
         with self._table._lock:
             if self._end is not None:
                 return
-            self._end = Outcome(error)
-            waiters, self._waiters = self._waiters, None
-            self._native = None
-        _wake_all(waiters or [])
+            waiters = self._end_locked(Outcome(error))
+        _wake_all(waiters)
+
+    def _end_locked(self, end: Outcome) -> list[Callable[[], object]]:
+        """Under the table's lock: the op is ENDED with ``end`` (published
+        once, with its native op let go); the waiters to wake."""
+        self._end = end
+        waiters, self._waiters = self._waiters, None
+        self._native = None
+        return waiters or []
 
     def _publish_by(self, seconds: float, error: BaseException) -> None:
         """Have the owner loop publish ``error`` in ``seconds`` unless the

@@ -148,6 +148,19 @@ def _hex_addr(text: str, family: int) -> Addr:
     return socket.inet_ntop(family, raw), int(port, 16)
 
 
+def _new_since(
+    before: dict[int, int], after: dict[int, int]
+) -> list[tuple[int, int, tuple[Addr, Addr | None, bool]]]:
+    """The TCP sockets in ``after`` that were not in ``before`` (a descriptor
+    whose number was reused counts as new), with (fd, inode, description)."""
+    table = _tcp_table()
+    return [
+        (fd, inode, table[inode])
+        for fd, inode in after.items()
+        if before.get(fd) != inode and inode in table
+    ]
+
+
 def make_device(factory: Callable[[], Any]) -> tuple[Any, Addr | None]:
     """Call ``factory()`` (Gloo's ``create_device``) and find its listener:
     the device and the listener's address, or ``None`` if it is not exactly
@@ -156,14 +169,7 @@ def make_device(factory: Callable[[], Any]) -> tuple[Any, Addr | None]:
         before = socket_inodes()
         device = factory()
         after = socket_inodes()
-    table = _tcp_table()
-    listeners = []
-    for fd, inode in after.items():
-        if before.get(fd) == inode:
-            continue
-        described = table.get(inode)
-        if described is not None and described[2]:
-            listeners.append(described[0])
+    listeners = [local for _, _, (local, _, listening) in _new_since(before, after) if listening]
     if len(listeners) != 1:
         log.debug("ftcomm: %d new listening sockets with the Gloo device", len(listeners))
         return device, None
@@ -261,14 +267,7 @@ def find_pairs(
     assert own is not None  # for mypy: checked above
     others = [a for r, a in enumerate(listeners) if r != rank and a is not None]
     pairs = []
-    table = _tcp_table()
-    for fd, inode in socket_inodes().items():
-        if before.get(fd) == inode:
-            continue
-        described = table.get(inode)
-        if described is None:
-            continue
-        local, peer, listening = described
+    for fd, inode, (local, peer, listening) in _new_since(before, socket_inodes()):
         if listening or peer is None:
             continue
         if _same(local, own) or any(_same(peer, other) for other in others):
