@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: install test unit lint typecheck demo bench soak clean
+.PHONY: install test unit lint typecheck demo bench soak gpu-check clean
 
 install: $(STAMP)
 
@@ -23,8 +23,8 @@ unit: install
 	FTCOMM_DEBUG=1 $(PY) -m pytest -q
 
 lint: install
-	$(PY) -m ruff check ftcomm tests examples
-	$(PY) -m ruff format --check ftcomm tests examples
+	$(PY) -m ruff check ftcomm tests examples scripts
+	$(PY) -m ruff format --check ftcomm tests examples scripts
 
 typecheck: install
 	$(PY) -m mypy
@@ -45,5 +45,13 @@ soak: install
 	FTCOMM_DEBUG=1 FTCOMM_DRILL_TRIALS=$(SOAK_TRIALS) FTCOMM_DRILL_SUB_TRIALS=$(SOAK_SUB_TRIALS) \
 	FTCOMM_DRILL_COPY_TRIALS=$(SOAK_COPY_TRIALS) $(PY) -m pytest -q -o timeout=0 tests/test_abort_drill.py
 
+# On a GPU machine: NCCL checks and a bench against raw c10d NCCL, with that
+# machine's own python3 and torch (nothing installed: it may have no
+# network); a log and a JSON of figures land in $(OUT). Under 6 minutes.
+GPU_PYTHON ?= python3
+OUT ?= gpu-check-out
+gpu-check:
+	PYTHONUNBUFFERED=1 $(GPU_PYTHON) scripts/gpu_check.py $(OUT)
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis gpu-check-out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import concurrent.futures
+import contextlib
 import functools
 import threading
 import time
@@ -70,9 +71,16 @@ def _connect_error(exc: Exception, where: str, rank: int) -> CommError:
 def _connect_in_process(
     cls: type[Backend], spec: ConnectSpec, cancel: concurrent.futures.Future[Any]
 ) -> Backend:
-    """An in-process connect cannot be interrupted: ``cancel`` is not used
-    (the group disposes of what it builds once it lands)."""
-    return cls.connect(spec)
+    """Build the group in this process; ``cancel`` stops a backend that can
+    be stopped while it connects (NCCL/XCCL abort their communicator).
+    Others finish, and the group disposes of what they built."""
+    return cls.connect(spec, cancel)
+
+
+def _finish(fut: concurrent.futures.Future[Any]) -> None:
+    """Complete ``fut`` unless it is (any thread, any number of times)."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        fut.set_result(None)
 
 
 class Closing(collections.abc.Coroutine[Any, Any, None]):
@@ -151,8 +159,10 @@ class Group(Collectives):
     """A fault-tolerant process group whose collectives are awaitable.
 
     Args:
-        backend: ``"gloo"`` (CPU tensors) or ``"dummy"`` (world size 1, no
-            communication). ``"nccl"`` and ``"xccl"`` are reserved.
+        backend: ``"gloo"`` (CPU tensors), ``"nccl"`` (CUDA tensors),
+            ``"xccl"`` (Intel XPU tensors) or ``"dummy"`` (world size 1, no
+            communication). An NCCL/XCCL op ends when its device work has;
+            its deadline aborts the communicator (docs/errors.md).
         subprocess: run the native group in a worker process, one per
             configuration. Aborts are then total: a deadline, a cancel,
             ``abort()`` or ``configure()`` kills the worker, so nothing writes
@@ -194,7 +204,8 @@ class Group(Collectives):
         TypeError: an argument has the wrong type.
         ValueError: an unknown backend, a bad timeout or a negative
             ``share_min_bytes``.
-        NotImplementedError: ``"nccl"`` or ``"xccl"``.
+        RuntimeError: ``"nccl"`` or ``"xccl"`` where torch was built without
+            it or sees no such device.
 
     Use ``async with Group(...) as group:`` to shut it down on exit.
     """
@@ -224,6 +235,7 @@ class Group(Collectives):
         self._launcher: Launcher | None = None
         # connect(spec, cancel): build the native group; blocks (a control thread).
         self._connect: Callable[[ConnectSpec, concurrent.futures.Future[Any]], Backend]
+        backend_class(backend).check_usable()
         if subprocess:
             from .backends.subprocess import Launcher
 
@@ -395,7 +407,11 @@ class Group(Collectives):
         """
         # c10d's store client may retry once more after the timeout: allow it.
         until = time.monotonic() + 2 * seconds + 2.0
-        cf = self._runtime.run_control(self._connect, spec, attempt.superseded, until=until)
+        # Completes when nobody waits for this connect any more: superseded,
+        # timed out or cancelled. A backend that can, stops connecting then.
+        stop: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        attempt.superseded.add_done_callback(lambda _: _finish(stop))
+        cf = self._runtime.run_control(self._connect, spec, stop, until=until)
         wrapped = asyncio.wrap_future(cf)
         # Not wrap_future: cancelling that wrapper would cancel the attempt's future.
         loop = asyncio.get_running_loop()
@@ -405,10 +421,12 @@ class Group(Collectives):
         try:
             await asyncio.wait(waiting, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # cancelled, possibly in the very iteration the group landed
+            _finish(stop)
             self._orphan(wrapped, cf)
             raise
         where = f"store {spec.store}"
         if not wrapped.done():
+            _finish(stop)
             self._orphan(wrapped, cf)
             if attempt.superseded_by is not None:
                 raise self._core.superseded(attempt, spec.rank)

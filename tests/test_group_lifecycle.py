@@ -31,8 +31,8 @@ async def test_configure_cancelled_as_the_group_lands_disposes_it(
     landed = threading.Event()
     connect, close = GlooBackend.connect.__func__, GlooBackend.close  # type: ignore[attr-defined]
 
-    def spy_connect(cls: Any, spec: Any) -> GlooBackend:
-        backend: GlooBackend = connect(cls, spec)
+    def spy_connect(cls: Any, spec: Any, cancel: Any = None) -> GlooBackend:
+        backend: GlooBackend = connect(cls, spec, cancel)
         built.append(backend)
         landed.set()
         return backend

@@ -515,3 +515,45 @@ async def test_cuda_end_to_end(store: StoreServer) -> None:  # pragma: no cover 
         expected = src[95:115].clone()
         expected[5:15] = src[10:20]
         assert torch.equal(window, expected)
+
+
+@pytest.mark.asyncio
+async def test_a_worker_running_nccl_replies_once_the_ops_device_work_is_done(rig: Rig) -> None:
+    """``Group("nccl", subprocess=True)``: the worker runs the accelerator
+    backend (its device layer faked, tests/fake_accel.py). The op's reply
+    waits for the op's event, not for its enqueue; then the worker's stream
+    joins the op's and the reply carries the event the caller's stream waits on."""
+    from fake_accel import FakeDevice
+
+    from ftcomm.backends._accel_device import NCCL
+    from ftcomm.backends.accelerator import accelerator_class
+
+    accel = FakeDevice(NCCL)
+    native = accel.new_group(None, 0, 1, accel.options())
+    backend = accelerator_class("nccl")(accel, native, None, 0, 1, torch.device("cpu"), 0)
+    rig.worker.backend = backend
+    accel.hold()
+    t = rig.calls.cuda(torch.ones(4))
+    staged = rig.pool.stage([(t, "inout")])
+    options: dict[str, Any] = {"timeout": 10.0, "reduce_op": "SUM", **staged.options}
+    frame = _through_codec(Op(1, "allreduce", staged.descs, options))
+    assert isinstance(frame, Op)
+    rig.worker.run_op(frame)
+    (event,) = native.events
+    await asyncio.sleep(0.05)  # the worker polls, then its watcher does: no reply yet
+    assert rig.channel.sent == []
+    assert event.queries > 0
+    event.complete()
+    for _ in range(500):
+        if rig.channel.sent:
+            break
+        await asyncio.sleep(0.01)
+    (reply,) = rig.channel.sent
+    assert isinstance(reply, Done)
+    assert reply.event
+    assert accel.joins == [event]  # the worker's stream waited for the op first
+    kind, stream, handle = rig.calls.log[-1]  # then an event on that stream, sent back
+    assert (kind, handle) == ("record", reply.event)
+    assert stream.startswith("worker")
+    backend.close()
+    backend.closed().result(5.0)

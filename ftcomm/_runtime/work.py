@@ -362,6 +362,16 @@ class Work(Generic[R]):
         left = None if end is None else max(0.0, end - time.perf_counter())
         return not self._add_waiter(native, ended.set) or ended.wait(left)
 
+    def _order_stream(self) -> bool:
+        """c10d's ``wait()`` for an accelerator op that has not ended: make the
+        calling thread's current stream wait for its device work, instead of
+        the CPU (the owner loop still holds its deadline). Whether it did."""
+        native = self._native
+        if self._end is not None or native is None or not getattr(native, "stream_ordered", False):
+            return False
+        native.join_stream()  # type: ignore[attr-defined]
+        return True
+
     def _when_done(self, callback: Callable[[], object]) -> None:
         """Call ``callback()`` once the op's end is published: at once if it
         is, else on the thread that publishes it."""

@@ -14,7 +14,6 @@ def backend_class(name: str) -> type[Backend]:
 
     Raises:
         ValueError: ``name`` is not one of :data:`BACKENDS`.
-        NotImplementedError: the backend is not available in this release.
     """
     if name == "gloo":
         from .gloo import GlooBackend
@@ -25,7 +24,7 @@ def backend_class(name: str) -> type[Backend]:
 
         return DummyBackend
     if name in ("nccl", "xccl"):
-        raise NotImplementedError(
-            f"the {name!r} backend is not implemented in this release of ftcomm"
-        )
+        from .accelerator import accelerator_class
+
+        return accelerator_class(name)
     raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {name!r}")

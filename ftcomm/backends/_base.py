@@ -13,7 +13,7 @@ import abc
 import concurrent.futures
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed import ReduceOp
@@ -43,8 +43,10 @@ class Backend(abc.ABC):
     """One configured native group. Ops take the remaining deadline in seconds."""
 
     name: ClassVar[str]
-    device_type: ClassVar[str]
-    """The device type of the tensors this backend accepts (``"*"``: any)."""
+    device_type: str
+    """The device type of the tensors this backend accepts (``"*"``: any); a
+    class attribute, which an instance may set (the accelerator backend
+    takes it from its device layer)."""
     dtypes: ClassVar[frozenset[torch.dtype] | None] = None
     """The dtypes it can send (``None``: any)."""
     reduce_ops: ClassVar[frozenset[ReduceOp.RedOpType]]
@@ -55,8 +57,21 @@ class Backend(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def connect(cls, spec: ConnectSpec) -> Backend:
-        """Build the native group. Blocks; called on a worker thread."""
+    def connect(
+        cls, spec: ConnectSpec, cancel: concurrent.futures.Future[Any] | None = None
+    ) -> Backend:
+        """Build the native group. Blocks; called on a worker thread.
+
+        ``cancel`` completes when nobody waits for this connect any more (the
+        configure deadline passed, or it was superseded): a backend that can
+        stop its construction then does, and raises. Others finish, and the
+        group disposes of what they built."""
+
+    @classmethod
+    def check_usable(cls) -> None:
+        """Raise ``RuntimeError`` if this torch (or machine) cannot run the
+        backend at all; called when a group is created."""
+        return None  # every backend but NCCL/XCCL runs wherever torch does
 
     def close(self) -> list[object]:
         """Let go of the native objects; the caller hands them to the reaper."""

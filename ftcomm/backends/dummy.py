@@ -7,8 +7,9 @@ one rank would give (an allgather copies the input into the output, and so on).
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed import ReduceOp
@@ -19,7 +20,7 @@ from ._base import Backend, ConnectSpec
 
 class DummyBackend(Backend):
     name: ClassVar[str] = "dummy"
-    device_type: ClassVar[str] = "*"  # any device: nothing leaves the tensor
+    device_type = "*"  # any device: nothing leaves the tensor
     reduce_ops: ClassVar[frozenset[ReduceOp.RedOpType]] = frozenset(
         {
             ReduceOp.SUM,
@@ -34,7 +35,9 @@ class DummyBackend(Backend):
     )
 
     @classmethod
-    def connect(cls, spec: ConnectSpec) -> DummyBackend:
+    def connect(
+        cls, spec: ConnectSpec, cancel: concurrent.futures.Future[Any] | None = None
+    ) -> DummyBackend:
         if spec.world_size != 1:
             raise ValueError(f"the dummy backend has world_size 1, got {spec.world_size}")
         return cls(spec.rank, spec.world_size)

@@ -29,6 +29,7 @@ Facts of torch 2.13 this backend is built around (DESIGN.md):
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -198,7 +199,7 @@ def _buckets(bufs: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 class GlooBackend(Backend):
     name: ClassVar[str] = "gloo"
-    device_type: ClassVar[str] = "cpu"
+    device_type = "cpu"
     dtypes: ClassVar[frozenset[torch.dtype] | None] = frozenset(
         {
             torch.float32,
@@ -281,7 +282,9 @@ class GlooBackend(Backend):
         return opts
 
     @classmethod
-    def connect(cls, spec: ConnectSpec) -> GlooBackend:
+    def connect(
+        cls, spec: ConnectSpec, cancel: concurrent.futures.Future[Any] | None = None
+    ) -> GlooBackend:
         store = connect_store(spec.store, spec.timeout)
         pg_gloo: Any = dist.ProcessGroupGloo
         opts = pg_gloo._Options()

@@ -410,38 +410,34 @@ class ProcessGroupGloo(ProcessGroupWrapper):
 
 
 class _AcceleratorGroup(ProcessGroupWrapper):
-    """NCCL and XCCL: one class, parametrised by the backend."""
+    """NCCL and XCCL: one class, parametrised by the backend.
 
-    _available: ClassVar[Callable[[], bool]]
+    ``wait()`` keeps c10d's meaning for these: the calling thread's current
+    stream waits for the op, the CPU does not (``wait(timeout)`` blocks the
+    CPU, with ``timeout`` as a deadline); ftcomm's owner loop still holds
+    the op's deadline and aborts the communicator when it passes.
+    ``get_future()`` completes once the op's device work has.
+    ``errored()`` never blocks (no synchronize, unlike torchft's).
+    """
 
     def _new_group(self) -> Group:
-        if not type(self)._available():
-            raise RuntimeError(
-                f"{type(self).__name__} needs a torch build with {self._backend} support; "
-                f"this one (torch {torch.__version__}) has none"
-            )
-        return super()._new_group()  # NotImplementedError until the accelerator backend lands
-
-
-def _xccl_available() -> bool:
-    check = getattr(dist, "is_xccl_available", None)
-    return bool(check()) if check is not None else False
+        # RuntimeError where torch has no such library, before anything is built.
+        return super()._new_group()
 
 
 class ProcessGroupNCCL(_AcceleratorGroup):
-    """A reconfigurable NCCL group (CUDA tensors). Constructing it always works;
-    ``configure`` raises ``RuntimeError`` where torch has no NCCL, and
-    ``NotImplementedError`` in this release otherwise."""
+    """A reconfigurable NCCL group (CUDA tensors): each op's deadline aborts
+    the communicator (``ncclCommAbort``) and raises ``CommTimeout``.
+    Constructing it always works; ``configure`` raises ``RuntimeError`` where
+    torch has no NCCL or sees no GPU."""
 
     _backend = "nccl"
-    _available = staticmethod(dist.is_nccl_available)
 
 
 class ProcessGroupXCCL(_AcceleratorGroup):
     """A reconfigurable XCCL group (Intel XPU tensors); as :class:`ProcessGroupNCCL`."""
 
     _backend = "xccl"
-    _available = staticmethod(_xccl_available)
 
 
 _DUMMY_STORE = "127.0.0.1:1/ftcomm-dummy"  # never contacted: the dummy backend has no store
@@ -524,9 +520,10 @@ class ProcessGroupBabyGloo(_Baby, ProcessGroupGloo):
 
 
 class ProcessGroupBabyNCCL(_Baby, ProcessGroupNCCL):
-    """NCCL in a worker process (CUDA tensors). As :class:`ProcessGroupNCCL`:
-    ``configure`` raises ``RuntimeError`` where torch has no NCCL, and
-    ``NotImplementedError`` in this release otherwise."""
+    """NCCL in a worker process (CUDA tensors, shared by IPC handle; the
+    caller's stream waits for each op through an event, the CPU does not).
+    A deadline or ``abort()`` kills the worker. ``configure`` raises
+    ``RuntimeError`` where torch has no NCCL or sees no GPU."""
 
 
 class ProcessGroupBabyXCCL(_Baby, ProcessGroupXCCL):

@@ -89,7 +89,10 @@ class OpWork(dist.Work):
     """The c10d work of one ftcomm op.
 
     ``wait(timeout=None)`` blocks the calling thread (never the owner loop)
-    until the op ends and returns True, or raises the op's ftcomm error.
+    until the op ends and returns True, or raises the op's ftcomm error; for
+    an NCCL/XCCL op still running, it makes the calling thread's current
+    stream wait for the op instead, and returns True at once (c10d's
+    meaning; the op's deadline still aborts it, and ``errored()`` says so).
     ``timeout`` (a timedelta or seconds) is a deadline: if the op has not
     ended by then it ends with ``CommTimeout`` and its group is aborted.
     ``get_future()`` gives a ``torch.futures.Future`` with the op's output
@@ -108,6 +111,8 @@ class OpWork(dist.Work):
     def wait(self, timeout: object = None) -> bool:
         op = self._op
         seconds = None if timeout is None else wait_seconds(timeout)
+        if seconds is None and op._order_stream():
+            return True  # NCCL/XCCL: the caller's stream waits, the CPU does not
         if not op.done() and get_runtime().in_loop_thread():
             raise RuntimeError(
                 "wait() would block ftcomm's owner loop: call it from another thread"

@@ -66,9 +66,11 @@ class SubprocessBackend(Backend):
         self.worker = worker
 
     @classmethod
-    def connect(cls, spec: ConnectSpec) -> SubprocessBackend:
+    def connect(
+        cls, spec: ConnectSpec, cancel: concurrent.futures.Future[Any] | None = None
+    ) -> SubprocessBackend:
         """Start a worker and configure it (no spare: see :class:`Launcher`)."""
-        return Launcher(cls.inner.name, spare=False).connect(spec)
+        return Launcher(cls.inner.name, spare=False).connect(spec, cancel)
 
     def close(self) -> list[object]:
         self.worker.kill()  # its death is read (and reaped) on the owner loop

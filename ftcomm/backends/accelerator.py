@@ -1,0 +1,562 @@
+"""NCCL (CUDA) and XCCL (XPU): one backend, parametrised by a :class:`Flavor`.
+
+How a deadline really ends an op here:
+
+* **The group is built as torchft builds it**, which torchft's GPU CI
+  verifies: a non-blocking communicator (``config.blocking = False``), the
+  configure arguments' global ranks and a group name of its own, the
+  sequence number set, and the communicator connected at once on the
+  current device. ``configure()``'s deadline (or an ``abort()`` meanwhile)
+  aborts a communicator that is still connecting: a peer that never shows up
+  costs the configure timeout, not torch's 30 minutes.
+* **An op ends when its device work has**, not when it was queued: after
+  the op, an event is recorded on a stream of ftcomm's own that waits for
+  the op's stream (the caller's stream is not held up). ``await work``
+  returns once that event has completed; whoever looks (the awaiting task
+  spinning a moment, then a watcher thread per group) only queries it.
+* **The deadline is the owner loop's.** At the deadline the loop queries the
+  op's event (never a synchronize): if it has not completed, the op ends
+  with ``CommTimeout`` at once, the group is errored, and the communicator
+  is aborted (``ncclCommAbort``) on a worker thread, exactly once per
+  configuration; every other op in flight ends with ``CommAborted``.
+  ``Closing`` (what ``abort()`` and ``shutdown()`` return) waits for that
+  abort to have returned.
+* **An op is a success only if its event was seen completed before an abort
+  began**, and its library reports no error: the kernels an abort stops
+  complete their events too, and must not read as a success.
+* c10d's own per-op timeout is set well past ftcomm's deadline and its
+  watchdog is told to clean up only (:func:`prepare_environment`), so c10d
+  never ends the process for an op ftcomm owns.
+
+What stays unverified without a GPU, and the truth table, are in
+docs/errors.md and docs/design.md.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceCoalescedOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BroadcastOptions,
+    ReduceScatterOptions,
+)
+from torch.distributed import ReduceOp
+
+from .._runtime.loop import get_runtime
+from .._runtime.native import Done, NativeOp
+from .._store import connect_store
+from ..errors import CommAborted, CommError, CommFailed
+from ._accel_device import (
+    FLAVORS,
+    WATCHDOG_TIMEOUT,
+    DeviceCalls,
+    Flavor,
+    device_calls,
+    dump_before_abort,
+    prepare_environment,
+)
+from ._base import Backend, ConnectSpec
+
+log = logging.getLogger("ftcomm")
+
+POLL_MIN = 50e-6
+"""The watcher's first pause between two rounds of event queries (seconds)."""
+POLL_MAX = 2e-3
+"""Its longest pause: an op that ends is seen within this (plus a round)."""
+LINGER = 1.0
+"""How long the watcher thread waits for new ops before it ends."""
+
+
+class EventOp:
+    """One accelerator op: ended once its event has completed, or its group
+    was aborted (or its library reported an error) first.
+
+    ``abandon()`` aborts the group (on a worker thread) and returns False:
+    the op's error is published at once, at the deadline; the communicator's
+    kernels stop as the abort takes effect (docs/errors.md).
+    """
+
+    __slots__ = ("_backend", "_end", "_event", "_work")
+
+    stream_ordered: ClassVar[bool] = True
+    """c10d's ``Work.wait()`` on it orders the caller's stream, not the CPU."""
+
+    def __init__(self, backend: AcceleratorBackend, work: Any, event: Any) -> None:
+        self._backend = backend
+        self._work = work  # keeps the native work (and its tensors) until the end
+        self._event = event
+        self._end: list[BaseException | None] | None = None  # set once, by _seen
+
+    def poll(self) -> bool:
+        if self._end is not None:
+            return True
+        backend = self._backend
+        # The query first, the library's error and the abort flag second: a
+        # completion seen before an abort began (c10d's watchdog sets the
+        # error before it aborts) is the op's own; one seen after may be the
+        # abort's, whose stopped kernels complete their events too.
+        completed = backend.calls.query(self._event)
+        if completed:
+            backend.check_library()
+        error = backend.stopped()
+        if error is not None:
+            self._seen(error)
+            return True
+        if completed:
+            self._seen(None)
+        return completed
+
+    def peek(self) -> bool:
+        """Whether the op ended by itself: its event completed before any
+        abort (an op a break ends after an abort began gets the break's
+        error, which says why)."""
+        return self.poll() and self.outcome() is None
+
+    def outcome(self) -> BaseException | None:
+        end = self._end
+        return None if end is None else end[0]
+
+    def _seen(self, error: BaseException | None) -> None:
+        """The op's end, first seen (several threads may poll at once: the
+        first to see it decides, under the group's lock)."""
+        with self._backend._lock:
+            if self._end is None:
+                self._end = [error]
+                self._work = None
+
+    def on_done(self, callback: Done) -> None:
+        self._backend.watcher.add(self, callback)
+
+    def abandon(self) -> bool:
+        self._backend.abort()
+        return False
+
+    def join_stream(self) -> None:
+        """The calling thread's current stream waits for the op (the CPU does not)."""
+        self._backend.calls.join(self._event)
+
+
+class Watcher:
+    """Queries the events of a group's ops that someone waits for, on one
+    thread that runs while there are any (and :data:`LINGER` after), and
+    calls their callbacks when they end. Also notices an error the library
+    reports while ops are pending, and aborts the group then."""
+
+    def __init__(self, backend: AcceleratorBackend) -> None:
+        self._backend = backend
+        self._cond = threading.Condition(threading.Lock())
+        self._pending: list[tuple[EventOp, Done]] = []
+        self._thread: threading.Thread | None = None
+
+    def add(self, op: EventOp, callback: Done) -> None:
+        with self._cond:
+            self._pending.append((op, callback))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"ftcomm-{self._backend.name}-watch", daemon=True
+                )
+                self._thread.start()
+            else:
+                self._cond.notify()
+
+    def _run(self) -> None:
+        pause = POLL_MIN
+        while True:
+            with self._cond:
+                if not self._pending:
+                    self._cond.wait(LINGER)
+                    if not self._pending:
+                        self._thread = None
+                        return
+                pending = list(self._pending)
+            self._backend.check_library()
+            ended = [(op, cb) for op, cb in pending if op.poll()]
+            if not ended:
+                time.sleep(pause)
+                pause = min(pause * 2, POLL_MAX)
+                continue
+            pause = POLL_MIN
+            with self._cond:
+                done = {id(op) for op, _ in ended}
+                self._pending = [(op, cb) for op, cb in self._pending if id(op) not in done]
+            for op, cb in ended:
+                try:
+                    cb(op.outcome())
+                except Exception:  # a callback's bug must not stop the others
+                    log.exception("ftcomm: a completion callback failed")
+            del ended, pending
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+
+class AcceleratorBackend(Backend):
+    """One NCCL or XCCL group (a subclass per :class:`Flavor`: :func:`accelerator_class`)."""
+
+    flavor: ClassVar[Flavor]
+    dtypes: ClassVar[frozenset[torch.dtype] | None] = frozenset(
+        {
+            torch.float32,
+            torch.float64,
+            torch.float16,
+            torch.bfloat16,
+            torch.int8,
+            torch.uint8,
+            torch.int32,
+            torch.int64,
+            torch.bool,
+        }
+    )
+    reduce_ops: ClassVar[frozenset[ReduceOp.RedOpType]] = frozenset(
+        {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX}
+    )
+
+    def __init__(
+        self,
+        calls: DeviceCalls,
+        pg: Any,
+        store: object,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        global_rank: int,
+    ) -> None:
+        super().__init__(rank, world_size)
+        self.calls = calls
+        # The device layer says where its tensors live (a fake's are on the CPU).
+        self.device_type = calls.device_type
+        self.device = device
+        self._pg: Any = pg
+        self._store: object | None = store
+        self._global_rank = global_rank
+        self._lock = threading.Lock()
+        self._stop: CommError | None = None  # set once, when an abort begins
+        self._aborted: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._options: dict[tuple[object, ...], Any] = {}
+        self._scratch: torch.Tensor | None = None
+        self.watcher = Watcher(self)
+
+    def __repr__(self) -> str:
+        state = "aborted" if self._stop is not None else "live"
+        return f"<ftcomm {self.name} backend rank={self.rank}/{self.world_size} {state}>"
+
+    # -- building -------------------------------------------------------------
+    @classmethod
+    def check_usable(cls) -> None:
+        """Raises: RuntimeError: torch has no such library, or sees no device."""
+        check_available(cls.flavor)
+
+    @classmethod
+    def connect(
+        cls, spec: ConnectSpec, cancel: concurrent.futures.Future[Any] | None = None
+    ) -> AcceleratorBackend:
+        """Build the group and connect its communicator on the current device.
+
+        ``cancel``: once it completes (the configure deadline passed, or it
+        was superseded), the communicator being connected is aborted, and
+        this raises.
+
+        Raises:
+            RuntimeError: torch has no such backend, or the connect was aborted.
+            TimeoutError, RuntimeError: the store or the library failed.
+        """
+        flavor = cls.flavor
+        calls = device_calls(flavor)
+        check_available(flavor, calls)
+        prepare_environment(flavor, spec.timeout)
+        store = connect_store(spec.store, spec.timeout)
+        opts = calls.options()
+        config = getattr(opts, "config", None)
+        if config is not None:
+            config.blocking = False  # a communicator that ncclCommAbort can stop
+        opts._timeout = WATCHDOG_TIMEOUT  # c10d's watchdog never acts before ftcomm
+        if spec.global_ranks is not None:
+            opts.global_ranks_in_group = list(spec.global_ranks)
+        opts.group_name = f"ftcomm:{spec.replica_id}:{spec.quorum_id}:{spec.store.prefix}"
+        device = calls.current_device()
+        pg = calls.new_group(store, spec.rank, spec.world_size, opts)
+        global_rank = spec.global_ranks[spec.rank] if spec.global_ranks else spec.rank
+        backend = cls(calls, pg, store, spec.rank, spec.world_size, device, global_rank)
+        if cancel is not None:
+            cancel.add_done_callback(lambda _: backend.abort())  # at once if it is done
+        try:
+            calls.connect(pg, device)
+            backend._joined(time.monotonic() + spec.timeout)
+        except BaseException:
+            backend.close()  # aborts the communicator, once
+            # The error's traceback holds this frame: it must not hold the
+            # store's connection (nor the native group) for as long as
+            # someone keeps the error.
+            del store, pg, backend
+            raise
+        if not flavor.real_abort:
+            warn_local_aborts(flavor)
+        return backend
+
+    def _joined(self, deadline: float) -> None:
+        """Wait until every peer has joined: a barrier, whose issue waits (in
+        torch) for the non-blocking communicator to be ready, and whose event
+        says every rank took part. Afterwards no op waits for a peer to join
+        on the issuing thread. Ends early, raising, once the group is aborted
+        (the connect was cancelled).
+
+        Raises:
+            TimeoutError: not every peer joined by ``deadline``.
+            RuntimeError: the group was aborted, or the barrier failed.
+        """
+        op = self.barrier(max(0.0, deadline - time.monotonic()))
+        pause = POLL_MIN
+        while not op.poll():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"not every {self.flavor.library} peer joined in time")
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_MAX)
+        error = op.outcome()
+        if error is not None:
+            raise RuntimeError(
+                f"the {self.flavor.library} communicator did not connect: {error.message}"
+                if isinstance(error, CommError)
+                else f"the {self.flavor.library} communicator did not connect: {error}"
+            )
+
+    # -- aborting ---------------------------------------------------------------
+    def stopped(self) -> CommError | None:
+        """The error ops not seen completed get once an abort has begun
+        (``None`` before)."""
+        return self._stop
+
+    def abort(self, error: CommError | None = None) -> bool:
+        """Abort the communicator, once: the native abort runs on a worker
+        thread (it may block; never on the owner loop), after a flight
+        recorder dump if ``TORCHFT_TRIGGER_FR_ON_ABORT=true``. ``error``: what
+        the ops not seen completed end with (default ``CommAborted``).
+        Whether this call was the one that began it."""
+        with self._lock:
+            if self._stop is not None:
+                return False
+            self._stop = error or CommAborted(f"the {self.flavor.library} group was aborted")
+            pg = self._pg
+        get_runtime().workers.spawn(self._abort_native, pg, until=None)
+        return True
+
+    def _abort_native(self, pg: Any) -> None:
+        try:
+            dump_before_abort(self.calls, self._global_rank)
+            self.calls.abort(pg)
+        except Exception:
+            log.exception("ftcomm: aborting the %s group failed", self.flavor.library)
+        finally:
+            self._pg = None  # aborted: dropping it now is quick, here, off the loop
+            del pg
+            self._aborted.set_result(None)
+
+    def check_library(self) -> None:
+        """Abort if the library reports an error (the watcher, while ops are pending)."""
+        if self._stop is not None:
+            return
+        pg = self._pg
+        if pg is None:
+            return
+        try:
+            failure = self.calls.failed(pg)
+        except Exception:  # a query that fails says nothing about the ops
+            log.debug("ftcomm: querying the %s group's error failed", self.name, exc_info=True)
+            return
+        if failure is not None:
+            self.abort(CommFailed(f"{self.flavor.library} reported {failure}"))
+
+    def close(self) -> list[object]:
+        """Abort the communicator (a reconfigure or shutdown; ncclCommAbort is
+        bounded where a graceful destroy could wait on a dead peer)."""
+        self.abort()
+        store, self._store = self._store, None
+        return [store] if store is not None else []
+
+    def closed(self) -> concurrent.futures.Future[None]:
+        """Completes once the native abort has returned."""
+        return self._aborted
+
+    # -- ops ------------------------------------------------------------------------
+    def _opts(self, kind: type, reduce_op: object = None, root: int = 0) -> Any:
+        """An options object, built once per (kind, op, root) and reused (c10d
+        copies what it needs when it issues the op). No timeout: NCCL ignores
+        a per-op one (its watchdog uses the group's, :data:`WATCHDOG_TIMEOUT`);
+        the owner loop holds each op's deadline."""
+        key = (kind, reduce_op, root)
+        opts = self._options.get(key)
+        if opts is None:
+            opts = kind()
+            if reduce_op is not None:
+                opts.reduceOp = reduce_op
+            if kind is BroadcastOptions:
+                opts.rootRank = root
+                opts.rootTensor = 0
+            self._options[key] = opts
+        return opts
+
+    def _issue(self, device: torch.device, call: Callable[[Any], Any]) -> NativeOp:
+        pg = self._pg  # before the flag: an abort that ends drops it
+        stop = self._stop
+        if stop is not None or pg is None:  # aborted (the table breaks on the error)
+            raise RuntimeError(f"the {self.flavor.library} group was aborted")
+        work = call(pg)
+        return EventOp(self, work, self.calls.record(work, device))
+
+    def allreduce(
+        self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType, timeout: float
+    ) -> NativeOp:
+        ts = list(tensors)
+        if len(ts) == 1:
+            opts = self._opts(AllreduceOptions, op)
+            return self._issue(ts[0].device, lambda pg: pg.allreduce(ts, opts))
+        copts = self._opts(AllreduceCoalescedOptions, op)
+        return self._issue(ts[0].device, lambda pg: pg.allreduce_coalesced(ts, copts))
+
+    def allgather(
+        self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, timeout: float
+    ) -> NativeOp:
+        opts = self._opts(AllgatherOptions)
+        outs = [list(outputs)]
+        return self._issue(tensor.device, lambda pg: pg.allgather(outs, [tensor], opts))
+
+    def allgather_into_tensor(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], timeout: float
+    ) -> NativeOp:
+        opts = self._opts(AllgatherOptions)
+        outs, ins = list(outputs), list(inputs)
+        return self._issue(
+            ins[0].device,
+            lambda pg: _method(
+                pg, "all_gather_single_coalesced", "allgather_into_tensor_coalesced"
+            )(outs, ins, opts),
+        )
+
+    def broadcast(self, tensor: torch.Tensor, root: int, timeout: float) -> NativeOp:
+        opts = self._opts(BroadcastOptions, root=root)
+        return self._issue(tensor.device, lambda pg: pg.broadcast([tensor], opts))
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        inputs: Sequence[torch.Tensor],
+        op: ReduceOp.RedOpType,
+        timeout: float,
+    ) -> NativeOp:
+        opts = self._opts(ReduceScatterOptions, op)
+        ins = [list(inputs)]
+        return self._issue(output.device, lambda pg: pg.reduce_scatter([output], ins, opts))
+
+    def reduce_scatter_tensor(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        op: ReduceOp.RedOpType,
+        timeout: float,
+    ) -> NativeOp:
+        opts = self._opts(ReduceScatterOptions, op)
+        outs, ins = list(outputs), list(inputs)
+        return self._issue(
+            outs[0].device,
+            lambda pg: _method(
+                pg, "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"
+            )(outs, ins, opts),
+        )
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        timeout: float,
+    ) -> NativeOp:
+        opts = self._opts(AllToAllOptions)
+        return self._issue(
+            tensor.device,
+            lambda pg: pg.alltoall_base(
+                output, tensor, output_split_sizes, input_split_sizes, opts
+            ),
+        )
+
+    def barrier(self, timeout: float) -> NativeOp:
+        """An allreduce of one element: c10d's own barrier blocks the thread
+        that waits on it until the device is done, and the owner loop must
+        never block."""
+        scratch = self._scratch
+        if scratch is None:
+            scratch = self._scratch = self.calls.scratch(self.device)
+        opts = self._opts(AllreduceOptions, ReduceOp.SUM)
+        return self._issue(scratch.device, lambda pg: pg.allreduce([scratch], opts))
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float) -> NativeOp:
+        return self._issue(tensor.device, lambda pg: pg.send([tensor], dst, tag))
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, timeout: float) -> NativeOp:
+        return self._issue(tensor.device, lambda pg: pg.recv([tensor], src, tag))
+
+
+_warned_local: set[str] = set()
+
+
+def warn_local_aborts(flavor: Flavor) -> None:
+    """Warn, once per process and library, that its aborts stay local."""
+    if flavor.name in _warned_local:
+        return
+    _warned_local.add(flavor.name)
+    warnings.warn(
+        f"ftcomm: torch's {flavor.library} backend has no abort: a deadline, cancel "
+        "or abort() ends the op here and errors the group, but the communicator's "
+        "kernels run on until they end by themselves and a peer may still complete "
+        "the op (docs/errors.md, 'Abort truth table')",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def _method(pg: Any, *names: str) -> Any:
+    """The first of ``names`` the native backend has (torch renamed the
+    coalesced single-tensor ops in 2.10)."""
+    for name in names:
+        method = getattr(pg, name, None)
+        if method is not None:
+            return method
+    raise RuntimeError(f"the native backend has none of {', '.join(names)}")
+
+
+def check_available(flavor: Flavor, calls: DeviceCalls | None = None) -> None:
+    """Raise ``RuntimeError`` where torch has no ``flavor`` (or sees no device)."""
+    calls = calls if calls is not None else device_calls(flavor)
+    if not calls.available():
+        raise RuntimeError(
+            f"the {flavor.name!r} backend needs a torch build with {flavor.library} and a "
+            f"{flavor.device_type} device; this one (torch {torch.__version__}) has none"
+        )
+
+
+_classes: dict[str, type[AcceleratorBackend]] = {}
+
+
+def accelerator_class(name: str) -> type[AcceleratorBackend]:
+    """The backend class for ``"nccl"`` or ``"xccl"`` (the same code, its own flavor)."""
+    cls = _classes.get(name)
+    if cls is None:
+        flavor = FLAVORS[name]
+        cls = type(
+            f"{flavor.library}Backend",
+            (AcceleratorBackend,),
+            {"flavor": flavor, "name": flavor.name, "device_type": flavor.device_type},
+        )
+        _classes[name] = cls
+    return cls

@@ -1,0 +1,180 @@
+"""``make gpu-check OUT=dir``: ftcomm's NCCL backend on one GPU, in one command.
+
+Runs every scenario of tests/gpu_scenarios.py (the GPU tests and a bench
+against raw c10d NCCL), each in a process of its own with a time limit (a
+scenario that hangs or crashes the process is recorded, not fatal, and
+torch's once-per-process settings start fresh), and writes into ``dir``:
+
+* ``gpu_check.log``: everything the scenarios printed, with what passed;
+* ``gpu_check.json``: the figures, one entry per scenario, and what one GPU
+  leaves unverified.
+
+Exit status 0 when every scenario passed, 1 when one failed, 2 without a
+GPU. ``--fake`` runs the scenarios that can on the CPU, over the fake
+device layer (tests/fake_accel.py): it checks this script and the
+scenarios' logic, not the GPU.
+
+Needs nothing beyond ftcomm's own requirements (torch, anyio, uvloop): no
+pytest, so that a machine without network can run it from the tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+LIMITS = {  # seconds per scenario, start-up included (all together: under 6 minutes)
+    "every_collective": 60,
+    "busy_stream_deadline": 90,
+    "init_absent_peer": 60,
+    "subprocess_ws1": 90,
+    "facade_ws1": 60,
+    "bench": 120,
+}
+
+
+def run_one(name: str, port: int, fake: bool) -> dict[str, Any]:
+    """Run scenario ``name`` in this process; its figures, or its failure."""
+    import gpu_scenarios
+    import torch
+
+    if fake:
+        from fake_accel import FakeDevice
+
+        from ftcomm.backends import accelerator
+        from ftcomm.backends._accel_device import NCCL
+
+        device = FakeDevice(NCCL)
+        accelerator.device_calls = lambda flavor: device  # type: ignore[assignment]
+        rig: gpu_scenarios.Rig = gpu_scenarios.FakeRig(device)
+    else:
+        rig = gpu_scenarios.Rig()
+    scenario = gpu_scenarios.SCENARIOS[name]
+    start = time.monotonic()
+    try:
+        if asyncio.iscoroutinefunction(scenario):
+            figures = asyncio.run(scenario(rig, port))
+        else:
+            figures = scenario(rig, port)
+        result: dict[str, Any] = {"passed": True, "figures": figures}
+    except BaseException as exc:  # a scenario's failure is its result
+        traceback.print_exc()
+        result = {"passed": False, "error": f"{type(exc).__name__}: {exc}"}
+    result["seconds"] = round(time.monotonic() - start, 2)
+    result["torch"] = torch.__version__
+    return result
+
+
+def environment(fake: bool) -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {"torch": torch.__version__, "fake": fake}
+    if not fake and torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+        try:
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))  # type: ignore[no-untyped-call]
+        except Exception as exc:
+            env["nccl"] = f"unknown ({exc})"
+    return env
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", default="gpu-check-out", help="folder for the results")
+    parser.add_argument("--fake", action="store_true", help="the fake device layer, on the CPU")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--only", nargs="*", help="run these scenarios only")
+    args = parser.parse_args(argv)
+    if args.one:  # a child: one scenario, its result as the last line
+        result = run_one(args.one, args.port, args.fake)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+
+    import torch
+    from torch.distributed import TCPStore
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "gpu_check.log").open("w")
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        log.write(text + "\n")
+        log.flush()
+
+    env = environment(args.fake)
+    say(f"environment: {json.dumps(env)}")
+    if not args.fake and not torch.cuda.is_available():
+        say("no CUDA device: nothing to check (run it on a GPU machine, or with --fake)")
+        (out / "gpu_check.json").write_text(json.dumps({"environment": env, "gpu": False}))
+        return 2
+    import gpu_scenarios
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    names = args.only or list(gpu_scenarios.SCENARIOS)
+    results: dict[str, Any] = {}
+    for name in names:
+        cmd = [sys.executable, __file__, "--one", name, "--port", str(server.port)]
+        if args.fake:
+            cmd.append("--fake")
+        say(f"== {name} (limit {LIMITS[name]} s)")
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=LIMITS[name],
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                check=False,
+            )
+            output, code = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            output = (exc.stdout or "") + (exc.stderr or "")  # type: ignore[operator]
+            code = None
+        lines = output.splitlines() if isinstance(output, str) else []
+        for line in lines:
+            if not line.startswith("RESULT "):
+                say(f"  | {line}")
+        found = [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")]
+        if found:
+            result = found[-1]
+        elif code is None:
+            result = {"passed": False, "error": f"no result within {LIMITS[name]} s (killed)"}
+        else:
+            result = {"passed": False, "error": f"the process exited with {code} and no result"}
+        result.setdefault("seconds", round(time.monotonic() - start, 2))
+        results[name] = result
+        say(f"   {'PASSED' if result['passed'] else 'FAILED'}: {json.dumps(result)}")
+    summary = {
+        "environment": env,
+        "gpu": not args.fake,
+        "results": results,
+        "unverified": gpu_scenarios.UNVERIFIED,
+    }
+    (out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
+    failed = [n for n, r in results.items() if not r["passed"]]
+    say(
+        f"{len(names) - len(failed)}/{len(names)} passed"
+        + (f"; failed: {failed}" if failed else "")
+    )
+    log.close()
+    del server
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,255 @@
+"""A fake NCCL/XCCL device layer: :class:`FakeDevice` replaces
+:class:`~ftcomm.backends._accel_device.DeviceCalls`, and nothing else.
+
+"Device" tensors are CPU tensors. The native group does what a group of
+``world_size`` ranks whose peers mirror this rank would do to this rank's
+tensors (an allreduce SUM leaves world_size x the input, ...), at once, on
+the issuing thread; what is fake is *when the op ends*: each op's event
+completes at once, unless the test holds events (:meth:`FakeDevice.hold`),
+then when the test says so (:meth:`FakeEvent.complete`,
+:meth:`FakeDevice.release`), or when the group is aborted (an abort stops
+the kernels, so their events complete). Every call is counted, so tests
+can assert that an abort happened exactly once, on which thread, and what
+the group was built with.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch.distributed import ReduceOp
+
+from ftcomm.backends._accel_device import Flavor
+
+
+class FakeEvent:
+    def __init__(self, device: FakeDevice, group: FakeGroup, op: str) -> None:
+        self.op = op
+        self.group = group
+        self._done = threading.Event()
+        self.queries = 0
+        if not device.holding:
+            self._done.set()
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self._done.is_set()
+
+    def complete(self) -> None:
+        self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+class FakeWork:
+    def __init__(self, group: FakeGroup, op: str, opts: Any) -> None:
+        self.group = group
+        self.op = op
+        self.opts = opts
+
+
+class FakeGroup:
+    """The native group: records its construction and the ops issued on it."""
+
+    def __init__(self, device: FakeDevice, rank: int, world_size: int, options: Any) -> None:
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        self.options = options
+        self.ops: list[FakeWork] = []
+        self.events: list[FakeEvent] = []
+        self.aborts = 0
+        self.abort_threads: list[str] = []
+        self.sequence_set = False
+        self.connected_on: torch.device | None = None
+        self.error: str | None = None
+        self._aborted = threading.Event()
+
+    # -- construction
+    def _set_sequence_number_for_group(self) -> None:
+        self.sequence_set = True
+
+    def eager_connect_single_device(self, device: torch.device) -> None:
+        self.device.connecting.set()
+        gate = self.device.init_gate
+        while not gate.wait(0.01):
+            if self._aborted.is_set():
+                raise RuntimeError("NCCL communicator was aborted during init")
+        if self._aborted.is_set():
+            raise RuntimeError("NCCL communicator was aborted during init")
+        self.connected_on = device
+
+    def abort(self) -> None:
+        self.aborts += 1
+        self.abort_threads.append(threading.current_thread().name)
+        self.device.abort_gate.wait()  # a test may make the native abort slow
+        self._aborted.set()
+        for event in self.events:
+            event.complete()  # the kernels exit
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
+
+    def get_error(self) -> Any:
+        return SimpleNamespace(name=self.error or "SUCCESS")
+
+    # -- ops (this rank's view: every peer holds what this rank holds)
+    def _op(self, op: str, opts: Any) -> FakeWork:
+        if self._aborted.is_set():
+            raise RuntimeError("NCCL communicator was aborted")
+        work = FakeWork(self, op, opts)
+        self.ops.append(work)
+        return work
+
+    def _reduce(self, t: torch.Tensor, op: Any) -> None:
+        n = self.world_size
+        if op == ReduceOp.SUM:
+            t.mul_(n)
+        elif op == ReduceOp.PRODUCT:
+            t.pow_(n)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> FakeWork:
+        for t in tensors:
+            self._reduce(t, opts.reduceOp)
+        return self._op("allreduce", opts)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> FakeWork:
+        for t in tensors:
+            self._reduce(t, opts.reduceOp)
+        return self._op("allreduce_coalesced", opts)
+
+    def allgather(
+        self, outs: list[list[torch.Tensor]], ins: list[torch.Tensor], opts: Any
+    ) -> FakeWork:
+        for o in outs[0]:
+            o.copy_(ins[0])
+        return self._op("allgather", opts)
+
+    def all_gather_single_coalesced(
+        self, outs: list[torch.Tensor], ins: list[torch.Tensor], opts: Any
+    ) -> FakeWork:
+        for o, i in zip(outs, ins, strict=True):
+            o.copy_(i.reshape(-1).repeat(self.world_size).reshape(o.shape))
+        return self._op("allgather_into_tensor", opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> FakeWork:
+        return self._op(f"broadcast:{opts.rootRank}", opts)
+
+    def reduce_scatter(
+        self, outs: list[torch.Tensor], ins: list[list[torch.Tensor]], opts: Any
+    ) -> FakeWork:
+        outs[0].copy_(ins[0][self.rank])
+        self._reduce(outs[0], opts.reduceOp)
+        return self._op("reduce_scatter", opts)
+
+    def reduce_scatter_single_coalesced(
+        self, outs: list[torch.Tensor], ins: list[torch.Tensor], opts: Any
+    ) -> FakeWork:
+        for o, i in zip(outs, ins, strict=True):
+            o.copy_(i.chunk(self.world_size)[self.rank].reshape(o.shape))
+            self._reduce(o, opts.reduceOp)
+        return self._op("reduce_scatter_tensor", opts)
+
+    def alltoall_base(
+        self, out: torch.Tensor, inp: torch.Tensor, osplit: list[int], isplit: list[int], opts: Any
+    ) -> FakeWork:
+        out.copy_(inp)
+        return self._op("alltoall_base", opts)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> FakeWork:
+        return self._op(f"send:{dst}", None)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> FakeWork:
+        return self._op(f"recv:{src}", None)
+
+
+class FakeDevice:
+    """The device layer: see the module's docstring."""
+
+    device_type = "cpu"
+
+    def __init__(self, flavor: Flavor) -> None:
+        self.flavor = flavor
+        self.groups: list[FakeGroup] = []
+        self.holding = False
+        self.init_gate = threading.Event()
+        self.init_gate.set()  # connects finish at once unless a test clears it
+        self.connecting = threading.Event()
+        self.abort_gate = threading.Event()
+        self.abort_gate.set()
+        self.joins: list[FakeEvent] = []
+        self.dumps: list[int] = []
+        self.dump_dir: str | None = None
+
+    @property
+    def group(self) -> FakeGroup:
+        return self.groups[-1]
+
+    def hold(self) -> None:
+        """Events recorded from now on stay pending until completed."""
+        self.holding = True
+
+    def release(self) -> None:
+        """Complete every pending event, and stop holding."""
+        self.holding = False
+        for group in self.groups:
+            for event in group.events:
+                event.complete()
+
+    # -- DeviceCalls
+    def available(self) -> bool:
+        return True
+
+    def current_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def options(self) -> Any:
+        return SimpleNamespace(
+            config=SimpleNamespace(blocking=-(2**31)),
+            _timeout=None,
+            global_ranks_in_group=[],
+            group_name="",
+        )
+
+    def new_group(self, store: Any, rank: int, world_size: int, options: Any) -> FakeGroup:
+        group = FakeGroup(self, rank, world_size, options)
+        self.groups.append(group)
+        return group
+
+    def connect(self, pg: FakeGroup, device: torch.device) -> None:
+        pg._set_sequence_number_for_group()
+        pg.eager_connect_single_device(device)
+
+    def abort(self, pg: FakeGroup) -> None:
+        pg.abort()
+
+    def failed(self, pg: FakeGroup) -> str | None:
+        name = pg.get_error().name
+        return None if name == "SUCCESS" else str(name)
+
+    def record(self, work: FakeWork, device: torch.device) -> FakeEvent:
+        group = work.group
+        event = FakeEvent(self, group, work.op)
+        if group.aborted:
+            event.complete()
+        group.events.append(event)
+        return event
+
+    def query(self, event: FakeEvent) -> bool:
+        return event.query()
+
+    def join(self, event: FakeEvent) -> None:
+        self.joins.append(event)
+
+    def scratch(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(1, dtype=torch.int32)
+
+    def dump_flight_recorder(self, rank: int) -> str | None:
+        self.dumps.append(rank)
+        return None if self.dump_dir is None else f"{self.dump_dir}/trace{rank}"

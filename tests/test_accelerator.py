@@ -1,0 +1,503 @@
+"""NCCL/XCCL on the CPU: the accelerator backend over a fake device layer.
+
+Only :class:`~ftcomm.backends._accel_device.DeviceCalls` is replaced
+(``fake_accel.FakeDevice``: events that complete when the test says so, an
+abort that completes them); the backend, ``Work``, the op table, deadlines,
+the group and the c10d facade are the real code under test. The same tests
+on a GPU are ``tests/test_accelerator_gpu.py`` (``make gpu-check``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch
+from fake_accel import FakeDevice
+from helpers import StoreServer
+
+import ftcomm
+from ftcomm import CommAborted, CommFailed, CommTimeout
+from ftcomm.backends import _accel_device, accelerator, backend_class
+from ftcomm.backends._accel_device import FLAVORS, NCCL, XCCL, Flavor
+from ftcomm.backends.accelerator import AcceleratorBackend, EventOp
+from ftcomm.c10d import ProcessGroupNCCL, ProcessGroupXCCL
+
+_prefixes = itertools.count()
+
+
+def _addr(store: StoreServer) -> str:
+    return f"127.0.0.1:{store.port}/accel{next(_prefixes)}"
+
+
+def _fake(monkeypatch: pytest.MonkeyPatch, flavor: Flavor) -> FakeDevice:
+    device = FakeDevice(flavor)
+
+    def calls(asked: Flavor) -> FakeDevice:
+        assert asked is flavor, f"asked for {asked.name}, the test fakes {flavor.name}"
+        return device
+
+    monkeypatch.setattr(accelerator, "device_calls", calls)
+    for f in FLAVORS.values():  # restored by monkeypatch after the test
+        for name in [f.nonblocking_env, *dict(f.watchdog_env)]:
+            if name is not None:
+                monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(_accel_device.FR_ENV, raising=False)
+    return device
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDevice]:
+    return _fake(monkeypatch, NCCL)
+
+
+async def _until(predicate: object, timeout: float = 5.0) -> None:
+    """Await a condition another thread makes true (bounded)."""
+    end = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < end, "condition not met in time"
+        await asyncio.sleep(0.001)
+
+
+# -- building ---------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_the_group_is_built_as_torchft_builds_it(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    async with ftcomm.Group("nccl", timeout=5.0) as g:
+        await g.configure(_addr(store), 0, 1, global_ranks=[7], timeout=3.0)
+        pg = fake.group
+        assert pg.options.config.blocking is False  # non-blocking: ncclCommAbort stops it
+        assert pg.options.global_ranks_in_group == [7]
+        assert pg.options.group_name.startswith("ftcomm:0:None:accel")
+        # c10d's own op timeout (NCCL has only the group's) is a week: its
+        # watchdog never acts before ftcomm's deadline.
+        assert pg.options._timeout == timedelta(days=7)
+        assert pg.sequence_set
+        assert pg.connected_on == torch.device("cpu")
+        assert g.rank == 0
+        assert g.size() == 1
+    # What ftcomm set where the user had not, and why: docs/design.md.
+    import os
+
+    assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "3"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert os.environ["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+    assert pg.aborts == 1  # shutdown aborts the communicator (bounded)
+
+
+def test_the_users_environment_is_kept(
+    fake: FakeDevice, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", "77")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    monkeypatch.setenv("TORCH_NCCL_ENABLE_MONITORING", "0")
+    monkeypatch.setattr(_accel_device, "_warned", set())
+    with caplog.at_level("WARNING", logger="ftcomm"):
+        assert _accel_device.prepare_environment(NCCL, 5.0) == {}
+    import os
+
+    assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "77"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in caplog.text  # a teardown mode is named
+
+
+def test_without_the_library_the_backend_says_so_before_anything_is_built() -> None:
+    # This torch has no NCCL (a CPU build): the real device layer says so.
+    if accelerator.device_calls(NCCL).available():
+        pytest.skip("this torch has NCCL and a GPU")
+    with pytest.raises(RuntimeError, match="needs a torch build with NCCL"):
+        ftcomm.Group("nccl")
+    with pytest.raises(RuntimeError, match="needs a torch build with XCCL"):
+        ftcomm.Group("xccl", subprocess=True)
+    pg = ProcessGroupNCCL()  # constructing the facade works; configure says why not
+    with pytest.raises(RuntimeError, match="NCCL"):
+        pg.configure("127.0.0.1:1/x", "0", 0, 1)
+
+
+def test_the_backend_classes_share_one_implementation() -> None:
+    nccl, xccl = backend_class("nccl"), backend_class("xccl")
+    assert issubclass(nccl, AcceleratorBackend)
+    assert issubclass(xccl, AcceleratorBackend)
+    assert (nccl.device_type, xccl.device_type) == ("cuda", "xpu")
+    assert nccl.allreduce is xccl.allreduce is AcceleratorBackend.allreduce
+    assert backend_class("nccl") is nccl  # built once
+
+
+# -- ops end when their device work has ----------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_every_collective_returns_what_its_native_op_wrote(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    async with ftcomm.Group("nccl", timeout=5.0) as g:
+        await g.configure(_addr(store), 0, 1)
+        t = torch.tensor([1.0, 2.0])
+        assert (await g.allreduce(t)) is t
+        assert torch.equal(t, torch.tensor([1.0, 2.0]))  # world size 1: SUM leaves it
+        (a, b) = await g.allreduce_coalesced([torch.ones(2), torch.ones(3)])
+        assert a.sum() == 2
+        assert b.sum() == 3
+        outs = await g.allgather(torch.tensor([3.0, 4.0]), out=[torch.zeros(2)])
+        assert torch.equal(outs[0], torch.tensor([3.0, 4.0]))
+        (o,) = await g.allgather_into_tensor_coalesced([torch.zeros(2)], [torch.tensor([5.0, 6.0])])
+        assert torch.equal(o, torch.tensor([5.0, 6.0]))
+        assert torch.equal(await g.broadcast(torch.ones(2), root=0), torch.ones(2))
+        out = await g.reduce_scatter(torch.zeros(2), [torch.tensor([7.0, 8.0])])
+        assert torch.equal(out, torch.tensor([7.0, 8.0]))
+        (r,) = await g.reduce_scatter_tensor_coalesced([torch.zeros(2)], [torch.tensor([1.0, 9.0])])
+        assert torch.equal(r, torch.tensor([1.0, 9.0]))
+        out = await g.alltoall_base(torch.zeros(2), torch.tensor([2.0, 3.0]), [2], [2])
+        assert torch.equal(out, torch.tensor([2.0, 3.0]))
+        assert (await g.barrier()) is None
+        ops = [w.op for w in fake.group.ops]
+        assert ops == [
+            "allreduce",  # configure's: every peer has joined
+            "allreduce",
+            "allreduce_coalesced",
+            "allgather",
+            "allgather_into_tensor",
+            "broadcast:0",
+            "reduce_scatter",
+            "reduce_scatter_tensor",
+            "alltoall_base",
+            "allreduce",  # barrier: one element, never c10d's blocking barrier
+        ]
+        assert all(e.done for e in fake.group.events)
+        with pytest.raises(ValueError, match="BAND"):  # NCCL has no bitwise reductions
+            g.allreduce(torch.ones(1, dtype=torch.int32), op="band")
+
+
+@pytest.mark.asyncio
+async def test_await_returns_once_the_event_completes_not_at_enqueue(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    async with ftcomm.Group("nccl", timeout=10.0) as g:
+        await g.configure(_addr(store), 0, 1)
+        fake.hold()
+        work = g.allreduce(torch.ones(2))
+        task = asyncio.ensure_future(work)
+        event = fake.group.events[-1]
+        await _until(lambda: event.queries >= 3)  # polled (the spin, then the watcher)
+        assert not task.done()
+        assert not work.done()
+        event.complete()
+        assert torch.equal(await asyncio.wait_for(task, 5.0), torch.ones(2))
+        assert fake.group.aborts == 0
+        assert g.errored() is None
+
+
+# -- deadlines ------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_deadline_on_a_pending_event_aborts_once_and_fails_every_op(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    async with ftcomm.Group("nccl", timeout=10.0) as g:
+        await g.configure(_addr(store), 0, 1)
+        fake.hold()
+        slow = g.allreduce(torch.ones(2), timeout=0.3)
+        other = g.broadcast(torch.ones(2), root=0)
+        start = time.monotonic()
+        with pytest.raises(CommTimeout):
+            await slow
+        assert time.monotonic() - start < 0.3 + 1.0  # at the deadline, not at c10d's timeout
+        with pytest.raises(CommAborted):
+            await other
+        assert isinstance(g.errored(), CommTimeout)
+        pg = fake.group
+        await _until(lambda: pg.aborted)
+        # Exactly once, on a worker thread: never the owner loop, never the caller.
+        assert pg.aborts == 1
+        assert pg.abort_threads[0].startswith("ftcomm-worker")
+        with pytest.raises(CommAborted):
+            g.allreduce(torch.ones(1))
+        await g.abort()
+        assert pg.aborts == 1
+
+
+@pytest.mark.asyncio
+async def test_an_event_that_completed_before_the_deadline_is_a_success(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    """Completion racing the deadline, one way: nobody polled the op, its
+    event completed, then its deadline came: the owner loop's query at the
+    deadline finds it complete and the op succeeds, with no abort."""
+    async with ftcomm.Group("nccl", timeout=10.0) as g:
+        await g.configure(_addr(store), 0, 1)
+        fake.hold()
+        work = g.allreduce(torch.ones(2), timeout=0.2)
+        event = fake.group.events[-1]
+        event.complete()
+        await asyncio.sleep(0.4)  # the deadline passes with nobody awaiting the op
+        assert work.done()
+        assert work.exception() is None
+        assert torch.equal(await work, torch.ones(2))
+        assert fake.group.aborts == 0
+        assert g.errored() is None
+
+
+def test_a_completion_seen_after_an_abort_began_is_not_a_success(fake: FakeDevice) -> None:
+    """Completion racing the deadline, the other way, forced: the event's
+    query returns True (the abort stopped the kernel) but the abort began
+    while it was queried. The op must fail: the kernel did not finish."""
+    group = fake.new_group(None, 0, 2, fake.options())
+    backend = accelerator.accelerator_class("nccl")(
+        fake,
+        group,
+        None,
+        0,
+        2,
+        torch.device("cpu"),
+        0,  # type: ignore[arg-type]
+    )
+    fake.hold()
+    op = backend.allreduce([torch.ones(1)], torch.distributed.ReduceOp.SUM, 5.0)
+    assert isinstance(op, EventOp)
+    (event,) = group.events
+
+    def query_during_abort() -> bool:
+        backend.abort()  # begins, then the kernel's event completes
+        fake.abort_gate.wait()
+        event.complete()
+        return True
+
+    event.query = query_during_abort  # type: ignore[method-assign]
+    assert op.poll()
+    assert isinstance(op.outcome(), CommAborted)
+    backend.closed().result(5.0)
+
+
+def test_a_completion_after_the_library_reported_an_error_is_not_a_success(
+    fake: FakeDevice,
+) -> None:
+    """c10d's watchdog sets the group's error, then (clean-up mode) aborts the
+    communicator, whose stopped kernels complete their events: a poll that
+    sees such a completion must report the failure."""
+    group = fake.new_group(None, 0, 2, fake.options())
+    backend = accelerator.accelerator_class("nccl")(
+        fake,  # type: ignore[arg-type]
+        group,
+        None,
+        0,
+        2,
+        torch.device("cpu"),
+        0,
+    )
+    fake.hold()
+    op = backend.allreduce([torch.ones(1)], torch.distributed.ReduceOp.SUM, 5.0)
+    group.error = "COMM_ERROR"
+    group.events[-1].complete()
+    assert op.poll()
+    error = op.outcome()
+    assert isinstance(error, CommFailed)
+    assert "COMM_ERROR" in str(error)
+    backend.closed().result(5.0)
+    assert group.aborts == 1
+
+
+@pytest.mark.asyncio
+async def test_a_library_error_fails_the_ops_without_waiting_for_the_deadline(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    async with ftcomm.Group("nccl", timeout=30.0) as g:
+        await g.configure(_addr(store), 0, 1)
+        fake.hold()
+        work = g.allreduce(torch.ones(2))
+        task = asyncio.ensure_future(work)
+        await _until(lambda: fake.group.events[-1].queries >= 2)
+        fake.group.error = "REMOTE_ERROR"  # a peer died: NCCL says so, the kernel hangs
+        with pytest.raises(CommFailed, match="REMOTE_ERROR"):
+            await asyncio.wait_for(task, 5.0)
+        await _until(lambda: fake.group.aborted)
+        assert fake.group.aborts == 1
+
+
+# -- init -------------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_an_init_that_never_completes_is_aborted_at_the_configure_deadline(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    fake.init_gate.clear()  # the peer never shows up
+    async with ftcomm.Group("nccl") as g:
+        start = time.monotonic()
+        with pytest.raises(CommTimeout, match="configure"):
+            await g.configure(_addr(store), 0, 2, timeout=0.5)
+        assert time.monotonic() - start < 0.5 + 1.0
+        pg = fake.group
+        await _until(lambda: pg.aborted)
+        assert pg.aborts == 1
+        assert g.state is ftcomm.State.UNCONFIGURED
+        # The next configure builds a new communicator, which works.
+        fake.init_gate.set()
+        await g.configure(_addr(store), 0, 1, timeout=5.0)
+        assert fake.group is not pg
+        await g.allreduce(torch.ones(1))
+
+
+@pytest.mark.asyncio
+async def test_abort_during_init_stops_the_communicator(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    fake.init_gate.clear()
+    async with ftcomm.Group("nccl") as g:
+        task = asyncio.ensure_future(g.configure(_addr(store), 0, 2, timeout=30.0))
+        await asyncio.wait_for(asyncio.to_thread(fake.connecting.wait), 5.0)
+        await g.abort()
+        with pytest.raises(CommAborted, match="superseded by abort"):
+            await asyncio.wait_for(task, 5.0)
+        await _until(lambda: fake.group.aborted)
+        assert fake.group.aborts == 1
+
+
+@pytest.mark.asyncio
+async def test_configure_after_a_deadline_builds_a_working_group(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    async with ftcomm.Group("nccl", timeout=10.0) as g:
+        await g.configure(_addr(store), 0, 1)
+        first = fake.group
+        fake.hold()
+        with pytest.raises(CommTimeout):
+            await g.allreduce(torch.ones(1), timeout=0.1)
+        fake.release()
+        await g.configure(_addr(store), 0, 1)
+        assert fake.group is not first
+        assert torch.equal(await g.allreduce(torch.ones(2)), torch.ones(2))
+        await _until(lambda: first.aborted)
+        assert first.aborts == 1
+        assert fake.group.aborts == 0
+
+
+@pytest.mark.asyncio
+async def test_closing_waits_for_the_native_abort(fake: FakeDevice, store: StoreServer) -> None:
+    async with ftcomm.Group("nccl", timeout=10.0) as g:
+        await g.configure(_addr(store), 0, 1)
+        fake.abort_gate.clear()  # ncclCommAbort takes its time
+        closing = asyncio.ensure_future(g.abort())
+        await asyncio.sleep(0.2)
+        assert not closing.done()
+        assert isinstance(g.errored(), CommAborted)  # the abort itself is immediate
+        fake.abort_gate.set()
+        await asyncio.wait_for(closing, 5.0)
+        assert fake.group.aborted
+
+
+# -- the flight recorder -----------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_the_flight_recorder_is_dumped_before_an_abort_when_asked(
+    fake: FakeDevice, store: StoreServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with ftcomm.Group("nccl", timeout=10.0) as g:
+        await g.configure(_addr(store), 0, 1, global_ranks=[3])
+        await g.abort()
+        assert fake.dumps == []  # off unless asked
+        monkeypatch.setenv("TORCHFT_TRIGGER_FR_ON_ABORT", "true")
+        await g.configure(_addr(store), 0, 1, global_ranks=[3])
+        pg = fake.group
+        order: list[str] = []
+        dump = fake.dump_flight_recorder
+        monkeypatch.setattr(fake, "dump_flight_recorder", lambda r: order.append("dump") or dump(r))
+        monkeypatch.setattr(pg, "abort", lambda: order.append("abort"))
+        await g.abort()
+        assert fake.dumps == [3]  # the global rank names the trace
+        assert order == ["dump", "abort"]
+
+
+# -- the c10d facade ---------------------------------------------------------------------------
+
+
+def test_the_facade_wait_orders_the_stream_and_the_loop_keeps_the_deadline(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    pg = ProcessGroupNCCL(timeout=timedelta(seconds=10))
+    pg.configure(_addr(store), "0", 0, 1)
+    try:
+        assert pg.getBackendName() == "ftcomm-nccl"
+        fake.hold()
+        t = torch.ones(2)
+        work = pg.allreduce([t])
+        fut = work.get_future()
+        start = time.monotonic()
+        assert work.wait() is True  # c10d's meaning: the stream waits, the CPU does not
+        assert time.monotonic() - start < 1.0
+        event = fake.group.events[-1]
+        assert fake.joins == [event]
+        assert not event.done
+        assert not fut.done()
+        event.complete()
+        assert fut.wait() == [t]  # the future completes once the device work has
+        # A deadline the loop holds: the next op times out with nobody waiting on the CPU.
+        pg.set_timeout(timedelta(seconds=0.2))
+        late = pg.allreduce([torch.ones(1)])
+        late.wait()
+        deadline = time.monotonic() + 5.0
+        while pg.errored() is None and time.monotonic() < deadline:
+            threading.Event().wait(0.01)
+        assert isinstance(pg.errored(), CommTimeout)
+        with pytest.raises(RuntimeError, match="CommTimeout"):  # a torch future's error
+            late.get_future().wait()
+        # wait(timeout) blocks the CPU with that deadline, as ftcomm's facade does everywhere.
+        fake.release()
+        pg.set_timeout(timedelta(seconds=10))
+        pg.configure(_addr(store), "0", 0, 1)
+        fake.hold()
+        with pytest.raises(CommTimeout):
+            pg.allreduce([torch.ones(1)]).wait(timedelta(seconds=0.1))
+    finally:
+        pg.shutdown()
+
+
+@pytest.mark.parametrize("flavor", [NCCL, XCCL], ids=["nccl", "xccl"])
+def test_xccl_takes_the_same_path_as_nccl(
+    flavor: Flavor, monkeypatch: pytest.MonkeyPatch, store: StoreServer
+) -> None:
+    fake = _fake(monkeypatch, flavor)
+    monkeypatch.setattr(accelerator, "_warned_local", set())
+    cls = ProcessGroupNCCL if flavor is NCCL else ProcessGroupXCCL
+    pg = cls(timeout=timedelta(seconds=10))
+    if flavor.real_abort:
+        pg.configure(_addr(store), "0", 0, 1)
+    else:  # torch's XCCL abort() does nothing: said once, at configure
+        with pytest.warns(RuntimeWarning, match="XCCL backend has no abort"):
+            pg.configure(_addr(store), "0", 0, 1)
+    try:
+        assert pg.getBackendName() == f"ftcomm-{flavor.name}"
+        import os
+
+        if flavor.nonblocking_env is not None:
+            assert os.environ[flavor.nonblocking_env] == "10"
+        pg.allreduce([torch.ones(1)]).wait()
+        fake.hold()
+        with pytest.raises(CommTimeout):
+            pg.allreduce([torch.ones(1)]).wait(timedelta(seconds=0.1))
+        native = fake.group
+        deadline = time.monotonic() + 5.0
+        while not native.aborted and time.monotonic() < deadline:
+            threading.Event().wait(0.01)
+        assert native.aborts == 1
+    finally:
+        pg.shutdown()
+
+
+def test_the_subprocess_variants_are_built_for_the_accelerator() -> None:
+    from ftcomm.backends.subprocess import subprocess_class
+
+    for name, device in (("nccl", "cuda"), ("xccl", "xpu")):
+        cls = subprocess_class(name)
+        assert cls.inner is backend_class(name)
+        assert cls.device_type == device
+        assert cls.reduce_ops == backend_class(name).reduce_ops

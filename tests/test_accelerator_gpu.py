@@ -1,0 +1,80 @@
+"""The GPU scenarios (tests/gpu_scenarios.py, which ``make gpu-check`` runs):
+on a GPU where there is one, else over the fake device layer, so that the
+scenarios' own logic is tested on every machine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import gpu_scenarios
+import pytest
+import torch
+from fake_accel import FakeDevice
+from helpers import StoreServer
+
+from ftcomm.backends import accelerator
+from ftcomm.backends._accel_device import NCCL
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU = torch.cuda.is_available() and accelerator.device_calls(NCCL).available()
+
+
+@pytest.mark.parametrize("name", list(gpu_scenarios.SCENARIOS))
+def test_scenario(name: str, store: StoreServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    if GPU:
+        rig: gpu_scenarios.Rig = gpu_scenarios.Rig()
+    else:
+        device = FakeDevice(NCCL)
+        monkeypatch.setattr(accelerator, "device_calls", lambda flavor: device)
+        for var in ("TORCH_NCCL_NONBLOCKING_TIMEOUT", *dict(NCCL.watchdog_env)):
+            monkeypatch.delenv(var, raising=False)
+        rig = gpu_scenarios.FakeRig(device)
+    scenario = gpu_scenarios.SCENARIOS[name]
+    if asyncio.iscoroutinefunction(scenario):
+        figures = asyncio.run(scenario(rig, store.port))
+    else:
+        figures = scenario(rig, store.port)
+    assert isinstance(figures, dict)
+    assert figures
+
+
+def test_the_gpu_check_says_when_there_is_no_gpu(tmp_path: Path) -> None:
+    if GPU:
+        pytest.skip("there is a GPU")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no CUDA device" in proc.stdout
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["gpu"] is False
+
+
+def test_the_gpu_check_runs_its_scenarios_and_writes_figures(tmp_path: Path) -> None:
+    args = [] if GPU else ["--fake"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "gpu_check.py"),
+            str(tmp_path),
+            *args,
+            "--only",
+            "every_collective",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["results"]["every_collective"]["passed"] is True
+    assert summary["results"]["every_collective"]["figures"] == {"collectives": 12}
+    assert "1/1 passed" in (tmp_path / "gpu_check.log").read_text()
