@@ -235,14 +235,15 @@ class Group(Collectives):
         self._launcher: Launcher | None = None
         # connect(spec, cancel): build the native group; blocks (a control thread).
         self._connect: Callable[[ConnectSpec, concurrent.futures.Future[Any]], Backend]
-        backend_class(backend).check_usable()
+        self._backend_cls = backend_class(backend)
+        self._backend_cls.check_usable()
         if subprocess:
             from .backends.subprocess import Launcher
 
             self._launcher = Launcher(backend, spare=spare_worker, share_min_bytes=share_min_bytes)
             self._connect = self._launcher.connect
         else:
-            self._connect = functools.partial(_connect_in_process, backend_class(backend))
+            self._connect = functools.partial(_connect_in_process, self._backend_cls)
         self.subprocess = subprocess
         self.backend = backend
         self._runtime = get_runtime()
@@ -296,6 +297,7 @@ class Group(Collectives):
         group_world_size: int | None = None,
         global_ranks: Sequence[int] | None = None,
         timeout: Timeout | None = None,
+        device_id: int | torch.device | None = None,
     ) -> None:
         """(Re)build the native group; every rank calls it with the same store address.
 
@@ -303,9 +305,14 @@ class Group(Collectives):
         ``[::1]:port/prefix``). A previous configuration is torn down first
         without blocking: its in-flight ops end with ``CommAborted``.
 
+        ``device_id`` (NCCL/XCCL only): the device index the communicator
+        uses; by default the calling thread's current device
+        (``torch.cuda.set_device``).
+
         Raises:
             TypeError, ValueError: a bad argument (checked before anything is
-                torn down: the previous configuration stays as it was).
+                torn down: the previous configuration stays as it was), or a
+                ``device_id`` for a backend without devices.
             CommTimeout: the store or the peers did not answer within the
                 configure timeout.
             CommFailed: the store or the native group construction failed.
@@ -342,6 +349,7 @@ class Group(Collectives):
                     f"global_ranks must hold world_size ({world_size}) ranks, got {len(ranks)}"
                 )
         seconds = resolve(timeout, self._configure_timeout, "timeout")
+        device = self._device_index(device_id)
         if self.backend == "dummy" and world_size != 1:
             raise ValueError(f"the dummy backend has world_size 1, got {world_size}")
         spec = ConnectSpec(
@@ -354,6 +362,7 @@ class Group(Collectives):
             group_rank,
             group_world_size,
             ranks,
+            device,
         )
 
         attempt, teardown = self._core.begin(
@@ -398,6 +407,20 @@ class Group(Collectives):
         backend.watch(on_break)
         if self._launcher is not None and self._launcher.keep_spare:
             self._runtime.run_control(self._refill_for, config)
+
+    def _device_index(self, device_id: object) -> int | None:
+        """``configure()``'s ``device_id`` as an index (the caller's current
+        device where not given, read on this thread: the connect runs on
+        another)."""
+        if device_id is None:
+            return self._backend_cls.caller_device()
+        if self.backend not in ("nccl", "xccl"):
+            raise ValueError(f"device_id is for the nccl and xccl backends, not {self.backend!r}")
+        if isinstance(device_id, torch.device):
+            if device_id.index is None:
+                return self._backend_cls.caller_device()
+            return device_id.index
+        return v.check_int(device_id, "device_id", minimum=0)
 
     async def _connect_within(self, spec: ConnectSpec, seconds: float, attempt: Attempt) -> Backend:
         """Build the native group on a control thread, within ``seconds``,

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,12 +37,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 LIMITS = {  # seconds per scenario, start-up included (all together: under 6 minutes)
-    "every_collective": 60,
-    "busy_stream_deadline": 90,
-    "init_absent_peer": 60,
-    "subprocess_ws1": 90,
-    "facade_ws1": 60,
-    "bench": 120,
+    "every_collective": 40,
+    "busy_stream_deadline": 70,
+    "init_absent_peer": 40,
+    "subprocess_ws1": 70,
+    "facade_ws1": 40,
+    "bench": 90,
 }
 
 
@@ -74,6 +76,29 @@ def run_one(name: str, port: int, fake: bool) -> dict[str, Any]:
     result["seconds"] = round(time.monotonic() - start, 2)
     result["torch"] = torch.__version__
     return result
+
+
+def _run_limited(cmd: list[str], limit: float) -> tuple[str, int | None]:
+    """Run ``cmd`` in a session of its own; its output (stdout, then
+    stderr) and exit code, or ``None`` if it ran past ``limit`` seconds: then
+    the whole session is killed (a scenario's worker process too), and what
+    it printed is kept."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=limit)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        code = None
+    return (out or b"").decode(errors="replace") + (err or b"").decode(errors="replace"), code
 
 
 def environment(fake: bool) -> dict[str, Any]:
@@ -132,20 +157,8 @@ def main(argv: list[str]) -> int:
             cmd.append("--fake")
         say(f"== {name} (limit {LIMITS[name]} s)")
         start = time.monotonic()
-        try:
-            proc = subprocess.run(
-                cmd,
-                capture_output=True,
-                text=True,
-                timeout=LIMITS[name],
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                check=False,
-            )
-            output, code = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as exc:
-            output = (exc.stdout or "") + (exc.stderr or "")  # type: ignore[operator]
-            code = None
-        lines = output.splitlines() if isinstance(output, str) else []
+        output, code = _run_limited(cmd, LIMITS[name])
+        lines = output.splitlines()
         for line in lines:
             if not line.startswith("RESULT "):
                 say(f"  | {line}")

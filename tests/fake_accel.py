@@ -15,7 +15,9 @@ the group was built with.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -68,7 +70,10 @@ class FakeGroup:
         self.sequence_set = False
         self.connected_on: torch.device | None = None
         self.error: str | None = None
+        self.comm: str | None = None
+        """``None`` until the communicator exists, then "live" or "aborted"."""
         self._aborted = threading.Event()
+        self._coalescing: list[FakeWork] | None = None
 
     # -- construction
     def _set_sequence_number_for_group(self) -> None:
@@ -77,18 +82,25 @@ class FakeGroup:
     def eager_connect_single_device(self, device: torch.device) -> None:
         self.device.connecting.set()
         gate = self.device.init_gate
+        interruptible = self.device.interruptible_init
         while not gate.wait(0.01):
-            if self._aborted.is_set():
+            if interruptible and self._aborted.is_set():
                 raise RuntimeError("NCCL communicator was aborted during init")
-        if self._aborted.is_set():
+        if interruptible and self._aborted.is_set():
             raise RuntimeError("NCCL communicator was aborted during init")
+        # Not interruptible (waiting in the store for its id, as NCCL's does):
+        # the communicator comes to exist even after an abort was called.
+        self.comm = "live"
         self.connected_on = device
 
     def abort(self) -> None:
+        """Aborts the communicators that exist now (as c10d's abort does)."""
         self.aborts += 1
         self.abort_threads.append(threading.current_thread().name)
         self.device.abort_gate.wait()  # a test may make the native abort slow
         self._aborted.set()
+        if self.comm == "live":
+            self.comm = "aborted"
         for event in self.events:
             event.complete()  # the kernels exit
 
@@ -104,8 +116,20 @@ class FakeGroup:
         if self._aborted.is_set():
             raise RuntimeError("NCCL communicator was aborted")
         work = FakeWork(self, op, opts)
-        self.ops.append(work)
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        else:
+            self.ops.append(work)
         return work
+
+    def _start_coalescing(self) -> None:
+        assert self._coalescing is None, "coalescing blocks do not nest"
+        self._coalescing = []
+
+    def _end_coalescing(self) -> FakeWork:
+        inner, self._coalescing = self._coalescing, None
+        assert inner is not None, "_end_coalescing without _start_coalescing"
+        return self._op("coalesced:" + ",".join(w.op for w in inner), None)
 
     def _reduce(self, t: torch.Tensor, op: Any) -> None:
         n = self.world_size
@@ -131,12 +155,9 @@ class FakeGroup:
             o.copy_(ins[0])
         return self._op("allgather", opts)
 
-    def all_gather_single_coalesced(
-        self, outs: list[torch.Tensor], ins: list[torch.Tensor], opts: Any
-    ) -> FakeWork:
-        for o, i in zip(outs, ins, strict=True):
-            o.copy_(i.reshape(-1).repeat(self.world_size).reshape(o.shape))
-        return self._op("allgather_into_tensor", opts)
+    def _allgather_base(self, out: torch.Tensor, inp: torch.Tensor, opts: Any) -> FakeWork:
+        out.copy_(inp.reshape(-1).repeat(self.world_size).reshape(out.shape))
+        return self._op("_allgather_base", opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> FakeWork:
         return self._op(f"broadcast:{opts.rootRank}", opts)
@@ -148,13 +169,10 @@ class FakeGroup:
         self._reduce(outs[0], opts.reduceOp)
         return self._op("reduce_scatter", opts)
 
-    def reduce_scatter_single_coalesced(
-        self, outs: list[torch.Tensor], ins: list[torch.Tensor], opts: Any
-    ) -> FakeWork:
-        for o, i in zip(outs, ins, strict=True):
-            o.copy_(i.chunk(self.world_size)[self.rank].reshape(o.shape))
-            self._reduce(o, opts.reduceOp)
-        return self._op("reduce_scatter_tensor", opts)
+    def _reduce_scatter_base(self, out: torch.Tensor, inp: torch.Tensor, opts: Any) -> FakeWork:
+        out.copy_(inp.chunk(self.world_size)[self.rank].reshape(out.shape))
+        self._reduce(out, opts.reduceOp)
+        return self._op("_reduce_scatter_base", opts)
 
     def alltoall_base(
         self, out: torch.Tensor, inp: torch.Tensor, osplit: list[int], isplit: list[int], opts: Any
@@ -183,9 +201,11 @@ class FakeDevice:
         self.connecting = threading.Event()
         self.abort_gate = threading.Event()
         self.abort_gate.set()
-        self.joins: list[FakeEvent] = []
+        self.interruptible_init = True
+        self.joins: list[tuple[FakeEvent, torch.device]] = []
         self.dumps: list[int] = []
         self.dump_dir: str | None = None
+        self._local = threading.local()
 
     @property
     def group(self) -> FakeGroup:
@@ -206,8 +226,27 @@ class FakeDevice:
     def available(self) -> bool:
         return True
 
-    def current_device(self) -> torch.device:
-        return torch.device("cpu")
+    def set_device(self, index: int) -> None:
+        """``torch.cuda.set_device`` for the calling thread."""
+        self._local.index = index
+
+    def current_index(self) -> int:
+        return int(getattr(self._local, "index", 0))
+
+    def device(self, index: int | None) -> torch.device:
+        return torch.device("cpu", self.current_index() if index is None else index)
+
+    @contextlib.contextmanager
+    def _using(self, device: torch.device) -> Iterator[None]:
+        before = self.current_index()
+        self.set_device(device.index or 0)
+        try:
+            yield
+        finally:
+            self.set_device(before)
+
+    def using(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        return self._using(device)
 
     def options(self) -> Any:
         return SimpleNamespace(
@@ -244,8 +283,8 @@ class FakeDevice:
     def query(self, event: FakeEvent) -> bool:
         return event.query()
 
-    def join(self, event: FakeEvent) -> None:
-        self.joins.append(event)
+    def join(self, event: FakeEvent, device: torch.device) -> None:
+        self.joins.append((event, device))
 
     def scratch(self, device: torch.device) -> torch.Tensor:
         return torch.zeros(1, dtype=torch.int32)

@@ -132,8 +132,9 @@ async def busy_stream_deadline(rig: Rig, port: int) -> Figures:
         await _configure(g, port, "busy1")
         backend: Any = g._config.backend  # type: ignore[union-attr]
         await g.allreduce(rig.tensor([1.0]))  # warm
-        rig.busy(3.0)
+        # Made before the stream is held: a host-to-device copy waits for it.
         t = rig.tensor([1.0])
+        rig.busy(3.0)
         start = time.monotonic()
         work = g.allreduce(t, timeout=deadline)
         try:
@@ -211,8 +212,9 @@ def facade_ws1(rig: Rig, port: int) -> Figures:
         fut = work.get_future()
         rig.sync()
         assert fut.wait()[0].cpu().tolist() == [1.0, 2.0]
+        t = rig.tensor([1.0])  # before the stream is held (a copy would wait for it)
         rig.busy(2.0)
-        late = pg.allreduce([rig.tensor([1.0])])
+        late = pg.allreduce([t])
         try:
             late.wait(timedelta(seconds=0.3))
         except CommTimeout:

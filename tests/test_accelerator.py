@@ -23,6 +23,7 @@ from helpers import StoreServer
 
 import ftcomm
 from ftcomm import CommAborted, CommFailed, CommTimeout
+from ftcomm._runtime.loop import get_runtime
 from ftcomm.backends import _accel_device, accelerator, backend_class
 from ftcomm.backends._accel_device import FLAVORS, NCCL, XCCL, Flavor
 from ftcomm.backends.accelerator import AcceleratorBackend, EventOp
@@ -56,6 +57,14 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDevice]:
     return _fake(monkeypatch, NCCL)
 
 
+def _backend(fake: FakeDevice, world_size: int = 2) -> AcceleratorBackend:
+    """A backend over a fresh fake group, built without connecting (for
+    tests that drive one op's polls by hand)."""
+    group = fake.new_group(None, 0, world_size, fake.options())
+    cls = accelerator.accelerator_class("nccl")
+    return cls(fake, group, None, 0, world_size, torch.device("cpu"), 0)  # type: ignore[arg-type]
+
+
 async def _until(predicate: object, timeout: float = 5.0) -> None:
     """Await a condition another thread makes true (bounded)."""
     end = time.monotonic() + timeout
@@ -81,7 +90,7 @@ async def test_the_group_is_built_as_torchft_builds_it(
         # watchdog never acts before ftcomm's deadline.
         assert pg.options._timeout == timedelta(days=7)
         assert pg.sequence_set
-        assert pg.connected_on == torch.device("cpu")
+        assert pg.connected_on == torch.device("cpu", 0)  # the caller's current device
         assert g.rank == 0
         assert g.size() == 1
     # What ftcomm set where the user had not, and why: docs/design.md.
@@ -102,11 +111,24 @@ def test_the_users_environment_is_kept(
     monkeypatch.setattr(_accel_device, "_warned", set())
     with caplog.at_level("WARNING", logger="ftcomm"):
         assert _accel_device.prepare_environment(NCCL, 5.0) == {}
+        # torch reads the non-blocking timeout once: a longer configure is capped, and told so.
+        assert _accel_device.prepare_environment(NCCL, 100.0) == {}
     import os
 
     assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "77"
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in caplog.text  # a teardown mode is named
+    assert "TORCH_NCCL_NONBLOCKING_TIMEOUT=77" in caplog.text
+    assert "allows 100 s" in caplog.text
+
+
+def test_the_environment_is_set_in_whole_seconds_and_legacy_names_count(
+    fake: FakeDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NCCL_ASYNC_ERROR_HANDLING", "2")  # the old name torch still reads
+    set_now = _accel_device.prepare_environment(NCCL, 2.5)
+    # torch parses it with stoi: 2.5 s must not become 2 s
+    assert set_now == {"TORCH_NCCL_NONBLOCKING_TIMEOUT": "3", "TORCH_NCCL_ENABLE_MONITORING": "0"}
 
 
 def test_without_the_library_the_backend_says_so_before_anything_is_built() -> None:
@@ -164,10 +186,10 @@ async def test_every_collective_returns_what_its_native_op_wrote(
             "allreduce",
             "allreduce_coalesced",
             "allgather",
-            "allgather_into_tensor",
+            "_allgather_base",  # one pair: the single-tensor op every torch has
             "broadcast:0",
             "reduce_scatter",
-            "reduce_scatter_tensor",
+            "_reduce_scatter_base",
             "alltoall_base",
             "allreduce",  # barrier: one element, never c10d's blocking barrier
         ]
@@ -250,16 +272,8 @@ def test_a_completion_seen_after_an_abort_began_is_not_a_success(fake: FakeDevic
     """Completion racing the deadline, the other way, forced: the event's
     query returns True (the abort stopped the kernel) but the abort began
     while it was queried. The op must fail: the kernel did not finish."""
-    group = fake.new_group(None, 0, 2, fake.options())
-    backend = accelerator.accelerator_class("nccl")(
-        fake,
-        group,
-        None,
-        0,
-        2,
-        torch.device("cpu"),
-        0,  # type: ignore[arg-type]
-    )
+    backend = _backend(fake)
+    group = fake.group
     fake.hold()
     op = backend.allreduce([torch.ones(1)], torch.distributed.ReduceOp.SUM, 5.0)
     assert isinstance(op, EventOp)
@@ -283,16 +297,8 @@ def test_a_completion_after_the_library_reported_an_error_is_not_a_success(
     """c10d's watchdog sets the group's error, then (clean-up mode) aborts the
     communicator, whose stopped kernels complete their events: a poll that
     sees such a completion must report the failure."""
-    group = fake.new_group(None, 0, 2, fake.options())
-    backend = accelerator.accelerator_class("nccl")(
-        fake,  # type: ignore[arg-type]
-        group,
-        None,
-        0,
-        2,
-        torch.device("cpu"),
-        0,
-    )
+    backend = _backend(fake)
+    group = fake.group
     fake.hold()
     op = backend.allreduce([torch.ones(1)], torch.distributed.ReduceOp.SUM, 5.0)
     group.error = "COMM_ERROR"
@@ -337,7 +343,10 @@ async def test_an_init_that_never_completes_is_aborted_at_the_configure_deadline
         assert time.monotonic() - start < 0.5 + 1.0
         pg = fake.group
         await _until(lambda: pg.aborted)
-        assert pg.aborts == 1
+        # The connect thread returns, and aborts once more as it gives up (for
+        # a communicator created after the first abort: none here).
+        assert await asyncio.to_thread(get_runtime().control.wait_idle, 5.0)
+        assert pg.aborts == 2
         assert g.state is ftcomm.State.UNCONFIGURED
         # The next configure builds a new communicator, which works.
         fake.init_gate.set()
@@ -358,7 +367,8 @@ async def test_abort_during_init_stops_the_communicator(
         with pytest.raises(CommAborted, match="superseded by abort"):
             await asyncio.wait_for(task, 5.0)
         await _until(lambda: fake.group.aborted)
-        assert fake.group.aborts == 1
+        assert await asyncio.to_thread(get_runtime().control.wait_idle, 5.0)
+        assert fake.group.aborts == 2  # abort()'s, then the connect thread's as it gave up
 
 
 @pytest.mark.asyncio
@@ -392,6 +402,115 @@ async def test_closing_waits_for_the_native_abort(fake: FakeDevice, store: Store
         fake.abort_gate.set()
         await asyncio.wait_for(closing, 5.0)
         assert fake.group.aborted
+
+
+@pytest.mark.asyncio
+async def test_several_pairs_are_one_coalesced_op(fake: FakeDevice, store: StoreServer) -> None:
+    async with ftcomm.Group("nccl", timeout=10.0) as g:
+        await g.configure(_addr(store), 0, 2)
+        outs = [torch.zeros(4), torch.zeros(2)]
+        await g.allgather_into_tensor_coalesced(outs, [torch.ones(2), torch.full((1,), 3.0)])
+        assert outs[0].tolist() == [1.0] * 4
+        assert outs[1].tolist() == [3.0, 3.0]
+        r = [torch.zeros(1), torch.zeros(2)]
+        await g.reduce_scatter_tensor_coalesced(r, [torch.ones(2), torch.ones(4)])
+        assert r[0].tolist() == [2.0]
+        assert r[1].tolist() == [2.0, 2.0]
+        assert [w.op for w in fake.group.ops[-2:]] == [
+            "coalesced:_allgather_base,_allgather_base",
+            "coalesced:_reduce_scatter_base,_reduce_scatter_base",
+        ]
+
+
+@pytest.mark.asyncio
+async def test_the_communicator_uses_the_device_given_or_the_callers(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    async with ftcomm.Group("nccl", timeout=10.0) as g:
+        await g.configure(_addr(store), 0, 1, device_id=2)
+        assert fake.group.connected_on == torch.device("cpu", 2)
+        fake.set_device(1)  # this thread's current device; the connect runs on another
+        await g.configure(_addr(store), 0, 1)
+        assert fake.group.connected_on == torch.device("cpu", 1)
+    with pytest.raises(ValueError, match="device_id is for the nccl and xccl"):
+        await ftcomm.Group("gloo").configure(_addr(store), 0, 1, device_id=0)
+
+
+def test_the_facade_builds_on_its_callers_device(fake: FakeDevice, store: StoreServer) -> None:
+    fake.set_device(3)  # configure itself runs on the owner loop's thread
+    pg = ProcessGroupNCCL(timeout=timedelta(seconds=10))
+    pg.configure(_addr(store), "0", 0, 1)
+    try:
+        assert fake.group.connected_on == torch.device("cpu", 3)
+    finally:
+        pg.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_communicator_created_after_the_abort_began_is_aborted_too(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    """The native abort covers the communicators that exist when it runs; one
+    still waiting in the store for its id comes to exist afterwards."""
+    fake.interruptible_init = False
+    fake.init_gate.clear()
+    async with ftcomm.Group("nccl") as g:
+        with pytest.raises(CommTimeout):
+            await g.configure(_addr(store), 0, 2, timeout=0.3)
+        pg = fake.group
+        await _until(lambda: pg.aborts == 1)
+        assert pg.comm is None  # the first abort found nothing to abort
+        fake.init_gate.set()  # the id arrives: the communicator is created
+        await _until(lambda: pg.comm == "aborted")
+        assert await asyncio.to_thread(get_runtime().control.wait_idle, 5.0)
+
+
+@pytest.mark.asyncio
+async def test_a_failing_event_query_fails_the_op_and_the_group(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    async with ftcomm.Group("nccl", timeout=30.0) as g:
+        await g.configure(_addr(store), 0, 1)
+        fake.hold()
+        work = g.allreduce(torch.ones(1))
+        event = fake.group.events[-1]
+
+        def sticky() -> bool:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        event.query = sticky  # type: ignore[method-assign]
+        with pytest.raises(CommFailed, match="illegal memory access"):
+            await asyncio.wait_for(work, 5.0)
+        assert isinstance(g.errored(), CommFailed)
+        await _until(lambda: fake.group.aborted)
+
+
+@pytest.mark.asyncio
+async def test_errored_names_the_deadline_when_another_op_sees_the_abort_first(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    """Forced: between the deadline's abandon() (the abort begins) and its
+    break of the table, another op is polled (the watcher's round) and sees
+    the stop. That op ends with CommAborted; errored() still names the deadline."""
+    async with ftcomm.Group("nccl", timeout=30.0) as g:
+        await g.configure(_addr(store), 0, 1)
+        backend = g._config.backend  # type: ignore[union-attr]
+        fake.hold()
+        other = g.broadcast(torch.ones(1), root=0)
+        slow = g.allreduce(torch.ones(1), timeout=0.2)
+        real_abort = backend.abort
+
+        def abort_then_poll(*args: object, **kwargs: object) -> bool:
+            began = real_abort(*args, **kwargs)  # type: ignore[arg-type]
+            assert other.done()  # polled in the window: it sees the stop
+            return began
+
+        backend.abort = abort_then_poll  # type: ignore[method-assign]
+        with pytest.raises(CommTimeout):
+            await slow
+        with pytest.raises(CommAborted):
+            await other
+        assert isinstance(g.errored(), CommTimeout)
 
 
 # -- the flight recorder -----------------------------------------------------------------------
@@ -435,7 +554,7 @@ def test_the_facade_wait_orders_the_stream_and_the_loop_keeps_the_deadline(
         assert work.wait() is True  # c10d's meaning: the stream waits, the CPU does not
         assert time.monotonic() - start < 1.0
         event = fake.group.events[-1]
-        assert fake.joins == [event]
+        assert fake.joins == [(event, t.device)]  # the op's device's current stream
         assert not event.done
         assert not fut.done()
         event.complete()
@@ -450,6 +569,23 @@ def test_the_facade_wait_orders_the_stream_and_the_loop_keeps_the_deadline(
         assert isinstance(pg.errored(), CommTimeout)
         with pytest.raises(RuntimeError, match="CommTimeout"):  # a torch future's error
             late.get_future().wait()
+        # A barrier's wait() blocks the CPU, as c10d's does; synchronize() orders the stream.
+        fake.release()
+        pg.set_timeout(timedelta(seconds=10))
+        pg.configure(_addr(store), "0", 0, 1)
+        fake.hold()
+        barrier = pg.barrier()
+        releaser = threading.Timer(0.2, fake.release)
+        releaser.start()
+        start = time.monotonic()
+        assert barrier.wait() is True
+        assert time.monotonic() - start >= 0.15  # it waited for the device
+        releaser.join()
+        fake.hold()
+        joins = len(fake.joins)
+        pending = pg.allreduce([torch.ones(1)])
+        pending.synchronize()
+        assert len(fake.joins) == joins + 1
         # wait(timeout) blocks the CPU with that deadline, as ftcomm's facade does everywhere.
         fake.release()
         pg.set_timeout(timedelta(seconds=10))

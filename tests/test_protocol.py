@@ -87,6 +87,7 @@ def configures(draw: st.DrawFn) -> Configure:
         group_rank=draw(st.none() | u63),
         group_world_size=draw(st.none() | u63),
         global_ranks=draw(st.none() | st.lists(u63, max_size=8).map(tuple)),
+        device=draw(st.none() | st.integers(0, 1 << 20)),
     )
 
 
@@ -250,6 +251,7 @@ def test_a_bad_header_is_refused(data: bytes, match: str) -> None:
                 "group_rank": None,
                 "group_world_size": None,
                 "global_ranks": None,
+                "device": None,
             },
             "rank",
         ),
@@ -257,7 +259,7 @@ def test_a_bad_header_is_refused(data: bytes, match: str) -> None:
             Kind.CONFIGURE,
             b'{"store":"s","rank":0,"world_size":1,"timeout":NaN,"replica_id":"0",'
             b'"quorum_id":null,"group_rank":null,"group_world_size":null,'
-            b'"global_ranks":null}',
+            b'"global_ranks":null,"device":null}',
             "NaN",
         ),
         (
@@ -272,6 +274,7 @@ def test_a_bad_header_is_refused(data: bytes, match: str) -> None:
                 "group_rank": None,
                 "group_world_size": None,
                 "global_ranks": None,
+                "device": None,
             },
             "timeout",
         ),

@@ -551,7 +551,7 @@ async def test_a_worker_running_nccl_replies_once_the_ops_device_work_is_done(ri
     (reply,) = rig.channel.sent
     assert isinstance(reply, Done)
     assert reply.event
-    assert accel.joins == [event]  # the worker's stream waited for the op first
+    assert accel.joins == [(event, t.device)]  # the worker's stream waited for the op first
     kind, stream, handle = rig.calls.log[-1]  # then an event on that stream, sent back
     assert (kind, handle) == ("record", reply.event)
     assert stream.startswith("worker")

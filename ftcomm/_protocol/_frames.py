@@ -206,6 +206,8 @@ class Configure:
     group_rank: int | None = None
     group_world_size: int | None = None
     global_ranks: tuple[int, ...] | None = None
+    device: int | None = None
+    """The accelerator device index the group uses (NCCL/XCCL)."""
 
     def __post_init__(self) -> None:
         _text(self.store, "store", empty=False)
@@ -213,7 +215,7 @@ class Configure:
         _int(self.rank, "rank", hi=self.world_size - 1)
         object.__setattr__(self, "timeout", _float(self.timeout, "timeout"))
         _text(self.replica_id, "replica_id")
-        for name in ("quorum_id", "group_rank", "group_world_size"):
+        for name in ("quorum_id", "group_rank", "group_world_size", "device"):
             _opt_int(getattr(self, name), name)
         object.__setattr__(self, "global_ranks", _opt_ints(self.global_ranks, "global_ranks"))
 

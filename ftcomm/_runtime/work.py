@@ -535,11 +535,18 @@ class Work(Generic[R]):
             )
 
     def _complete(self, native_error: BaseException | None) -> None:
-        """The native op ended: settle with its outcome, mapped to ftcomm errors."""
+        """The native op ended: settle with its outcome, mapped to ftcomm errors.
+
+        An error the native op reports because another op's ``abandon()``
+        stopped their group (its ``_by_abandon`` is set) ends this op without
+        breaking the table: that op's settler breaks it with the real cause,
+        so ``errored()`` names the deadline (or cancel), not the stop.
+        """
         if native_error is None:
             self._settle(None)
             return
-        self._settle(self._native_failure(native_error), breaks=True)
+        breaks = not getattr(native_error, "_by_abandon", False)
+        self._settle(self._native_failure(native_error), breaks=breaks)
 
     def _native_failure(self, native_error: BaseException) -> CommError:
         """The one place a native op's error becomes an ftcomm error.

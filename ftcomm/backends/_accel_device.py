@@ -12,7 +12,9 @@ the native class, the environment variables); the code is the same for both.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -100,20 +102,42 @@ def prepare_environment(flavor: Flavor, nonblocking_timeout: float) -> dict[str,
     the watchdog end the process.
     """
     wanted = dict(flavor.watchdog_env)
-    if flavor.nonblocking_env is not None:
-        wanted[flavor.nonblocking_env] = f"{max(nonblocking_timeout, 1.0):g}"
+    if flavor.nonblocking_env is not None:  # whole seconds: torch parses it with stoi
+        wanted[flavor.nonblocking_env] = str(min(max(math.ceil(nonblocking_timeout), 1), 2**31 - 1))
     set_now: dict[str, str] = {}
     with _env_lock:
         for name, value in wanted.items():
-            if name not in os.environ:
+            legacy = name.replace("TORCH_NCCL_", "NCCL_", 1)  # torch still reads the old name
+            if name not in os.environ and legacy not in os.environ:
                 os.environ[name] = value
                 set_now[name] = value
     if set_now:
         log.info("ftcomm: set %s for %s (docs/design.md)", set_now, flavor.library)
     for name, value in flavor.watchdog_env:
-        if os.environ.get(name) not in (value, "0"):
-            _warn_teardown(name, os.environ.get(name, ""), value)
+        legacy = name.replace("TORCH_NCCL_", "NCCL_", 1)
+        current = os.environ.get(name, os.environ.get(legacy))
+        if current not in (value, "0"):
+            _warn_teardown(name, current or "", value)
+    cached = flavor.nonblocking_env and os.environ.get(flavor.nonblocking_env, "")
+    if cached and cached.isdigit() and nonblocking_timeout > int(cached):
+        _warn_capped(flavor.nonblocking_env or "", int(cached), nonblocking_timeout)
     return set_now
+
+
+def _warn_capped(name: str, cached: int, wanted: float) -> None:
+    key = f"{name}<{wanted}"
+    if key in _warned:
+        return
+    _warned.add(key)
+    log.warning(
+        "ftcomm: %s=%d (read once per process by torch) caps how long a peer may "
+        "take to join; this configure allows %g s: set %s before the first "
+        "group to raise it (docs/design.md)",
+        name,
+        cached,
+        wanted,
+        name,
+    )
 
 
 _warned: set[str] = set()
@@ -152,9 +176,18 @@ class DeviceCalls:
         module = self._module
         return native is not None and module is not None and bool(module.is_available())
 
-    def current_device(self) -> torch.device:
-        """The calling thread's current device of this type."""
-        return torch.device(self.device_type, int(self._module.current_device()))
+    def current_index(self) -> int:
+        """The calling thread's current device index (``set_device``)."""
+        return int(self._module.current_device())
+
+    def device(self, index: int | None) -> torch.device:
+        """Device ``index``, or the calling thread's current one."""
+        return torch.device(self.device_type, self.current_index() if index is None else index)
+
+    def using(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        """Make ``device`` the calling thread's current one for the block."""
+        manager: contextlib.AbstractContextManager[Any] = self._module.device(device)
+        return manager
 
     # -- the native group -----------------------------------------------------
     def options(self) -> Any:
@@ -205,9 +238,10 @@ class DeviceCalls:
         """Whether ``event`` has completed. Never blocks."""
         return bool(event.query())
 
-    def join(self, event: Any) -> None:
-        """Make the calling thread's current stream wait for ``event`` (the CPU does not)."""
-        event.wait(self._module.current_stream())
+    def join(self, event: Any, device: torch.device) -> None:
+        """Make the calling thread's current stream on ``device`` wait for
+        ``event`` (the CPU does not)."""
+        event.wait(self._module.current_stream(device))
 
     def scratch(self, device: torch.device) -> torch.Tensor:
         """A one-element tensor on ``device`` (barrier's payload)."""

@@ -22,6 +22,21 @@ from .._runtime.native import NativeOp
 from .._store import StoreAddr
 from ..errors import CommError
 
+NUMERIC_DTYPES: frozenset[torch.dtype] = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
+"""The dtypes every native backend sends (Gloo adds the complex ones)."""
+
 
 @dataclass(frozen=True)
 class ConnectSpec:
@@ -37,6 +52,10 @@ class ConnectSpec:
     group_rank: int | None = None
     group_world_size: int | None = None
     global_ranks: tuple[int, ...] | None = None
+    device: int | None = None
+    """The accelerator device index (NCCL/XCCL): the one current on the
+    thread that called ``configure()``, since the connect runs on another;
+    ``None``: the connecting thread's current one."""
 
 
 class Backend(abc.ABC):
@@ -66,6 +85,12 @@ class Backend(abc.ABC):
         configure deadline passed, or it was superseded): a backend that can
         stop its construction then does, and raises. Others finish, and the
         group disposes of what they built."""
+
+    @classmethod
+    def caller_device(cls) -> int | None:
+        """The device index of the calling thread that the group should use
+        (:attr:`ConnectSpec.device`); ``None`` for backends without one."""
+        return None
 
     @classmethod
     def check_usable(cls) -> None:

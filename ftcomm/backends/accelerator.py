@@ -35,6 +35,7 @@ docs/errors.md and docs/design.md.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -66,10 +67,12 @@ from ._accel_device import (
     dump_before_abort,
     prepare_environment,
 )
-from ._base import Backend, ConnectSpec
+from ._base import NUMERIC_DTYPES, Backend, ConnectSpec
 
 log = logging.getLogger("ftcomm")
 
+ABORT_BOUND = 60.0
+"""By when a native abort should have returned (for the exit grace)."""
 POLL_MIN = 50e-6
 """The watcher's first pause between two rounds of event queries (seconds)."""
 POLL_MAX = 2e-3
@@ -87,26 +90,39 @@ class EventOp:
     kernels stop as the abort takes effect (docs/errors.md).
     """
 
-    __slots__ = ("_backend", "_end", "_event", "_work")
+    __slots__ = ("_backend", "_device", "_end", "_event", "_work")
 
     stream_ordered: ClassVar[bool] = True
     """c10d's ``Work.wait()`` on it orders the caller's stream, not the CPU."""
 
-    def __init__(self, backend: AcceleratorBackend, work: Any, event: Any) -> None:
+    def __init__(
+        self, backend: AcceleratorBackend, work: Any, event: Any, device: torch.device
+    ) -> None:
         self._backend = backend
         self._work = work  # keeps the native work (and its tensors) until the end
         self._event = event
+        self._device = device
         self._end: list[BaseException | None] | None = None  # set once, by _seen
 
     def poll(self) -> bool:
         if self._end is not None:
             return True
         backend = self._backend
+        error = backend.stopped()
+        if error is not None:  # no device call once an abort began: it may hold locks
+            self._seen(error)
+            return True
         # The query first, the library's error and the abort flag second: a
         # completion seen before an abort began (c10d's watchdog sets the
         # error before it aborts) is the op's own; one seen after may be the
         # abort's, whose stopped kernels complete their events too.
-        completed = backend.calls.query(self._event)
+        try:
+            completed = backend.calls.query(self._event)
+        except Exception as exc:  # a sticky device error: the group is done for
+            failed = CommFailed(f"querying a {backend.flavor.library} op's event failed: {exc}")
+            failed.__cause__ = exc.with_traceback(None)
+            backend.abort(failed)
+            completed = False
         if completed:
             backend.check_library()
         error = backend.stopped()
@@ -136,15 +152,19 @@ class EventOp:
                 self._work = None
 
     def on_done(self, callback: Done) -> None:
+        if self._end is not None:
+            callback(self.outcome())
+            return
         self._backend.watcher.add(self, callback)
 
     def abandon(self) -> bool:
-        self._backend.abort()
+        self._backend.abort(abandoned=True)
         return False
 
     def join_stream(self) -> None:
-        """The calling thread's current stream waits for the op (the CPU does not)."""
-        self._backend.calls.join(self._event)
+        """The calling thread's current stream on the op's device waits for
+        the op (the CPU does not)."""
+        self._backend.calls.join(self._event, self._device)
 
 
 class Watcher:
@@ -171,13 +191,20 @@ class Watcher:
                 self._cond.notify()
 
     def _run(self) -> None:
+        try:
+            self._watch()
+        finally:  # whatever ended it, the next add() starts a new one
+            with self._cond:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+
+    def _watch(self) -> None:
         pause = POLL_MIN
         while True:
             with self._cond:
                 if not self._pending:
                     self._cond.wait(LINGER)
                     if not self._pending:
-                        self._thread = None
                         return
                 pending = list(self._pending)
             self._backend.check_library()
@@ -206,19 +233,7 @@ class AcceleratorBackend(Backend):
     """One NCCL or XCCL group (a subclass per :class:`Flavor`: :func:`accelerator_class`)."""
 
     flavor: ClassVar[Flavor]
-    dtypes: ClassVar[frozenset[torch.dtype] | None] = frozenset(
-        {
-            torch.float32,
-            torch.float64,
-            torch.float16,
-            torch.bfloat16,
-            torch.int8,
-            torch.uint8,
-            torch.int32,
-            torch.int64,
-            torch.bool,
-        }
-    )
+    dtypes: ClassVar[frozenset[torch.dtype] | None] = NUMERIC_DTYPES
     reduce_ops: ClassVar[frozenset[ReduceOp.RedOpType]] = frozenset(
         {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX}
     )
@@ -254,6 +269,11 @@ class AcceleratorBackend(Backend):
 
     # -- building -------------------------------------------------------------
     @classmethod
+    def caller_device(cls) -> int | None:
+        """The calling thread's current device index (``torch.cuda.set_device``)."""
+        return device_calls(cls.flavor).current_index()
+
+    @classmethod
     def check_usable(cls) -> None:
         """Raises: RuntimeError: torch has no such library, or sees no device."""
         check_available(cls.flavor)
@@ -262,7 +282,8 @@ class AcceleratorBackend(Backend):
     def connect(
         cls, spec: ConnectSpec, cancel: concurrent.futures.Future[Any] | None = None
     ) -> AcceleratorBackend:
-        """Build the group and connect its communicator on the current device.
+        """Build the group and connect its communicator on ``spec.device``
+        (the caller's current device at ``configure()``).
 
         ``cancel``: once it completes (the configure deadline passed, or it
         was superseded), the communicator being connected is aborted, and
@@ -275,7 +296,10 @@ class AcceleratorBackend(Backend):
         flavor = cls.flavor
         calls = device_calls(flavor)
         check_available(flavor, calls)
+        if not flavor.real_abort:  # before anything is built: -W error raises here
+            warn_local_aborts(flavor)
         prepare_environment(flavor, spec.timeout)
+        device = calls.device(spec.device)
         store = connect_store(spec.store, spec.timeout)
         opts = calls.options()
         config = getattr(opts, "config", None)
@@ -285,25 +309,31 @@ class AcceleratorBackend(Backend):
         if spec.global_ranks is not None:
             opts.global_ranks_in_group = list(spec.global_ranks)
         opts.group_name = f"ftcomm:{spec.replica_id}:{spec.quorum_id}:{spec.store.prefix}"
-        device = calls.current_device()
         pg = calls.new_group(store, spec.rank, spec.world_size, opts)
         global_rank = spec.global_ranks[spec.rank] if spec.global_ranks else spec.rank
         backend = cls(calls, pg, store, spec.rank, spec.world_size, device, global_rank)
         if cancel is not None:
-            cancel.add_done_callback(lambda _: backend.abort())  # at once if it is done
+            cancel.add_done_callback(backend._cancel)  # at once if it is done
         try:
-            calls.connect(pg, device)
-            backend._joined(time.monotonic() + spec.timeout)
+            with calls.using(device):
+                calls.connect(pg, device)
+                backend._joined(time.monotonic() + spec.timeout)
         except BaseException:
-            backend.close()  # aborts the communicator, once
+            backend.close()  # begins the abort (once), lets go of the store
+            # A communicator the library created after that abort began (it
+            # waited in the store for its id) is aborted here too: the
+            # native abort covers the communicators that exist when called.
+            with contextlib.suppress(Exception):
+                calls.abort(pg)
             # The error's traceback holds this frame: it must not hold the
-            # store's connection (nor the native group) for as long as
-            # someone keeps the error.
-            del store, pg, backend
+            # store's connection or the native group while someone keeps it.
+            del store, pg
             raise
-        if not flavor.real_abort:
-            warn_local_aborts(flavor)
         return backend
+
+    def _cancel(self, _: object) -> None:
+        """The connect's ``cancel`` completed: abort (never blocks)."""
+        self.abort()
 
     def _joined(self, deadline: float) -> None:
         """Wait until every peer has joined: a barrier, whose issue waits (in
@@ -337,18 +367,25 @@ class AcceleratorBackend(Backend):
         (``None`` before)."""
         return self._stop
 
-    def abort(self, error: CommError | None = None) -> bool:
+    def abort(self, error: CommError | None = None, *, abandoned: bool = False) -> bool:
         """Abort the communicator, once: the native abort runs on a worker
         thread (it may block; never on the owner loop), after a flight
         recorder dump if ``TORCHFT_TRIGGER_FR_ON_ABORT=true``. ``error``: what
         the ops not seen completed end with (default ``CommAborted``).
-        Whether this call was the one that began it."""
+        ``abandoned``: an op's ``abandon()`` began it, and that op's settler
+        breaks the table with the real cause: the other ops end with this
+        error without breaking it (so ``errored()`` names the deadline, not
+        this abort). Whether this call was the one that began it."""
         with self._lock:
             if self._stop is not None:
                 return False
-            self._stop = error or CommAborted(f"the {self.flavor.library} group was aborted")
+            stop = error or CommAborted(f"the {self.flavor.library} group was aborted")
+            if abandoned:
+                stop._by_abandon = True  # type: ignore[attr-defined]
+            self._stop = stop
             pg = self._pg
-        get_runtime().workers.spawn(self._abort_native, pg, until=None)
+        until = time.monotonic() + ABORT_BOUND
+        get_runtime().workers.spawn(self._abort_native, pg, until=until)
         return True
 
     def _abort_native(self, pg: Any) -> None:
@@ -409,10 +446,25 @@ class AcceleratorBackend(Backend):
     def _issue(self, device: torch.device, call: Callable[[Any], Any]) -> NativeOp:
         pg = self._pg  # before the flag: an abort that ends drops it
         stop = self._stop
-        if stop is not None or pg is None:  # aborted (the table breaks on the error)
-            raise RuntimeError(f"the {self.flavor.library} group was aborted")
-        work = call(pg)
-        return EventOp(self, work, self.calls.record(work, device))
+        if stop is not None or pg is None:  # aborted (the group breaks on the error)
+            raise self._refusal()
+        try:
+            work = call(pg)
+            event = self.calls.record(work, device)
+        except Exception as exc:
+            # The error becomes the group's: its traceback must not hold the
+            # native group (this frame's ``pg``) for as long as it is kept.
+            del pg
+            if self._stop is not None:  # an abort raced the issue: say why
+                raise self._refusal() from None
+            raise exc.with_traceback(None) from None
+        return EventOp(self, work, event, device)
+
+    def _refusal(self) -> CommError:
+        stop = self._stop
+        if stop is None:
+            return CommAborted(f"the {self.flavor.library} group was aborted")
+        return stop._located(None, None, None)  # a copy: raising adds a traceback
 
     def allreduce(
         self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType, timeout: float
@@ -435,12 +487,10 @@ class AcceleratorBackend(Backend):
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], timeout: float
     ) -> NativeOp:
         opts = self._opts(AllgatherOptions)
-        outs, ins = list(outputs), list(inputs)
+        pairs = list(zip(outputs, inputs, strict=True))
         return self._issue(
-            ins[0].device,
-            lambda pg: _method(
-                pg, "all_gather_single_coalesced", "allgather_into_tensor_coalesced"
-            )(outs, ins, opts),
+            pairs[0][1].device,
+            lambda pg: _coalesced(pg, "_allgather_base", pairs, opts),
         )
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout: float) -> NativeOp:
@@ -466,12 +516,10 @@ class AcceleratorBackend(Backend):
         timeout: float,
     ) -> NativeOp:
         opts = self._opts(ReduceScatterOptions, op)
-        outs, ins = list(outputs), list(inputs)
+        pairs = list(zip(outputs, inputs, strict=True))
         return self._issue(
-            outs[0].device,
-            lambda pg: _method(
-                pg, "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"
-            )(outs, ins, opts),
+            pairs[0][0].device,
+            lambda pg: _coalesced(pg, "_reduce_scatter_base", pairs, opts),
         )
 
     def alltoall_base(
@@ -525,14 +573,23 @@ def warn_local_aborts(flavor: Flavor) -> None:
     )
 
 
-def _method(pg: Any, *names: str) -> Any:
-    """The first of ``names`` the native backend has (torch renamed the
-    coalesced single-tensor ops in 2.10)."""
-    for name in names:
-        method = getattr(pg, name, None)
-        if method is not None:
-            return method
-    raise RuntimeError(f"the native backend has none of {', '.join(names)}")
+def _coalesced(
+    pg: Any, method: str, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], opts: Any
+) -> Any:
+    """The work of ``pg.method(output, input, opts)`` for every pair (a
+    single-tensor op every torch since 2.7 has on the backend): the call's
+    own for one pair, else that of a coalescing block around the calls,
+    whose end is theirs."""
+    call = getattr(pg, method)
+    if len(pairs) == 1:
+        return call(pairs[0][0], pairs[0][1], opts)
+    pg._start_coalescing()
+    try:
+        for output, input_ in pairs:
+            call(output, input_, opts)
+    finally:
+        work = pg._end_coalescing()
+    return work
 
 
 def check_available(flavor: Flavor, calls: DeviceCalls | None = None) -> None:

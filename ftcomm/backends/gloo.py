@@ -53,7 +53,7 @@ from torch.distributed import ReduceOp
 from .._runtime.loop import get_runtime
 from .._runtime.native import NativeOp, Sever, ThreadOp, WorkOp, WorksOp
 from .._store import StoreAddr, connect_store
-from ._base import Backend, ConnectSpec
+from ._base import NUMERIC_DTYPES, Backend, ConnectSpec
 from ._gloo_pairs import (
     LISTENER_KEY,
     PairSockets,
@@ -200,21 +200,10 @@ def _buckets(bufs: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
 class GlooBackend(Backend):
     name: ClassVar[str] = "gloo"
     device_type = "cpu"
-    dtypes: ClassVar[frozenset[torch.dtype] | None] = frozenset(
-        {
-            torch.float32,
-            torch.float64,
-            torch.float16,
-            torch.bfloat16,
-            torch.int8,
-            torch.uint8,
-            torch.int32,
-            torch.int64,
-            torch.bool,
-            torch.complex64,
-            torch.complex128,
-        }
-    )
+    dtypes: ClassVar[frozenset[torch.dtype] | None] = NUMERIC_DTYPES | {
+        torch.complex64,
+        torch.complex128,
+    }
     reduce_ops: ClassVar[frozenset[ReduceOp.RedOpType]] = frozenset(
         {
             ReduceOp.SUM,

@@ -191,6 +191,8 @@ class _Facade(ProcessGroup):
                 group_world_size=group_world_size,
                 global_ranks=global_ranks,
                 timeout=self._timeout,  # set_timeout() reaches configure too
+                # NCCL/XCCL: this thread's current device (configure runs on the owner loop's)
+                device_id=group._backend_cls.caller_device(),
             )
         )
         _registry.refresh(self)
@@ -520,9 +522,10 @@ class ProcessGroupBabyGloo(_Baby, ProcessGroupGloo):
 
 
 class ProcessGroupBabyNCCL(_Baby, ProcessGroupNCCL):
-    """NCCL in a worker process (CUDA tensors, shared by IPC handle; the
-    caller's stream waits for each op through an event, the CPU does not).
-    A deadline or ``abort()`` kills the worker. ``configure`` raises
+    """NCCL in a worker process (CUDA tensors, shared by IPC handle). ``wait()``
+    blocks until the worker has replied (once the op's device work is done),
+    and the caller's stream then waits for the worker's through an event. A
+    deadline or ``abort()`` kills the worker. ``configure`` raises
     ``RuntimeError`` where torch has no NCCL or sees no GPU."""
 
 

@@ -90,9 +90,10 @@ class OpWork(dist.Work):
 
     ``wait(timeout=None)`` blocks the calling thread (never the owner loop)
     until the op ends and returns True, or raises the op's ftcomm error; for
-    an NCCL/XCCL op still running, it makes the calling thread's current
-    stream wait for the op instead, and returns True at once (c10d's
-    meaning; the op's deadline still aborts it, and ``errored()`` says so).
+    an NCCL/XCCL op still running (but a barrier), it makes the calling
+    thread's current stream wait for the op instead, and returns True at
+    once (c10d's meaning; the op's deadline still aborts it, and
+    ``errored()`` says so).
     ``timeout`` (a timedelta or seconds) is a deadline: if the op has not
     ended by then it ends with ``CommTimeout`` and its group is aborted.
     ``get_future()`` gives a ``torch.futures.Future`` with the op's output
@@ -111,8 +112,10 @@ class OpWork(dist.Work):
     def wait(self, timeout: object = None) -> bool:
         op = self._op
         seconds = None if timeout is None else wait_seconds(timeout)
-        if seconds is None and op._order_stream():
-            return True  # NCCL/XCCL: the caller's stream waits, the CPU does not
+        # NCCL/XCCL: the caller's stream waits, the CPU does not -- except for
+        # a barrier, whose wait() blocks the CPU in c10d too.
+        if seconds is None and op.op != "barrier" and op._order_stream():
+            return True
         if not op.done() and get_runtime().in_loop_thread():
             raise RuntimeError(
                 "wait() would block ftcomm's owner loop: call it from another thread"
@@ -130,7 +133,10 @@ class OpWork(dist.Work):
         return self._value
 
     def synchronize(self) -> None:
-        """Nothing to do: ftcomm's in-process ops run on CPU tensors."""
+        """NCCL/XCCL: the calling thread's current stream waits for the op
+        (c10d's meaning); nothing to do for an op on CPU tensors or one that
+        has ended."""
+        self._op._order_stream()
 
     def get_future(self) -> torch.futures.Future[Any]:
         source, fut = _claim_future(self)

@@ -325,6 +325,7 @@ class WorkerProcess:
                 s.group_rank,
                 s.group_world_size,
                 s.global_ranks,
+                s.device,
             ),
             deadline,
         )

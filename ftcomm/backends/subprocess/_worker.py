@@ -167,6 +167,7 @@ class Worker:
                 frame.group_rank,
                 frame.group_world_size,
                 frame.global_ranks,
+                frame.device,
             )
         except (TypeError, ValueError) as exc:
             self.reply(failed(frame.op_id, exc))
