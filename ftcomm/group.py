@@ -190,7 +190,7 @@ class Group(Collectives):
             also have written part of its result, as on in-process Gloo. Storages torch does
             not own (``from_numpy``) and pinned memory are never moved.
             ``None`` (the default): always copy.
-        verify: before each collective, check that every rank issued the
+        verify: (Gloo only) before each collective, check that every rank issued the
             same op (name, dtype, shape, root or reduce op), with one small
             allgather; if not, the op fails with ``CommFailed`` naming both
             sides, on every rank, nothing of it is sent, and the group is
@@ -202,8 +202,8 @@ class Group(Collectives):
 
     Raises:
         TypeError: an argument has the wrong type.
-        ValueError: an unknown backend, a bad timeout or a negative
-            ``share_min_bytes``.
+        ValueError: an unknown backend, a bad timeout, a negative
+            ``share_min_bytes``, or ``verify=True`` with NCCL/XCCL.
         RuntimeError: ``"nccl"`` or ``"xccl"`` where torch was built without
             it or sees no such device.
 
@@ -237,6 +237,8 @@ class Group(Collectives):
         self._connect: Callable[[ConnectSpec, concurrent.futures.Future[Any]], Backend]
         self._backend_cls = backend_class(backend)
         self._backend_cls.check_usable()
+        if verify and backend in ("nccl", "xccl"):
+            raise ValueError(f"verify=True is not available with {backend!r} yet (gloo only)")
         if subprocess:
             from .backends.subprocess import Launcher
 
@@ -434,7 +436,9 @@ class Group(Collectives):
         # timed out or cancelled. A backend that can, stops connecting then.
         stop: concurrent.futures.Future[Any] = concurrent.futures.Future()
         attempt.superseded.add_done_callback(lambda _: _finish(stop))
-        cf = self._runtime.run_control(self._connect, spec, stop, until=until)
+        # A thread of its own (never queued): connects that were given up
+        # may hold theirs until the native construction returns.
+        cf = self._runtime.control.spawn(self._connect, spec, stop, until=until)
         wrapped = asyncio.wrap_future(cf)
         # Not wrap_future: cancelling that wrapper would cancel the attempt's future.
         loop = asyncio.get_running_loop()
@@ -614,6 +618,10 @@ class Group(Collectives):
                     native = inject(op, lambda: start(cfg.backend, seconds), cfg.backend)
             except (CommError, RuntimeError) as exc:
                 refused = self._refused(table, op, exc)
+                if getattr(exc, "_by_abandon", False):
+                    # Another op's abandon() stopped the native group; its
+                    # settler is breaking the table with the real cause.
+                    raise refused from exc.__cause__
                 # Marked under the locks; the ops it ends (and their callbacks,
                 # which may issue ops) end with _issue_lock released.
                 with table._lock:

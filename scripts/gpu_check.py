@@ -127,13 +127,16 @@ def main(argv: list[str]) -> int:
         result = run_one(args.one, args.port, args.fake)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
-
-    import torch
-    from torch.distributed import TCPStore
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    log = (out / "gpu_check.log").open("w")
+    with (out / "gpu_check.log").open("w") as log:
+        return _check(args, out, log)
+
+
+def _check(args: argparse.Namespace, out: Path, log: Any) -> int:
+    """Run the scenarios (see :func:`main`), saying what happens in ``log``."""
+    import torch
+    from torch.distributed import TCPStore
 
     def say(text: str) -> None:
         print(text, flush=True)
@@ -184,7 +187,6 @@ def main(argv: list[str]) -> int:
         f"{len(names) - len(failed)}/{len(names)} passed"
         + (f"; failed: {failed}" if failed else "")
     )
-    log.close()
     del server
     return 1 if failed else 0
 

@@ -34,6 +34,8 @@ class Rig:
     """A real CUDA device."""
 
     fake = False
+    init_deadline = 3.0
+    """configure()'s deadline when a peer never joins."""
 
     def __init__(self) -> None:
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -71,6 +73,7 @@ class FakeRig(Rig):
     """The fake device layer: tensors on the CPU, "busy" holds the events."""
 
     fake = True
+    init_deadline = 1.0  # nothing real waits: a shorter one tests the same
 
     def __init__(self, device: Any) -> None:
         self.device = torch.device("cpu")
@@ -83,7 +86,8 @@ class FakeRig(Rig):
     def busy(self, seconds: float) -> None:
         fake = self.fake_device
         fake.hold()
-        timer = threading.Timer(seconds, fake.release)
+        # A third of it: what counts is that it outlasts the op's deadline.
+        timer = threading.Timer(seconds / 3, fake.release)
         timer.daemon = True
         timer.start()
 
@@ -165,7 +169,7 @@ async def init_absent_peer(rig: Rig, port: int) -> Figures:
     """World size 2 with rank 1 absent: configure raises ``CommTimeout`` at
     its deadline, and the communicator that was connecting is aborted (its
     connect thread returns)."""
-    deadline = 3.0
+    deadline = rig.init_deadline
     rig.peer_absent()
     async with ftcomm.Group("nccl") as g:
         start = time.monotonic()

@@ -38,7 +38,7 @@ import ftcomm
 from ftcomm.testing import RankContext, run_world
 
 SEED = int(os.environ.get("FTCOMM_DRILL_SEED", "20261201"))
-TRIALS = int(os.environ.get("FTCOMM_DRILL_TRIALS", "120"))
+TRIALS = int(os.environ.get("FTCOMM_DRILL_TRIALS", "80"))
 SUB_TRIALS = int(os.environ.get("FTCOMM_DRILL_SUB_TRIALS", "8"))
 WORLD = 3
 OPS = ("allreduce", "allreduce-1mib", "allgather", "broadcast", "barrier")

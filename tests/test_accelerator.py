@@ -10,6 +10,7 @@ on a GPU are ``tests/test_accelerator_gpu.py`` (``make gpu-check``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import threading
 import time
@@ -126,6 +127,7 @@ def test_the_environment_is_set_in_whole_seconds_and_legacy_names_count(
     fake: FakeDevice, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("NCCL_ASYNC_ERROR_HANDLING", "2")  # the old name torch still reads
+    monkeypatch.setenv("NCCL_ENABLE_MONITORING", "0")  # not a name torch reads
     set_now = _accel_device.prepare_environment(NCCL, 2.5)
     # torch parses it with stoi: 2.5 s must not become 2 s
     assert set_now == {"TORCH_NCCL_NONBLOCKING_TIMEOUT": "3", "TORCH_NCCL_ENABLE_MONITORING": "0"}
@@ -261,6 +263,7 @@ async def test_an_event_that_completed_before_the_deadline_is_a_success(
         event = fake.group.events[-1]
         event.complete()
         await asyncio.sleep(0.4)  # the deadline passes with nobody awaiting the op
+        assert work._end is not None  # ended by the owner loop's query at the deadline
         assert work.done()
         assert work.exception() is None
         assert torch.equal(await work, torch.ones(2))
@@ -500,17 +503,104 @@ async def test_errored_names_the_deadline_when_another_op_sees_the_abort_first(
         slow = g.allreduce(torch.ones(1), timeout=0.2)
         real_abort = backend.abort
 
+        polled: list[bool] = []
+
         def abort_then_poll(*args: object, **kwargs: object) -> bool:
             began = real_abort(*args, **kwargs)  # type: ignore[arg-type]
-            assert other.done()  # polled in the window: it sees the stop
+            if began:  # the deadline's abandon(): poll the other op in the window
+                polled.append(other.done())
             return began
 
         backend.abort = abort_then_poll  # type: ignore[method-assign]
         with pytest.raises(CommTimeout):
             await slow
+        assert polled == [True]  # it saw the stop, before the table broke
         with pytest.raises(CommAborted):
             await other
         assert isinstance(g.errored(), CommTimeout)
+
+
+@pytest.mark.asyncio
+async def test_errored_names_the_deadline_when_an_op_is_issued_in_the_abort_window(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    """Forced: another thread issues an op between the deadline's abandon()
+    and its break of the table: the op is refused, and errored() still
+    names the deadline."""
+    async with ftcomm.Group("nccl", timeout=30.0) as g:
+        await g.configure(_addr(store), 0, 1)
+        backend = g._config.backend  # type: ignore[union-attr]
+        fake.hold()
+        slow = g.allreduce(torch.ones(1), timeout=0.2)
+        real_abort = backend.abort
+        refused: list[BaseException] = []
+
+        def abort_then_issue(*args: object, **kwargs: object) -> bool:
+            began = real_abort(*args, **kwargs)  # type: ignore[arg-type]
+            if began:
+                try:
+                    g.allreduce(torch.ones(1))
+                except CommAborted as exc:
+                    refused.append(exc)
+            return began
+
+        backend.abort = abort_then_issue  # type: ignore[method-assign]
+        with pytest.raises(CommTimeout):
+            await slow
+        assert len(refused) == 1
+        assert isinstance(g.errored(), CommTimeout)
+
+
+@pytest.mark.asyncio
+async def test_a_watcher_that_fails_is_replaced(fake: FakeDevice, store: StoreServer) -> None:
+    async with ftcomm.Group("nccl", timeout=30.0) as g:
+        await g.configure(_addr(store), 0, 1)
+        backend = g._config.backend  # type: ignore[union-attr]
+        real_check = backend.check_library
+        failures = [RuntimeError("a bug in the watcher")]
+
+        def check_once() -> None:
+            if failures:
+                raise failures.pop()
+            real_check()
+
+        backend.check_library = check_once  # type: ignore[method-assign]
+        fake.hold()
+        work = g.allreduce(torch.ones(1))
+        task = asyncio.ensure_future(work)
+        await _until(lambda: not failures)  # the first watcher died
+        fake.release()
+        assert torch.equal(await asyncio.wait_for(task, 5.0), torch.ones(1))
+
+
+def test_a_connect_cancelled_before_it_starts_builds_nothing(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    from ftcomm._store import parse_store_addr
+    from ftcomm.backends import ConnectSpec
+
+    cancel: concurrent.futures.Future[None] = concurrent.futures.Future()
+    cancel.set_result(None)
+    spec = ConnectSpec(parse_store_addr(_addr(store)), 0, 1, 5.0)
+    with pytest.raises(RuntimeError, match="cancelled"):
+        accelerator.accelerator_class("nccl").connect(spec, cancel)
+    assert fake.groups == []
+
+
+def test_tensors_on_another_device_than_the_groups_are_refused(fake: FakeDevice) -> None:
+    group = fake.new_group(None, 0, 1, fake.options())
+    cls = accelerator.accelerator_class("nccl")
+    backend = cls(fake, group, None, 0, 1, torch.device("cuda", 0), 0)  # type: ignore[arg-type]
+    backend._check_device(torch.device("cuda", 0))
+    backend._check_device(torch.device("cuda"))  # "the current one": c10d decides
+    with pytest.raises(ValueError, match=r"on cuda:1, and this NCCL group on cuda:0"):
+        backend._check_device(torch.device("cuda", 1))
+    assert group.ops == []
+
+
+def test_verify_is_refused_on_the_accelerators(fake: FakeDevice) -> None:
+    with pytest.raises(ValueError, match="verify=True is not available with 'nccl'"):
+        ftcomm.Group("nccl", verify=True)
 
 
 # -- the flight recorder -----------------------------------------------------------------------

@@ -82,6 +82,9 @@ FR_DUMP_ENVS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
 _env_lock = threading.Lock()
 
+_LEGACY = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "NCCL_ASYNC_ERROR_HANDLING"}
+"""The old names torch still reads, where it reads one."""
+
 _SEQUENCE_NUMBERS = TorchVersion(torch.__version__) < "2.14"
 """torch 2.14 made ``_set_sequence_number_for_group`` a no-op that warns."""
 
@@ -107,15 +110,15 @@ def prepare_environment(flavor: Flavor, nonblocking_timeout: float) -> dict[str,
     set_now: dict[str, str] = {}
     with _env_lock:
         for name, value in wanted.items():
-            legacy = name.replace("TORCH_NCCL_", "NCCL_", 1)  # torch still reads the old name
-            if name not in os.environ and legacy not in os.environ:
+            legacy = _LEGACY.get(name)  # torch still reads the old name
+            if name not in os.environ and (legacy is None or legacy not in os.environ):
                 os.environ[name] = value
                 set_now[name] = value
     if set_now:
         log.info("ftcomm: set %s for %s (docs/design.md)", set_now, flavor.library)
     for name, value in flavor.watchdog_env:
-        legacy = name.replace("TORCH_NCCL_", "NCCL_", 1)
-        current = os.environ.get(name, os.environ.get(legacy))
+        legacy = _LEGACY.get(name)
+        current = os.environ.get(name, os.environ.get(legacy) if legacy else None)
         if current not in (value, "0"):
             _warn_teardown(name, current or "", value)
     cached = flavor.nonblocking_env and os.environ.get(flavor.nonblocking_env, "")
@@ -227,7 +230,10 @@ class DeviceCalls:
         index = device.index if device.index is not None else int(module.current_device())
         stream = self._streams.get(index)
         if stream is None:
-            stream = self._streams[index] = module.Stream(index)
+            # High priority: from torch's pool that c10d's NCCL streams (and
+            # most libraries') do not draw from, so that no unrelated work
+            # waits behind a hung op here, nor this event behind theirs.
+            stream = self._streams[index] = module.Stream(index, priority=-1)
         with module.stream(stream):
             work.get_future().wait()  # this stream waits for the op; the CPU does not
             event = module.Event()

@@ -183,20 +183,25 @@ class Watcher:
         with self._cond:
             self._pending.append((op, callback))
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name=f"ftcomm-{self._backend.name}-watch", daemon=True
-                )
-                self._thread.start()
+                self._start_locked()
             else:
                 self._cond.notify()
+
+    def _start_locked(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name=f"ftcomm-{self._backend.name}-watch", daemon=True
+        )
+        self._thread.start()
 
     def _run(self) -> None:
         try:
             self._watch()
-        finally:  # whatever ended it, the next add() starts a new one
+        except BaseException:  # a bug below: the ops still pending get a new watcher
+            log.exception("ftcomm: the %s watcher failed", self._backend.name)
             with self._cond:
-                if self._thread is threading.current_thread():
-                    self._thread = None
+                self._thread = None
+                if self._pending:
+                    self._start_locked()
 
     def _watch(self) -> None:
         pause = POLL_MIN
@@ -205,10 +210,13 @@ class Watcher:
                 if not self._pending:
                     self._cond.wait(LINGER)
                     if not self._pending:
+                        # Under the same lock as the check: an add() after
+                        # this sees no thread and starts one.
+                        self._thread = None
                         return
                 pending = list(self._pending)
             self._backend.check_library()
-            ended = [(op, cb) for op, cb in pending if op.poll()]
+            ended = [(op, cb) for op, cb in pending if _polled(op)]
             if not ended:
                 time.sleep(pause)
                 pause = min(pause * 2, POLL_MAX)
@@ -227,6 +235,21 @@ class Watcher:
     @property
     def running(self) -> bool:
         return self._thread is not None
+
+
+def _go_on(cancel: concurrent.futures.Future[Any] | None) -> None:
+    """Raise if the connect was cancelled (between its blocking steps)."""
+    if cancel is not None and cancel.done():
+        raise RuntimeError("the connect was cancelled (configure gave up on it)")
+
+
+def _polled(op: EventOp) -> bool:
+    """``op.poll()``, or, if that raises, the op ended with that failure."""
+    try:
+        return op.poll()
+    except Exception as exc:
+        op._seen(CommFailed(f"polling a {op._backend.flavor.library} op failed: {exc}"))
+        return True
 
 
 class AcceleratorBackend(Backend):
@@ -300,7 +323,11 @@ class AcceleratorBackend(Backend):
             warn_local_aborts(flavor)
         prepare_environment(flavor, spec.timeout)
         device = calls.device(spec.device)
+        _go_on(cancel)
         store = connect_store(spec.store, spec.timeout)
+        if cancel is not None and cancel.done():  # nobody waits any more: build nothing
+            del store  # not held by the error's traceback
+            _go_on(cancel)
         opts = calls.options()
         config = getattr(opts, "config", None)
         if config is not None:
@@ -444,6 +471,7 @@ class AcceleratorBackend(Backend):
         return opts
 
     def _issue(self, device: torch.device, call: Callable[[Any], Any]) -> NativeOp:
+        self._check_device(device)
         pg = self._pg  # before the flag: an abort that ends drops it
         stop = self._stop
         if stop is not None or pg is None:  # aborted (the group breaks on the error)
@@ -457,8 +485,23 @@ class AcceleratorBackend(Backend):
             del pg
             if self._stop is not None:  # an abort raced the issue: say why
                 raise self._refusal() from None
-            raise exc.with_traceback(None) from None
+            raise exc.with_traceback(None) from exc.__cause__
         return EventOp(self, work, event, device)
+
+    def _check_device(self, device: torch.device) -> None:
+        """A tensor on another device than the communicator's would make c10d
+        build a second communicator on the issuing thread, which waits there
+        for every peer (an event loop's, maybe): refused.
+
+        Raises:
+            ValueError: ``device`` is not the group's.
+        """
+        mine = self.device.index
+        if device.index is not None and mine is not None and device.index != mine:
+            raise ValueError(
+                f"the tensors are on {device}, and this {self.flavor.library} group on "
+                f"{self.device} (configure(device_id=...) chooses it)"
+            )
 
     def _refusal(self) -> CommError:
         stop = self._stop
@@ -587,9 +630,11 @@ def _coalesced(
     try:
         for output, input_ in pairs:
             call(output, input_, opts)
-    finally:
-        work = pg._end_coalescing()
-    return work
+    except BaseException:
+        with contextlib.suppress(Exception):  # the call's error is the one to raise
+            pg._end_coalescing()
+        raise
+    return pg._end_coalescing()
 
 
 def check_available(flavor: Flavor, calls: DeviceCalls | None = None) -> None:
