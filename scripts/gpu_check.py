@@ -87,7 +87,7 @@ def _run_limited(cmd: list[str], limit: float) -> tuple[str, int | None]:
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()},
         start_new_session=True,
     )
     try:
@@ -99,6 +99,13 @@ def _run_limited(cmd: list[str], limit: float) -> tuple[str, int | None]:
         out, err = proc.communicate()
         code = None
     return (out or b"").decode(errors="replace") + (err or b"").decode(errors="replace"), code
+
+
+def _pythonpath() -> str:
+    """The tree first, for the scenario and the worker processes it starts
+    (ftcomm is not installed on a GPU machine)."""
+    rest = os.environ.get("PYTHONPATH", "")
+    return str(ROOT) + (os.pathsep + rest if rest else "")
 
 
 def environment(fake: bool) -> dict[str, Any]:

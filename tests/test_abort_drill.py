@@ -38,8 +38,8 @@ import ftcomm
 from ftcomm.testing import RankContext, run_world
 
 SEED = int(os.environ.get("FTCOMM_DRILL_SEED", "20261201"))
-TRIALS = int(os.environ.get("FTCOMM_DRILL_TRIALS", "80"))
-SUB_TRIALS = int(os.environ.get("FTCOMM_DRILL_SUB_TRIALS", "8"))
+TRIALS = int(os.environ.get("FTCOMM_DRILL_TRIALS", "60"))
+SUB_TRIALS = int(os.environ.get("FTCOMM_DRILL_SUB_TRIALS", "6"))
 WORLD = 3
 OPS = ("allreduce", "allreduce-1mib", "allgather", "broadcast", "barrier")
 HOWS = ("deadline", "task-cancel", "work-cancel", "abort-thread")
@@ -264,7 +264,7 @@ def test_a_peer_that_comes_after_the_cancel_fails(subprocess: bool) -> None:
     assert r1["later"] == [1.0, 1.0]
 
 
-COPY_BACK_TRIALS = int(os.environ.get("FTCOMM_DRILL_COPY_TRIALS", "4"))
+COPY_BACK_TRIALS = int(os.environ.get("FTCOMM_DRILL_COPY_TRIALS", "3"))
 COPY_CHUNKS = 4  # a 4 MiB float tensor comes back in four 1 MiB chunks
 
 
