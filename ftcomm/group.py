@@ -235,10 +235,10 @@ class Group(Collectives):
         self._launcher: Launcher | None = None
         # connect(spec, cancel): build the native group; blocks (a control thread).
         self._connect: Callable[[ConnectSpec, concurrent.futures.Future[Any]], Backend]
+        if verify and backend in ("nccl", "xccl"):  # an argument: checked first
+            raise ValueError(f"verify=True is not available with {backend!r} yet (gloo only)")
         self._backend_cls = backend_class(backend)
         self._backend_cls.check_usable()
-        if verify and backend in ("nccl", "xccl"):
-            raise ValueError(f"verify=True is not available with {backend!r} yet (gloo only)")
         if subprocess:
             from .backends.subprocess import Launcher
 
@@ -436,9 +436,15 @@ class Group(Collectives):
         # timed out or cancelled. A backend that can, stops connecting then.
         stop: concurrent.futures.Future[Any] = concurrent.futures.Future()
         attempt.superseded.add_done_callback(lambda _: _finish(stop))
-        # A thread of its own (never queued): connects that were given up
-        # may hold theirs until the native construction returns.
-        cf = self._runtime.control.spawn(self._connect, spec, stop, until=until)
+        # A thread of its own (never queued behind connects that were given
+        # up and hold theirs until the native construction returns), unless
+        # nothing can stop this backend's construction (XCCL): then the
+        # bounded pool, so that retries cannot pile up threads for good.
+        control = self._runtime.control
+        if self._backend_cls.stoppable_connect:
+            cf = control.spawn(self._connect, spec, stop, until=until)
+        else:
+            cf = control.submit(self._connect, spec, stop, until=until)
         wrapped = asyncio.wrap_future(cf)
         # Not wrap_future: cancelling that wrapper would cancel the attempt's future.
         loop = asyncio.get_running_loop()

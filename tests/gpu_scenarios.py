@@ -86,8 +86,8 @@ class FakeRig(Rig):
     def busy(self, seconds: float) -> None:
         fake = self.fake_device
         fake.hold()
-        # A third of it: what counts is that it outlasts the op's deadline.
-        timer = threading.Timer(seconds / 3, fake.release)
+        # Half of it: what counts is that it outlasts the op's deadline.
+        timer = threading.Timer(seconds / 2, fake.release)
         timer.daemon = True
         timer.start()
 

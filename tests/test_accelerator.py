@@ -139,6 +139,8 @@ def test_without_the_library_the_backend_says_so_before_anything_is_built() -> N
         pytest.skip("this torch has NCCL and a GPU")
     with pytest.raises(RuntimeError, match="needs a torch build with NCCL"):
         ftcomm.Group("nccl")
+    with pytest.raises(ValueError, match="verify=True"):  # arguments are checked first
+        ftcomm.Group("nccl", verify=True)
     with pytest.raises(RuntimeError, match="needs a torch build with XCCL"):
         ftcomm.Group("xccl", subprocess=True)
     pg = ProcessGroupNCCL()  # constructing the facade works; configure says why not
@@ -152,6 +154,9 @@ def test_the_backend_classes_share_one_implementation() -> None:
     assert issubclass(xccl, AcceleratorBackend)
     assert (nccl.device_type, xccl.device_type) == ("cuda", "xpu")
     assert nccl.allreduce is xccl.allreduce is AcceleratorBackend.allreduce
+    # XCCL's construction cannot be aborted: its connects run on the bounded pool.
+    assert nccl.stoppable_connect
+    assert not xccl.stoppable_connect
     assert backend_class("nccl") is nccl  # built once
 
 
@@ -524,9 +529,9 @@ async def test_errored_names_the_deadline_when_another_op_sees_the_abort_first(
 async def test_errored_names_the_deadline_when_an_op_is_issued_in_the_abort_window(
     fake: FakeDevice, store: StoreServer
 ) -> None:
-    """Forced: another thread issues an op between the deadline's abandon()
-    and its break of the table: the op is refused, and errored() still
-    names the deadline."""
+    """Forced: an op is issued between the deadline's abandon() and its break
+    of the table (here on the settling thread itself, inside the abort): the
+    op is refused, and errored() still names the deadline."""
     async with ftcomm.Group("nccl", timeout=30.0) as g:
         await g.configure(_addr(store), 0, 1)
         backend = g._config.backend  # type: ignore[union-attr]
@@ -587,6 +592,23 @@ def test_a_connect_cancelled_before_it_starts_builds_nothing(
     assert fake.groups == []
 
 
+@pytest.mark.asyncio
+async def test_every_tensor_of_an_op_is_checked_against_the_groups_device(
+    fake: FakeDevice, store: StoreServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with ftcomm.Group("nccl", timeout=10.0) as g:
+        await g.configure(_addr(store), 0, 1)
+        backend = g._config.backend  # type: ignore[union-attr]
+        checked: list[torch.device] = []
+        monkeypatch.setattr(backend, "_check_device", checked.append)
+        outs, ins = [torch.zeros(2), torch.zeros(2)], [torch.ones(2), torch.ones(2)]
+        await g.allgather_into_tensor_coalesced(outs, ins)
+        assert len(checked) == 4  # outputs and inputs, every one
+        checked.clear()
+        await g.reduce_scatter(torch.zeros(1), [torch.ones(1)])
+        assert len(checked) == 2
+
+
 def test_tensors_on_another_device_than_the_groups_are_refused(fake: FakeDevice) -> None:
     group = fake.new_group(None, 0, 1, fake.options())
     cls = accelerator.accelerator_class("nccl")
@@ -596,6 +618,68 @@ def test_tensors_on_another_device_than_the_groups_are_refused(fake: FakeDevice)
     with pytest.raises(ValueError, match=r"on cuda:1, and this NCCL group on cuda:0"):
         backend._check_device(torch.device("cuda", 1))
     assert group.ops == []
+
+
+@pytest.mark.asyncio
+async def test_ops_end_when_the_watcher_comes_and_goes_between_them(
+    fake: FakeDevice, store: StoreServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watcher ends after LINGER idle: an op added as it leaves must still
+    get a watcher (it used to find a thread that was exiting). No spin, a
+    LINGER of 10 us, completions 0-2 ms after each issue."""
+    import random
+
+    from ftcomm._runtime import work as work_module
+
+    monkeypatch.setattr(accelerator, "LINGER", 1e-5)
+    monkeypatch.setattr(work_module, "SPIN_SECONDS", 0.0)
+    rng = random.Random(12)
+    async with ftcomm.Group("nccl", timeout=30.0) as g:
+        await g.configure(_addr(store), 0, 1)
+        fake.hold()
+        for _ in range(300):
+            work = g.allreduce(torch.ones(1))
+            timer = threading.Timer(rng.random() * 0.002, fake.group.events[-1].complete)
+            timer.start()
+            await asyncio.wait_for(work, 5.0)
+            timer.join()
+
+
+def test_a_poll_that_raises_ends_its_op_with_the_failure(fake: FakeDevice) -> None:
+    backend = _backend(fake)
+    fake.hold()
+    op = backend.allreduce([torch.ones(1)], torch.distributed.ReduceOp.SUM, 5.0)
+    assert isinstance(op, EventOp)
+
+    def broken() -> None:
+        raise RuntimeError("a bug")
+
+    backend.stopped = broken  # type: ignore[assignment,method-assign]
+    assert accelerator._polled(op)
+    error = op.outcome()
+    assert isinstance(error, CommFailed)
+    assert "a bug" in str(error)
+
+
+def test_a_connect_cancelled_while_it_reached_the_store_builds_nothing(
+    fake: FakeDevice, store: StoreServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ftcomm._store import parse_store_addr
+    from ftcomm.backends import ConnectSpec
+
+    cancel: concurrent.futures.Future[None] = concurrent.futures.Future()
+    real = accelerator.connect_store
+
+    def connect_then_cancel(*args: object) -> object:
+        client = real(*args)  # type: ignore[arg-type]
+        cancel.set_result(None)  # configure gave up meanwhile
+        return client
+
+    monkeypatch.setattr(accelerator, "connect_store", connect_then_cancel)
+    spec = ConnectSpec(parse_store_addr(_addr(store)), 0, 1, 5.0)
+    with pytest.raises(RuntimeError, match="cancelled"):
+        accelerator.accelerator_class("nccl").connect(spec, cancel)
+    assert fake.groups == []
 
 
 def test_verify_is_refused_on_the_accelerators(fake: FakeDevice) -> None:

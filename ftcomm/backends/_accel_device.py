@@ -230,9 +230,10 @@ class DeviceCalls:
         index = device.index if device.index is not None else int(module.current_device())
         stream = self._streams.get(index)
         if stream is None:
-            # High priority: from torch's pool that c10d's NCCL streams (and
-            # most libraries') do not draw from, so that no unrelated work
-            # waits behind a hung op here, nor this event behind theirs.
+            # High priority (-1): not a pool c10d's NCCL streams draw from
+            # (default priority, or -3 when asked for high priority), so that
+            # their work does not wait behind a hung op here, nor this event
+            # behind theirs. Other libraries' priority -1 streams may share it.
             stream = self._streams[index] = module.Stream(index, priority=-1)
         with module.stream(stream):
             work.get_future().wait()  # this stream waits for the op; the CPU does not

@@ -69,6 +69,9 @@ class Backend(abc.ABC):
     dtypes: ClassVar[frozenset[torch.dtype] | None] = None
     """The dtypes it can send (``None``: any)."""
     reduce_ops: ClassVar[frozenset[ReduceOp.RedOpType]]
+    stoppable_connect: ClassVar[bool] = True
+    """Whether a connect ends soon once its ``cancel`` completes or its
+    timeout passes (else connects run on a bounded pool of threads)."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank

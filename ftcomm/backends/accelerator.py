@@ -188,10 +188,11 @@ class Watcher:
                 self._cond.notify()
 
     def _start_locked(self) -> None:
-        self._thread = threading.Thread(
+        thread = threading.Thread(
             target=self._run, name=f"ftcomm-{self._backend.name}-watch", daemon=True
         )
-        self._thread.start()
+        thread.start()  # may raise (no thread to be had): then there is none
+        self._thread = thread
 
     def _run(self) -> None:
         try:
@@ -201,7 +202,8 @@ class Watcher:
             with self._cond:
                 self._thread = None
                 if self._pending:
-                    self._start_locked()
+                    with contextlib.suppress(RuntimeError):  # no thread: the next add() tries
+                        self._start_locked()
 
     def _watch(self) -> None:
         pause = POLL_MIN
@@ -215,7 +217,10 @@ class Watcher:
                         self._thread = None
                         return
                 pending = list(self._pending)
-            self._backend.check_library()
+            try:
+                self._backend.check_library()
+            except Exception:  # a bug: the ops' own polls still end them
+                log.exception("ftcomm: checking the %s group's error failed", self._backend.name)
             ended = [(op, cb) for op, cb in pending if _polled(op)]
             if not ended:
                 time.sleep(pause)
@@ -228,7 +233,7 @@ class Watcher:
             for op, cb in ended:
                 try:
                     cb(op.outcome())
-                except Exception:  # a callback's bug must not stop the others
+                except BaseException:  # a callback's bug must not stop the others
                     log.exception("ftcomm: a completion callback failed")
             del ended, pending
 
@@ -321,9 +326,9 @@ class AcceleratorBackend(Backend):
         check_available(flavor, calls)
         if not flavor.real_abort:  # before anything is built: -W error raises here
             warn_local_aborts(flavor)
+        _go_on(cancel)  # given up before it began: not even the environment
         prepare_environment(flavor, spec.timeout)
         device = calls.device(spec.device)
-        _go_on(cancel)
         store = connect_store(spec.store, spec.timeout)
         if cancel is not None and cancel.done():  # nobody waits any more: build nothing
             del store  # not held by the error's traceback
@@ -470,8 +475,12 @@ class AcceleratorBackend(Backend):
             self._options[key] = opts
         return opts
 
-    def _issue(self, device: torch.device, call: Callable[[Any], Any]) -> NativeOp:
-        self._check_device(device)
+    def _issue(self, tensors: Sequence[torch.Tensor], call: Callable[[Any], Any]) -> NativeOp:
+        """Issue ``call(native group)`` over ``tensors`` (all of the op's, the
+        first one's device being the op's) and record its event."""
+        for t in tensors:
+            self._check_device(t.device)
+        device = tensors[0].device
         pg = self._pg  # before the flag: an abort that ends drops it
         stop = self._stop
         if stop is not None or pg is None:  # aborted (the group breaks on the error)
@@ -515,16 +524,16 @@ class AcceleratorBackend(Backend):
         ts = list(tensors)
         if len(ts) == 1:
             opts = self._opts(AllreduceOptions, op)
-            return self._issue(ts[0].device, lambda pg: pg.allreduce(ts, opts))
+            return self._issue(ts, lambda pg: pg.allreduce(ts, opts))
         copts = self._opts(AllreduceCoalescedOptions, op)
-        return self._issue(ts[0].device, lambda pg: pg.allreduce_coalesced(ts, copts))
+        return self._issue(ts, lambda pg: pg.allreduce_coalesced(ts, copts))
 
     def allgather(
         self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, timeout: float
     ) -> NativeOp:
         opts = self._opts(AllgatherOptions)
         outs = [list(outputs)]
-        return self._issue(tensor.device, lambda pg: pg.allgather(outs, [tensor], opts))
+        return self._issue([tensor, *outputs], lambda pg: pg.allgather(outs, [tensor], opts))
 
     def allgather_into_tensor(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], timeout: float
@@ -532,13 +541,12 @@ class AcceleratorBackend(Backend):
         opts = self._opts(AllgatherOptions)
         pairs = list(zip(outputs, inputs, strict=True))
         return self._issue(
-            pairs[0][1].device,
-            lambda pg: _coalesced(pg, "_allgather_base", pairs, opts),
+            [*inputs, *outputs], lambda pg: _coalesced(pg, "_allgather_base", pairs, opts)
         )
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout: float) -> NativeOp:
         opts = self._opts(BroadcastOptions, root=root)
-        return self._issue(tensor.device, lambda pg: pg.broadcast([tensor], opts))
+        return self._issue([tensor], lambda pg: pg.broadcast([tensor], opts))
 
     def reduce_scatter(
         self,
@@ -549,7 +557,7 @@ class AcceleratorBackend(Backend):
     ) -> NativeOp:
         opts = self._opts(ReduceScatterOptions, op)
         ins = [list(inputs)]
-        return self._issue(output.device, lambda pg: pg.reduce_scatter([output], ins, opts))
+        return self._issue([output, *inputs], lambda pg: pg.reduce_scatter([output], ins, opts))
 
     def reduce_scatter_tensor(
         self,
@@ -561,8 +569,7 @@ class AcceleratorBackend(Backend):
         opts = self._opts(ReduceScatterOptions, op)
         pairs = list(zip(outputs, inputs, strict=True))
         return self._issue(
-            pairs[0][0].device,
-            lambda pg: _coalesced(pg, "_reduce_scatter_base", pairs, opts),
+            [*outputs, *inputs], lambda pg: _coalesced(pg, "_reduce_scatter_base", pairs, opts)
         )
 
     def alltoall_base(
@@ -575,7 +582,7 @@ class AcceleratorBackend(Backend):
     ) -> NativeOp:
         opts = self._opts(AllToAllOptions)
         return self._issue(
-            tensor.device,
+            [tensor, output],
             lambda pg: pg.alltoall_base(
                 output, tensor, output_split_sizes, input_split_sizes, opts
             ),
@@ -589,13 +596,13 @@ class AcceleratorBackend(Backend):
         if scratch is None:
             scratch = self._scratch = self.calls.scratch(self.device)
         opts = self._opts(AllreduceOptions, ReduceOp.SUM)
-        return self._issue(scratch.device, lambda pg: pg.allreduce([scratch], opts))
+        return self._issue([scratch], lambda pg: pg.allreduce([scratch], opts))
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float) -> NativeOp:
-        return self._issue(tensor.device, lambda pg: pg.send([tensor], dst, tag))
+        return self._issue([tensor], lambda pg: pg.send([tensor], dst, tag))
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, timeout: float) -> NativeOp:
-        return self._issue(tensor.device, lambda pg: pg.recv([tensor], src, tag))
+        return self._issue([tensor], lambda pg: pg.recv([tensor], src, tag))
 
 
 _warned_local: set[str] = set()
@@ -658,7 +665,13 @@ def accelerator_class(name: str) -> type[AcceleratorBackend]:
         cls = type(
             f"{flavor.library}Backend",
             (AcceleratorBackend,),
-            {"flavor": flavor, "name": flavor.name, "device_type": flavor.device_type},
+            {
+                "flavor": flavor,
+                "name": flavor.name,
+                "device_type": flavor.device_type,
+                # XCCL's construction cannot be aborted: its connects are bounded.
+                "stoppable_connect": flavor.real_abort,
+            },
         )
         _classes[name] = cls
     return cls
