@@ -43,13 +43,22 @@ def parse_store_addr(value: object, name: str = "store_addr") -> StoreAddr:
 
     Raises:
         TypeError: ``value`` is not a str.
-        ValueError: it is empty, or its host, port or brackets are malformed.
+        ValueError: it is empty, has a scheme (``tcp://``) or whitespace in its
+            host and port, or its host, port or brackets are malformed; the
+            message says how to write it.
     """
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str 'host:port/prefix', got {type(value).__name__}")
     if not value.strip():
         raise ValueError(f"{name} must be 'host:port/prefix', got an empty string")
+    scheme, sep, _ = value.partition("://")
+    if sep:
+        raise ValueError(
+            f"{name} {value!r} has a scheme: write 'host:port/prefix' (drop '{scheme}://')"
+        )
     hostport, _, prefix = value.partition("/")
+    if hostport != "".join(hostport.split()):
+        raise ValueError(f"{name} {value!r}: its host and port must not contain whitespace")
     if hostport.startswith("["):
         host, sep, rest = hostport[1:].partition("]")
         if not sep or not rest.startswith(":"):
@@ -63,12 +72,21 @@ def parse_store_addr(value: object, name: str = "store_addr") -> StoreAddr:
         host, sep, port_text = hostport.rpartition(":")
         if not sep:
             raise ValueError(f"{name} {value!r} has no port: expected 'host:port/prefix'")
+        before, _, port_first = host.rpartition(":")
+        if ":" in host and port_first.isdigit() and not port_text.isdigit() and ":" not in before:
+            # 'host:port:prefix': the prefix comes after a '/'
+            raise ValueError(
+                f"{name} {value!r}: the prefix follows a '/', as in "
+                f"'{host}/{port_text}{'/' + prefix if prefix else ''}'"
+            )
         if ":" in host:
             raise ValueError(f"{name} {value!r}: put an IPv6 host in brackets, '[{host}]:port'")
     if not host:
         raise ValueError(f"{name} {value!r} has no host: expected 'host:port/prefix'")
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"{name} {value!r}: port must be an integer in 1..65535")
+        raise ValueError(
+            f"{name} {value!r}: port must be an integer in 1..65535, got {port_text!r}"
+        )
     return StoreAddr(host, int(port_text), prefix)
 
 

@@ -905,7 +905,7 @@ CONFIGURE_CASES = [
     pytest.param(
         {"store_addr": "127.0.0.1:http/p"},
         ValueError,
-        r"^store_addr .*port must be an integer",
+        r"^store_addr .*port must be an integer in 1\.\.65535, got 'http'",
         id="addr-port-name",
     ),
     pytest.param(
@@ -937,6 +937,30 @@ CONFIGURE_CASES = [
         ValueError,
         r"^store_addr .*'\[addr\]:port/prefix'",
         id="addr-ipv6-unclosed",
+    ),
+    pytest.param(
+        {"store_addr": "tcp://127.0.0.1:29500/run"},
+        ValueError,
+        r"^store_addr 'tcp://127\.0\.0\.1:29500/run' has a scheme: .*\(drop 'tcp://'\)",
+        id="addr-scheme",
+    ),
+    pytest.param(
+        {"store_addr": "127.0.0.1:29500:run"},
+        ValueError,
+        r"^store_addr .*the prefix follows a '/', as in '127\.0\.0\.1:29500/run'",
+        id="addr-colon-prefix",
+    ),
+    pytest.param(
+        {"store_addr": "127.0.0.1 :29500/run"},
+        ValueError,
+        r"^store_addr .*must not contain whitespace",
+        id="addr-space",
+    ),
+    pytest.param(
+        {"store_addr": "127.0.0.1:29500 /run"},
+        ValueError,
+        r"^store_addr .*must not contain whitespace",
+        id="addr-trailing-space",
     ),
     pytest.param(
         {"store_addr": "[example.com]:1234/p"},
