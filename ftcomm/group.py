@@ -30,7 +30,7 @@ from . import _validate as v
 from ._collectives import Collectives
 from ._runtime import faults
 from ._runtime.deadline import Timeout, resolve, to_seconds
-from ._runtime.loop import get_runtime, wake_threadsafe
+from ._runtime.loop import get_runtime, require_asyncio, wake_threadsafe
 from ._runtime.native import NativeOp
 from ._runtime.table import OpTable
 from ._runtime.work import Work
@@ -319,7 +319,9 @@ class Group(Collectives):
                 configure timeout.
             CommFailed: the store or the native group construction failed.
             CommAborted: ``shutdown()`` or another ``configure()`` superseded this one.
+            RuntimeError: awaited without a running asyncio loop (trio).
         """
+        require_asyncio("configure()")
         addr = parse_store_addr(store_addr)
         world_size = v.check_int(world_size, "world_size", minimum=1)
         rank = v.check_rank(rank, "rank", world_size)

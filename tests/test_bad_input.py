@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
-from helpers import StoreServer, free_port
+from helpers import ScriptedOp, StoreServer, free_port
 from torch.distributed import ReduceOp
 
 import ftcomm
@@ -1376,3 +1376,25 @@ async def test_gap_global_ranks_duplicates(
         assert err is not None, "accepted without an error"
         assert re.match(r"ValueError: global_ranks ", err), err
     await assert_pair_usable(g0, g1)  # the old configuration was kept
+
+
+def test_awaiting_without_an_asyncio_loop_says_so(addr: str) -> None:
+    """Under trio (through anyio) nothing drives ftcomm's awaitables: the
+    first await says what is needed instead of trio's "unrecognized yield
+    message None" (trio is not installed here: no loop at all is the same)."""
+    g = ftcomm.Group("gloo", timeout=5)
+    configure = g.configure(addr, 0, 1)
+    with pytest.raises(RuntimeError, match=r"^configure\(\) needs a running asyncio event loop"):
+        configure.send(None)
+    get_runtime().call(g.configure(addr, 0, 1))
+    try:
+        from ftcomm._runtime import work as work_module
+
+        op = ScriptedOp()
+        table = g._config.table  # type: ignore[union-attr]
+        pending = work_module.Work(table, "allreduce", 1, time.monotonic() + 5, op, None)
+        with pytest.raises(RuntimeError, match=r"^awaiting allreduce needs a running asyncio"):
+            pending.__await__().send(None)
+        assert pending._end is None  # the op goes on
+    finally:
+        get_runtime().call(g.shutdown())

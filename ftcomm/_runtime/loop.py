@@ -71,6 +71,23 @@ def _set_none(fut: asyncio.Future[Any]) -> None:
         fut.set_result(None)
 
 
+def require_asyncio(what: str, name: str = "") -> None:
+    """Raise a clear error where ``what`` (and ``name``: only formatted then)
+    is awaited without a running asyncio loop (under trio, say, which cannot
+    drive ftcomm's awaitables).
+
+    Raises:
+        RuntimeError: no asyncio event loop is running in this thread.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        raise RuntimeError(
+            f"{what}{' ' + name if name else ''} needs a running asyncio event loop "
+            "(under anyio: its asyncio backend; trio is not supported)"
+        ) from None
+
+
 def wake_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> None:
     """Complete ``fut`` (with ``None``) on ``loop``, from any thread; nothing
     if the loop is closed (nobody is waiting there any more)."""

@@ -52,7 +52,7 @@ from typing import Any, Generic, TypeVar
 
 from ..errors import CommAborted, CommError, CommFailed, CommTimeout
 from .deadline import to_seconds
-from .loop import wake_threadsafe
+from .loop import require_asyncio, wake_threadsafe
 from .native import NativeOp
 from .table import Broken, OpTable, _peek, _wake_all, log
 
@@ -116,6 +116,8 @@ class Work(Generic[R]):
         asyncio.CancelledError: the awaiting task was cancelled; the group is
             aborted (unless the op had already completed) and the error is
             re-raised as it is.
+        RuntimeError: awaited without a running asyncio loop (trio): the op
+            goes on, bound by its deadline.
 
     An aborted in-process Gloo op is stopped by shutting its group's
     connections down; its error is out only once it has ended (a millisecond
@@ -205,6 +207,7 @@ class Work(Generic[R]):
         # once per loop iteration, and every layer it passes costs time
         # measured in the small-op bench.
         if self._end is None:
+            require_asyncio("awaiting", self.op)  # the op goes on; its deadline holds
             try:
                 yield from self._until_ended()
             except asyncio.CancelledError:
