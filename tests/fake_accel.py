@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
-from ftcomm.backends._accel_device import Flavor
+from ftcomm.backends import _accel_device, accelerator
+from ftcomm.backends._accel_device import FLAVORS, Flavor
 
 
 class FakeEvent:
@@ -292,3 +293,22 @@ class FakeDevice:
     def dump_flight_recorder(self, rank: int) -> str | None:
         self.dumps.append(rank)
         return None if self.dump_dir is None else f"{self.dump_dir}/trace{rank}"
+
+
+def install(monkeypatch: Any, flavor: Flavor) -> FakeDevice:
+    """Make the accelerator backend use a new :class:`FakeDevice` for
+    ``flavor`` (and clear the variables ftcomm may set, which ``monkeypatch``
+    restores after the test)."""
+    device = FakeDevice(flavor)
+
+    def calls(asked: Flavor) -> FakeDevice:
+        assert asked is flavor, f"asked for {asked.name}, the test fakes {flavor.name}"
+        return device
+
+    monkeypatch.setattr(accelerator, "device_calls", calls)
+    for f in FLAVORS.values():
+        for name in [f.nonblocking_env, *dict(f.watchdog_env)]:
+            if name is not None:
+                monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(_accel_device.FR_ENV, raising=False)
+    return device

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 
+import fake_accel
 import pytest
 import torch
 from fake_accel import FakeDevice
@@ -26,7 +27,7 @@ import ftcomm
 from ftcomm import CommAborted, CommFailed, CommTimeout
 from ftcomm._runtime.loop import get_runtime
 from ftcomm.backends import _accel_device, accelerator, backend_class
-from ftcomm.backends._accel_device import FLAVORS, NCCL, XCCL, Flavor
+from ftcomm.backends._accel_device import NCCL, XCCL, Flavor
 from ftcomm.backends.accelerator import AcceleratorBackend, EventOp
 from ftcomm.c10d import ProcessGroupNCCL, ProcessGroupXCCL
 
@@ -38,19 +39,7 @@ def _addr(store: StoreServer) -> str:
 
 
 def _fake(monkeypatch: pytest.MonkeyPatch, flavor: Flavor) -> FakeDevice:
-    device = FakeDevice(flavor)
-
-    def calls(asked: Flavor) -> FakeDevice:
-        assert asked is flavor, f"asked for {asked.name}, the test fakes {flavor.name}"
-        return device
-
-    monkeypatch.setattr(accelerator, "device_calls", calls)
-    for f in FLAVORS.values():  # restored by monkeypatch after the test
-        for name in [f.nonblocking_env, *dict(f.watchdog_env)]:
-            if name is not None:
-                monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv(_accel_device.FR_ENV, raising=False)
-    return device
+    return fake_accel.install(monkeypatch, flavor)
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fake_accel
 import gpu_scenarios
 import pytest
 import torch
-from fake_accel import FakeDevice
 from helpers import StoreServer
 
 from ftcomm.backends import accelerator
@@ -29,11 +29,7 @@ def test_scenario(name: str, store: StoreServer, monkeypatch: pytest.MonkeyPatch
     if GPU:
         rig: gpu_scenarios.Rig = gpu_scenarios.Rig()
     else:
-        device = FakeDevice(NCCL)
-        monkeypatch.setattr(accelerator, "device_calls", lambda flavor: device)
-        for var in ("TORCH_NCCL_NONBLOCKING_TIMEOUT", *dict(NCCL.watchdog_env)):
-            monkeypatch.delenv(var, raising=False)
-        rig = gpu_scenarios.FakeRig(device)
+        rig = gpu_scenarios.FakeRig(fake_accel.install(monkeypatch, NCCL))
     scenario = gpu_scenarios.SCENARIOS[name]
     if asyncio.iscoroutinefunction(scenario):
         figures = asyncio.run(scenario(rig, store.port))

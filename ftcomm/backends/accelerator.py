@@ -237,10 +237,6 @@ class Watcher:
                     log.exception("ftcomm: a completion callback failed")
             del ended, pending
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
-
 
 def _go_on(cancel: concurrent.futures.Future[Any] | None) -> None:
     """Raise if the connect was cancelled (between its blocking steps)."""
@@ -379,12 +375,10 @@ class AcceleratorBackend(Backend):
             RuntimeError: the group was aborted, or the barrier failed.
         """
         op = self.barrier(max(0.0, deadline - time.monotonic()))
-        pause = POLL_MIN
-        while not op.poll():
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"not every {self.flavor.library} peer joined in time")
-            time.sleep(pause)
-            pause = min(pause * 2, POLL_MAX)
+        ended = threading.Event()
+        op.on_done(lambda _: ended.set())  # the group's watcher, as for any op
+        if not ended.wait(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"not every {self.flavor.library} peer joined in time")
         error = op.outcome()
         if error is not None:
             raise RuntimeError(
