@@ -1,9 +1,12 @@
 # Set-up is `make demo` or `make test` on a fresh machine: each builds .venv first.
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
+# The torchft extra runs torchft's Manager against ftcomm in the tests.
+EXTRAS ?= dev,torchft
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+comma := ,
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)-$(subst $(comma),-,$(EXTRAS))
 
 .PHONY: install test unit lint typecheck demo bench soak gpu-check clean
 
@@ -14,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# Pin torch first: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $@
 
 test: install lint typecheck unit

@@ -187,7 +187,7 @@ class GroupCore:
     def errored(self) -> CommError | None:
         cfg = self._config
         if cfg is not None:
-            return cfg.table.error
+            return cfg.table.reported
         return self._error
 
     # -- transitions (each takes the lock, or is called under it) -------------

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ipaddress
+import logging
 import os
 import platform
 import socket
@@ -11,9 +13,12 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed import DistNetworkError
+
+log = logging.getLogger("ftcomm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +45,9 @@ class StoreAddr:
 
 def parse_store_addr(value: object, name: str = "store_addr") -> StoreAddr:
     """Parse ``host:port/prefix``; the prefix may contain ``/`` and may be empty.
+
+    An IPv6 host is written ``[addr]:port/prefix``, or bare as torchft takes
+    it (``fdaa::1:29500/prefix``: the port is the field after the last ``:``).
 
     Raises:
         TypeError: ``value`` is not a str.
@@ -79,8 +87,9 @@ def parse_store_addr(value: object, name: str = "store_addr") -> StoreAddr:
                 f"{name} {value!r}: the prefix follows a '/', as in "
                 f"'{host}/{port_text}{'/' + prefix if prefix else ''}'"
             )
-        if ":" in host:
+        if ":" in host and not _is_ipv6(host):
             raise ValueError(f"{name} {value!r}: put an IPv6 host in brackets, '[{host}]:port'")
+        # else a bare IPv6 host, as torchft takes it: the port follows the last ':'
     if not host:
         raise ValueError(f"{name} {value!r} has no host: expected 'host:port/prefix'")
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
@@ -90,14 +99,181 @@ def parse_store_addr(value: object, name: str = "store_addr") -> StoreAddr:
     return StoreAddr(host, int(port_text), prefix)
 
 
-def connect_store(addr: StoreAddr, timeout: float) -> Store:
+def _is_ipv6(host: str) -> bool:
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class ConnectProgress:
+    """How far a connect got: what its deadline's error names.
+
+    Written by the connecting thread, read by the owner loop when the
+    deadline passes (plain attribute stores: a reader sees each one whole).
+    """
+
+    __slots__ = ("cause", "detail", "step")
+
+    def __init__(self) -> None:
+        self.step = "starting"
+        """``"store"`` (reaching the store), ``"meet"`` (waiting for the other
+        ranks in it), ``"native"`` (building the native group), or ``"starting"``."""
+        self.detail = ""
+        """What the step is waiting for, in words (``"rank 1 of 2 has not ..."``)."""
+        self.cause: BaseException | None = None
+        """The last error that kept the step from finishing (a refused connection)."""
+
+
+class Stopped(Exception):
+    """A connect that nobody waits for any more stopped early."""
+
+
+def _stopped(stop: concurrent.futures.Future[Any] | None, wait: float = 0.0) -> bool:
+    if stop is None:
+        if wait > 0:
+            time.sleep(wait)
+        return False
+    if wait > 0:
+        concurrent.futures.wait([stop], timeout=wait)
+    return stop.done()
+
+
+def why_unreachable(exc: BaseException) -> str:
+    """A store connection's failure, in words a user can act on."""
+    if isinstance(exc, ConnectionRefusedError):
+        return (
+            "connection refused: nothing listens on that port; is the store hosted there "
+            "(torch.distributed.TCPStore(host, port, is_master=True)) and running?"
+        )
+    if isinstance(exc, socket.gaierror):
+        return f"the host name does not resolve ({exc.strerror})"
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return "no answer to the connection (an unreachable host, or a firewall drops it)"
+    if isinstance(exc, OSError):
+        return f"the connection failed ({exc.strerror or exc})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _wait_listening(
+    addr: StoreAddr,
+    timeout: float,
+    deadline: float,
+    progress: ConnectProgress,
+    stop: concurrent.futures.Future[Any] | None,
+) -> None:
+    """Wait until the store's port takes connections, trying from here.
+
+    c10d's client retries on its own, but logs each failure (a C++ stack) to
+    stderr and keeps no cause; trying here first, a client is only built
+    once someone listens, and the last failure is kept for the error.
+    """
+    delay = 0.01
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            sock = socket.create_connection((addr.host, addr.port), timeout=max(remaining, 0.01))
+        except OSError as exc:
+            progress.cause = exc
+            progress.detail = why_unreachable(exc)
+            log.debug("ftcomm: the store at %s: %s", addr, progress.detail)
+        else:
+            sock.close()
+            progress.cause = None
+            progress.detail = ""
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            assert progress.cause is not None
+            raise TimeoutError(
+                f"the store at {addr} did not answer within {timeout:g} s: {progress.detail}"
+            ) from progress.cause
+        if _stopped(stop, min(delay, remaining)):
+            raise Stopped
+        delay = min(delay * 2, 0.5)
+
+
+MEET_KEY = "ftcomm/met/{rank}"
+
+
+def meet(
+    store: Store,
+    rank: int,
+    world_size: int,
+    deadline: float,
+    progress: ConnectProgress,
+    stop: concurrent.futures.Future[Any] | None = None,
+) -> None:
+    """Wait in ``store`` until every rank of the group has come.
+
+    The native group's own rendezvous waits for the peers too, but with a
+    timeout that logs a C++ stack and names no one. Here, a missing rank is
+    named, a superseded connect stops within 50 ms, and the native group is
+    built once everyone is there.
+
+    Raises:
+        TimeoutError: not every rank came by ``deadline`` (it names who did not).
+        Stopped: ``stop`` completed.
+    """
+    store.set(MEET_KEY.format(rank=rank), "1")
+    if world_size == 1:
+        return
+    keys = [MEET_KEY.format(rank=r) for r in range(world_size)]
+    progress.step = "meet"
+    progress.detail = f"waiting for the other {world_size - 1} ranks"
+    delay = 0.0005
+    named_at = 0.0
+    while not store.check(keys):
+        now = time.monotonic()
+        if now >= deadline or now - named_at >= 0.25:
+            named_at = now
+            progress.detail = _missing(store, keys)
+        if now >= deadline:
+            raise TimeoutError(f"{progress.detail} ({world_size} ranks, this one is rank {rank})")
+        if _stopped(stop, min(delay, deadline - now)):
+            raise Stopped
+        delay = min(delay * 2, 0.05)
+
+
+def _missing(store: Store, keys: list[str]) -> str:
+    """Who has not come, in words (at most 64 ranks are checked one by one)."""
+    n = len(keys)
+    if n > 64:
+        return f"not all {n} ranks have come to the store"
+    missing = [r for r, key in enumerate(keys) if not store.check([key])]
+    if not missing:
+        return f"all {n} ranks came to the store"
+    shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+    return (
+        f"{len(missing)} of {n} ranks never came to the store (rank {shown}): did each call "
+        "configure() with this address and world size?"
+    )
+
+
+def connect_store(
+    addr: StoreAddr,
+    timeout: float,
+    progress: ConnectProgress | None = None,
+    stop: concurrent.futures.Future[Any] | None = None,
+) -> Store:
     """A client of the TCPStore at ``addr``, scoped to its prefix.
 
     Blocks for ``timeout`` seconds at most, also against a server that takes
     the connection and never answers (see :class:`_StuckReadGuard`).
+
+    Raises:
+        TimeoutError: nobody answered within ``timeout`` (its message and
+            ``__cause__`` say why: refused, no such host, no answer).
+        Stopped: ``stop`` completed first.
+        torch.distributed.DistNetworkError: the connection broke.
     """
     started = time.monotonic()
-    guard = _StuckReadGuard(addr, timeout)
+    progress = progress or ConnectProgress()
+    progress.step = "store"
+    _wait_listening(addr, timeout, started + timeout, progress, stop)
+    # The store's ops keep the whole timeout; the connect, what is left of it.
+    guard = _StuckReadGuard(addr, max(started + timeout - time.monotonic(), 0.01))
     try:
         with guard:
             store = TCPStore(

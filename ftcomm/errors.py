@@ -71,6 +71,19 @@ class CommError(RuntimeError):
         error.__cause__ = self.__cause__
         return error
 
+    def _group_aborted(self) -> CommError:
+        """What ``errored()`` reports for a group this error broke: the same
+        class and attributes, a message that says the group is aborted (it
+        is: every other op ended, the native group was let go), and this
+        error, the one its op raised, as ``__cause__``. An abort is itself."""
+        if isinstance(self, CommAborted):
+            return self
+        state = {k: v for k, v in self.__dict__.items() if k not in _CONTEXT}
+        message = f"the group is aborted (configure() it again to go on) after: {self.message}"
+        error = _rebuild(type(self), message, self.rank, self.op, self.seq, state)
+        error.__cause__ = self
+        return error
+
     def __reduce__(self) -> tuple[object, ...]:
         # Keyword-only constructor arguments: rebuild through a helper so the
         # error survives pickling (it crosses process boundaries in tests).

@@ -68,6 +68,31 @@ def _connect_error(exc: Exception, where: str, rank: int) -> CommError:
     return cls(f"configure failed ({where}): {exc}", rank=rank, op="configure")
 
 
+def _configure_timeout(
+    seconds: float, spec: ConnectSpec, raised: TimeoutError | None = None
+) -> CommTimeout:
+    """The error of a ``configure()`` whose deadline passed: what the connect
+    was waiting for then (``spec.progress``), and what to do about it.
+    ``raised``: the connect's own timeout, where it came first."""
+    progress = spec.progress
+    if progress.step == "store" and not progress.detail and raised is not None:
+        why = str(raised)  # the store took the connection, and then did not answer
+    elif progress.step == "store":
+        why = f"the store at {spec.store} did not answer: {progress.detail or 'no reply'}"
+    elif progress.step == "meet":
+        why = f"{progress.detail} (store {spec.store})"
+    elif progress.step == "native":
+        why = (
+            f"every rank came to the store {spec.store}, but the native group was not "
+            "built in time (a peer unreachable on its own address, or a slow start?)"
+        )
+    else:
+        why = f"store {spec.store}"
+    return CommTimeout(
+        f"configure timed out after {seconds:g} seconds: {why}", rank=spec.rank, op="configure"
+    )
+
+
 def _connect_in_process(
     cls: type[Backend], spec: ConnectSpec, cancel: concurrent.futures.Future[Any]
 ) -> Backend:
@@ -465,13 +490,15 @@ class Group(Collectives):
             self._orphan(wrapped, cf)
             if attempt.superseded_by is not None:
                 raise self._core.superseded(attempt, spec.rank)
-            raise CommTimeout(
-                f"configure did not finish within {seconds:g} s ({where})",
-                rank=spec.rank,
-                op="configure",
-            )
+            progress = spec.progress
+            raise _configure_timeout(seconds, spec) from progress.cause
         try:
             return wrapped.result()
+        except TimeoutError as exc:
+            if isinstance(exc, CommError) or spec.progress.step not in ("store", "meet"):
+                raise _connect_error(exc, where, spec.rank) from exc
+            # the connect's own deadline in the store, a moment after ours: say it as ours
+            raise _configure_timeout(seconds, spec, exc) from (spec.progress.cause or exc.__cause__)
         except Exception as exc:  # arguments were checked: this is the store or a peer
             raise _connect_error(exc, where, spec.rank) from exc
 
@@ -579,15 +606,21 @@ class Group(Collectives):
         cfg = self._core.config
         return cfg.table.active() if cfg is not None else 0
 
+    def _check_open(self, op: str) -> None:
+        """Raise what issuing ``op`` now would raise at once: ``NotConfigured``,
+        or ``CommAborted`` on an errored group (for ops that never reach a
+        native group: the c10d dummy's)."""
+        table = self._configured(op).table
+        error = table.error
+        if error is not None:
+            raise _refused(op, error, table.rank) from error
+
     def _configured(self, op: str) -> Config:
         cfg = self._core.config
         if cfg is None:
             error = self._core.errored()
             if error is not None:
-                raise CommAborted(
-                    f"{op} refused: the group is errored ({error.message}); call configure()",
-                    op=op,
-                ) from error
+                raise _refused(op, error, None) from error
             state = self._core.state
             raise NotConfigured(
                 f"{op} needs a configured group ({state.value}): await group.configure(...) first",
@@ -610,11 +643,7 @@ class Group(Collectives):
         with self._issue_lock:
             error = table.error
             if error is not None:
-                raise CommAborted(
-                    f"{op} refused: the group is errored ({error.message}); call configure()",
-                    rank=table.rank,
-                    op=op,
-                ) from error
+                raise _refused(op, error, table.rank) from error
             deadline = time.monotonic() + seconds
             try:
                 if cfg.chain is not None and check is not None:
@@ -677,3 +706,12 @@ class Group(Collectives):
         failed = CommFailed(f"{op} could not be issued: {exc}", rank=table.rank, op=op)
         failed.__cause__ = exc
         return failed
+
+
+def _refused(op: str, error: CommError, rank: int | None) -> CommAborted:
+    """The error an op issued on a group that ``error`` broke raises."""
+    return CommAborted(
+        f"{op} refused: the group is errored ({error.message}); call configure()",
+        rank=rank,
+        op=op,
+    )

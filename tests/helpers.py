@@ -7,13 +7,15 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterable
 
-from torch.distributed import TCPStore
+from torch.distributed import PrefixStore, TCPStore
 
 import ftcomm
 from ftcomm._runtime.native import Done
 from ftcomm._runtime.table import OpTable
 from ftcomm._runtime.work import Work
+from ftcomm._store import MEET_KEY
 from ftcomm.backends.subprocess import SubprocessBackend
 
 
@@ -73,6 +75,15 @@ class StoreServer:
 
     def close(self) -> None:
         self._server = None
+
+
+def peers_came(port: int, prefix: str, ranks: Iterable[int]) -> None:
+    """Mark ``ranks`` as having come to the store at ``port`` under ``prefix``
+    (what each rank's configure writes before it builds the native group):
+    for a test whose one rank stands for a group whose peers are there."""
+    client = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+    for rank in ranks:
+        PrefixStore(prefix, client).set(MEET_KEY.format(rank=rank), "1")
 
 
 def free_port() -> int:

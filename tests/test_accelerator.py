@@ -21,7 +21,7 @@ import fake_accel
 import pytest
 import torch
 from fake_accel import FakeDevice
-from helpers import StoreServer
+from helpers import StoreServer, peers_came
 
 import ftcomm
 from ftcomm import CommAborted, CommFailed, CommTimeout
@@ -34,8 +34,12 @@ from ftcomm.c10d import ProcessGroupNCCL, ProcessGroupXCCL
 _prefixes = itertools.count()
 
 
-def _addr(store: StoreServer) -> str:
-    return f"127.0.0.1:{store.port}/accel{next(_prefixes)}"
+def _addr(store: StoreServer, world: int = 1) -> str:
+    """A fresh address on ``store``; ranks 1.. of a ``world`` of several
+    have come to it already (the fake's own peers are modelled by its gates)."""
+    prefix = f"accel{next(_prefixes)}"
+    peers_came(store.port, prefix, range(1, world))
+    return f"127.0.0.1:{store.port}/{prefix}"
 
 
 def _fake(monkeypatch: pytest.MonkeyPatch, flavor: Flavor) -> FakeDevice:
@@ -338,7 +342,7 @@ async def test_an_init_that_never_completes_is_aborted_at_the_configure_deadline
         # Long enough for the connect to reach the communicator on a loaded
         # machine (else it rightly builds nothing), short enough for a test.
         with pytest.raises(CommTimeout, match="configure"):
-            await g.configure(_addr(store), 0, 2, timeout=1.5)
+            await g.configure(_addr(store, 2), 0, 2, timeout=1.5)
         assert time.monotonic() - start < 1.5 + 1.0
         pg = fake.group
         await _until(lambda: pg.aborted)
@@ -360,7 +364,7 @@ async def test_abort_during_init_stops_the_communicator(
 ) -> None:
     fake.init_gate.clear()
     async with ftcomm.Group("nccl") as g:
-        task = asyncio.ensure_future(g.configure(_addr(store), 0, 2, timeout=30.0))
+        task = asyncio.ensure_future(g.configure(_addr(store, 2), 0, 2, timeout=30.0))
         await asyncio.wait_for(asyncio.to_thread(fake.connecting.wait), 5.0)
         await g.abort()
         with pytest.raises(CommAborted, match="superseded by abort"):
@@ -406,7 +410,7 @@ async def test_closing_waits_for_the_native_abort(fake: FakeDevice, store: Store
 @pytest.mark.asyncio
 async def test_several_pairs_are_one_coalesced_op(fake: FakeDevice, store: StoreServer) -> None:
     async with ftcomm.Group("nccl", timeout=10.0) as g:
-        await g.configure(_addr(store), 0, 2)
+        await g.configure(_addr(store, 2), 0, 2)
         outs = [torch.zeros(4), torch.zeros(2)]
         await g.allgather_into_tensor_coalesced(outs, [torch.ones(2), torch.full((1,), 3.0)])
         assert outs[0].tolist() == [1.0] * 4
@@ -454,7 +458,7 @@ async def test_a_communicator_created_after_the_abort_began_is_aborted_too(
     fake.interruptible_init = False
     fake.init_gate.clear()
     async with ftcomm.Group("nccl") as g:
-        task = asyncio.ensure_future(g.configure(_addr(store), 0, 2, timeout=30.0))
+        task = asyncio.ensure_future(g.configure(_addr(store, 2), 0, 2, timeout=30.0))
         await asyncio.wait_for(asyncio.to_thread(fake.connecting.wait), 10.0)
         await g.abort()  # gives the connect up, as its deadline would
         with pytest.raises(CommAborted):

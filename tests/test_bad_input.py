@@ -921,10 +921,10 @@ CONFIGURE_CASES = [
         id="addr-no-host",
     ),
     pytest.param(
-        {"store_addr": "::1:1234/p"},
+        {"store_addr": "fdaa::1:2:zz:1234/p"},
         ValueError,
         r"^store_addr .*put an IPv6 host in brackets",
-        id="addr-ipv6-unbracketed",
+        id="addr-ipv6-unbracketed-bad",
     ),
     pytest.param(
         {"store_addr": "[::1]1234/p"},

@@ -659,6 +659,32 @@ def test_fake_failed_work_is_not_a_success(dummy: ProcessGroupDummy) -> None:
     assert not work.is_success()
 
 
+@pytest.mark.parametrize("op", list(OPS))
+def test_fake_error_from_the_future_only(op: str, dummy: ProcessGroupDummy) -> None:
+    """``wait_raises=False`` (what torchft's DDP can carry): ``wait()`` returns
+    True once the op ran, the future fails with the very error, and the work
+    is not a success."""
+    fake = FakeProcessGroupWrapper(dummy)
+    injected = RuntimeError(f"{op}: injected, future only")
+    fake.report_future_error(injected, wait_raises=False)
+    call = OPS[op](fake)
+    work = call.issue()
+    assert work.wait() is True
+    assert call.ran(), op
+    assert not work.is_success()
+    fut = work.get_future()
+    with pytest.raises(RuntimeError, match="injected, future only"):
+        fut.wait()
+    assert call.issue().wait() is True  # once: the next op is not touched
+
+
+def test_fake_wait_raises_must_be_a_bool(dummy: ProcessGroupDummy) -> None:
+    fake = FakeProcessGroupWrapper(dummy)
+    with pytest.raises(TypeError, match="wait_raises must be a bool"):
+        fake.report_future_error(RuntimeError("x"), wait_raises=0)  # type: ignore[arg-type]
+    assert _allreduce(fake).issue().wait() is True  # nothing was armed
+
+
 # -- ManagedProcessGroup -----------------------------------------------------
 
 

@@ -122,3 +122,25 @@ def test_a_thread_without_a_loop_waits_on_real_gloo_ops(store_port: int) -> None
         setup.run_until_complete(g.shutdown())
     finally:
         setup.close()
+
+
+@pytest.mark.asyncio
+async def test_an_op_is_a_coroutine_for_tasks_and_anyio_task_groups(store_port: int) -> None:
+    """``tg.start_soon(group.allreduce, t)`` (anyio wants a coroutine) and
+    ``asyncio.create_task(group.allreduce(t))`` run the op's await; the op
+    can still be awaited as often as one likes."""
+    import anyio
+
+    async with ftcomm.Group("gloo", timeout=10) as g:
+        await g.configure(f"127.0.0.1:{store_port}/coro", 0, 1)
+        assert asyncio.iscoroutine(g.allreduce(torch.ones(1)))
+        outs = [torch.full((2,), float(i)) for i in range(3)]
+        async with anyio.create_task_group() as tg:
+            for t in outs:
+                tg.start_soon(g.allreduce, t)
+        assert [t.tolist() for t in outs] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+        work = g.allgather(torch.tensor([7.0]))
+        task = asyncio.create_task(work)
+        (out,) = await task
+        assert out.item() == 7.0
+        assert (await work)[0] is out  # awaited again: the same result

@@ -76,6 +76,10 @@ class OpTable:
         self.runtime = runtime
         self.rank = rank
         self.error: CommError | None = None
+        """The error that broke the table: the one its op (or abort) raised."""
+        self.reported: CommError | None = None
+        """What ``errored()`` reports: ``error``, saying the group is aborted
+        (its ``__cause__``); set with it, under the lock."""
         self._on_break = on_break
         # A group passes its own lock: the table's error is the group's
         # ERRORED state, under the one lock that guards all of it.
@@ -146,6 +150,7 @@ class OpTable:
         first = self.error is None
         if first:
             self.error = error
+            self.reported = error._group_aborted()
             if self._on_error is not None:
                 self._on_error(self)
         assert self.error is not None  # for mypy: set just above, or before

@@ -41,6 +41,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import contextlib
 import os
 import threading
@@ -48,7 +49,7 @@ import time
 import weakref
 from collections.abc import Callable, Generator
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 from ..errors import CommAborted, CommError, CommFailed, CommTimeout
 from .deadline import to_seconds
@@ -90,7 +91,7 @@ class Outcome:
 _SUCCESS = Outcome(None)
 
 
-class Work(Generic[R]):
+class Work(collections.abc.Coroutine[Any, Any, R]):
     """The awaitable handle of one issued collective.
 
     The op is already on the wire when you get this. ``await work`` returns its
@@ -131,6 +132,7 @@ class Work(Generic[R]):
         "__weakref__",
         "_cb_armed",
         "_claimed",
+        "_driver",
         "_end",
         "_native",
         "_result",
@@ -155,6 +157,7 @@ class Work(Generic[R]):
         self._end: Outcome | None = None  # published once, under the lock
         self._waiters: list[Callable[[], object]] | None = None  # wake-ups, any thread
         self._cb_armed = False
+        self._driver: Generator[Any, None, R] | None = None
 
     def __repr__(self) -> str:
         end = self._end
@@ -223,6 +226,28 @@ class Work(Generic[R]):
         if end.error is not None:
             raise end.error
         return self._result
+
+    # -- the coroutine protocol: asyncio.create_task(work), anyio's start_soon --
+    def _drive(self) -> Generator[Any, None, R]:
+        if self._driver is None:
+            self._driver = self.__await__()
+        return self._driver
+
+    def send(self, value: Any) -> Any:
+        """Part of the coroutine protocol (``create_task(work)``, anyio's
+        ``tg.start_soon(group.allreduce, t)``): one await of the op."""
+        return self._drive().send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        """Part of the coroutine protocol: see :meth:`send`."""
+        if val is None and tb is None:  # throw(exc): what asyncio calls
+            return self._drive().throw(typ)
+        return self._drive().throw(typ, val, tb)
+
+    def close(self) -> None:
+        """Part of the coroutine protocol: ends that await (not the op)."""
+        if self._driver is not None:
+            self._driver.close()
 
     # -- awaiting ----------------------------------------------------------
     def _outcome(self) -> Outcome:

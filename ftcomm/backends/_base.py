@@ -12,14 +12,14 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch.distributed import ReduceOp
 
 from .._runtime.native import NativeOp
-from .._store import StoreAddr
+from .._store import ConnectProgress, StoreAddr
 from ..errors import CommError
 
 NUMERIC_DTYPES: frozenset[torch.dtype] = frozenset(
@@ -56,6 +56,9 @@ class ConnectSpec:
     """The accelerator device index (NCCL/XCCL): the one current on the
     thread that called ``configure()``, since the connect runs on another;
     ``None``: the connecting thread's current one."""
+    progress: ConnectProgress = field(default_factory=ConnectProgress, compare=False, repr=False)
+    """How far the connect got (the connecting thread writes it): what a
+    ``configure()`` that times out names."""
 
 
 class Backend(abc.ABC):

@@ -56,7 +56,7 @@ from torch.distributed import ReduceOp
 
 from .._runtime.loop import get_runtime
 from .._runtime.native import Done, NativeOp
-from .._store import connect_store
+from .._store import Stopped, connect_store, meet
 from ..errors import CommAborted, CommError, CommFailed
 from ._accel_device import (
     FLAVORS,
@@ -325,10 +325,19 @@ class AcceleratorBackend(Backend):
         _go_on(cancel)  # given up before it began: not even the environment
         prepare_environment(flavor, spec.timeout)
         device = calls.device(spec.device)
-        store = connect_store(spec.store, spec.timeout)
+        deadline = time.monotonic() + spec.timeout
+        progress = spec.progress
+        store = connect_store(spec.store, spec.timeout, progress, cancel)
+        try:
+            meet(store, spec.rank, spec.world_size, deadline, progress, cancel)
+        except Stopped:
+            del store  # not held by the error's traceback
+            _go_on(cancel)
+            raise
         if cancel is not None and cancel.done():  # nobody waits any more: build nothing
             del store  # not held by the error's traceback
             _go_on(cancel)
+        progress.step = "native"
         opts = calls.options()
         config = getattr(opts, "config", None)
         if config is not None:

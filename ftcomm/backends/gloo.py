@@ -52,7 +52,7 @@ from torch.distributed import ReduceOp
 
 from .._runtime.loop import get_runtime
 from .._runtime.native import NativeOp, Sever, ThreadOp, WorkOp, WorksOp
-from .._store import StoreAddr, connect_store
+from .._store import StoreAddr, connect_store, meet
 from ._base import NUMERIC_DTYPES, Backend, ConnectSpec
 from ._gloo_pairs import (
     LISTENER_KEY,
@@ -274,7 +274,9 @@ class GlooBackend(Backend):
     def connect(
         cls, spec: ConnectSpec, cancel: concurrent.futures.Future[Any] | None = None
     ) -> GlooBackend:
-        store = connect_store(spec.store, spec.timeout)
+        deadline = time.monotonic() + spec.timeout
+        progress = spec.progress
+        store = connect_store(spec.store, spec.timeout, progress, cancel)
         pg_gloo: Any = dist.ProcessGroupGloo
         opts = pg_gloo._Options()
         opts._timeout = timedelta(seconds=spec.timeout)
@@ -285,6 +287,8 @@ class GlooBackend(Backend):
         opts.group_name = f"ftcomm:{spec.replica_id}:{spec.quorum_id}:{spec.store.prefix}"
         if listener is not None:
             store.set(LISTENER_KEY.format(rank=spec.rank), encode_addr(listener))
+        meet(store, spec.rank, spec.world_size, deadline, progress, cancel)
+        progress.step = "native"
         before = socket_inodes()
         pg = pg_gloo(store, spec.rank, spec.world_size, opts)
         pairs = None

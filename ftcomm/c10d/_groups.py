@@ -25,7 +25,7 @@ from ..errors import CommError, NotConfigured
 from ..group import Group
 from . import _registry
 from ._base import ProcessGroup, logger
-from ._ops import GroupOps
+from ._ops import DummyOps, GroupOps
 
 Target = GroupOps | ProcessGroup
 """What a facade issues its ops on: its own group's ops, or the group it wraps."""
@@ -450,6 +450,11 @@ class ProcessGroupDummy(_Facade):
     a real one-rank group would give (allreduce leaves the tensor as it is,
     allgather copies the input to the output, ...).
 
+    As torchft's, it also takes lists sized for another world (what
+    ``ManagedProcessGroup`` over a dummy passes, sized for the manager's
+    world): each output gets a copy of the input in the same position, the
+    rest are left as they are.
+
     ``configure`` only counts its calls (``configure_count``) and clears an
     ``abort()``; its arguments are ignored.
 
@@ -464,7 +469,7 @@ class ProcessGroupDummy(_Facade):
             )
         super().__init__(rank, world, 60.0)
         self._dummy = self._group = Group("dummy", timeout=self._timeout)
-        self._ops = GroupOps(self._dummy)
+        self._ops = DummyOps(self._dummy)
         self.configure_count = 0
         self._configure_group(self._dummy, _DUMMY_STORE, "0", 0, 1, None, None, None, None)
 
@@ -484,6 +489,9 @@ class ProcessGroupDummy(_Facade):
 
     def getBackendName(self) -> str:
         return "ftcomm-dummy"
+
+    def __repr__(self) -> str:
+        return "ProcessGroupDummy()"  # torchft's: it has no state worth showing
 
 
 class _Baby(ProcessGroupWrapper):

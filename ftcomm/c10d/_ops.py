@@ -21,7 +21,7 @@ import torch
 from torch.distributed import AllreduceOptions, ReduceOp
 
 from ..group import Group
-from ._work import OpWork
+from ._work import DoneWork, OpWork
 
 _SUM = ReduceOp.SUM
 
@@ -208,3 +208,92 @@ class GroupOps:
 
     def recv(self, tensors: Sequence[torch.Tensor], src_rank: int, tag: int = 0) -> OpWork:
         return OpWork(self.group.recv(one(tensors, "tensors"), src_rank, tag), tensors)
+
+
+class DummyOps(GroupOps):
+    """The ops of ``ProcessGroupDummy``: those of a one-rank group, which also
+    take lists sized for another world, as torchft's dummy does.
+
+    ``ManagedProcessGroup`` over a dummy (torchft's DDP does this) sizes its
+    lists for the manager's world. Such a call pairs its lists up in order
+    (as ``zip`` does): each output gets a copy of its input, unpaired entries
+    are left as they are, and the op ends at once. A call sized for one rank
+    is the one-rank group's op, with all its checks.
+    """
+
+    __slots__ = ()
+
+    def _discard(
+        self, op: str, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], value: object
+    ) -> DoneWork:
+        self.group._check_open(op)
+        for i, (out, inp) in enumerate(pairs):
+            if not isinstance(out, torch.Tensor) or not isinstance(inp, torch.Tensor):
+                raise TypeError(
+                    f"{op}: entry {i} must be tensors, got {type(out).__name__} "
+                    f"and {type(inp).__name__}"
+                )
+            if out.shape != inp.shape:
+                raise ValueError(
+                    f"{op}: output {i} has the shape {tuple(out.shape)}, its input "
+                    f"{tuple(inp.shape)} (the dummy copies each input to its output)"
+                )
+        for out, inp in pairs:
+            out.copy_(inp)
+        return DoneWork(value)
+
+    def allgather(
+        self,
+        output_tensors: Sequence[Sequence[torch.Tensor]],
+        input_tensor: Sequence[torch.Tensor],
+        opts: object = None,
+    ) -> OpWork | DoneWork:
+        outs = tensor_list(one(output_tensors, "output_tensors"), "output_tensors[0]")
+        if len(outs) == 1:
+            return super().allgather(output_tensors, input_tensor, opts)
+        op_timeout(opts)
+        ins = tensor_list(input_tensor, "input_tensor")
+        return self._discard("allgather", list(zip(outs, ins, strict=False)), output_tensors)
+
+    def allgather_into_tensor_coalesced(
+        self,
+        output_tensors: Sequence[torch.Tensor],
+        input_tensors: Sequence[torch.Tensor],
+        opts: object = None,
+    ) -> OpWork | DoneWork:
+        outs = tensor_list(output_tensors, "output_tensors")
+        ins = tensor_list(input_tensors, "input_tensors")
+        if len(outs) == len(ins):
+            return super().allgather_into_tensor_coalesced(outs, ins, opts)
+        op_timeout(opts)
+        return self._discard(
+            "allgather_into_tensor_coalesced", list(zip(outs, ins, strict=False)), outs
+        )
+
+    def reduce_scatter(
+        self,
+        output_tensors: Sequence[torch.Tensor],
+        input_tensors: Sequence[Sequence[torch.Tensor]],
+        opts: object = None,
+    ) -> OpWork | DoneWork:
+        outs = tensor_list(output_tensors, "output_tensors")
+        ins = tensor_list(one(input_tensors, "input_tensors"), "input_tensors[0]")
+        if len(outs) == 1 and len(ins) == 1:
+            return super().reduce_scatter(output_tensors, input_tensors, opts)
+        reduce_args(opts)
+        return self._discard("reduce_scatter", list(zip(outs, ins, strict=False)), output_tensors)
+
+    def reduce_scatter_tensor_coalesced(
+        self,
+        output_tensors: Sequence[torch.Tensor],
+        input_tensors: Sequence[torch.Tensor],
+        opts: object = None,
+    ) -> OpWork | DoneWork:
+        outs = tensor_list(output_tensors, "output_tensors")
+        ins = tensor_list(input_tensors, "input_tensors")
+        if len(outs) == len(ins):
+            return super().reduce_scatter_tensor_coalesced(outs, ins, opts)
+        reduce_args(opts)
+        return self._discard(
+            "reduce_scatter_tensor_coalesced", list(zip(outs, ins, strict=False)), outs
+        )

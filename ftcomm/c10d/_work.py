@@ -177,11 +177,16 @@ class ChainedWork(dist.Work):
 
     ``value`` is what the future holds when the rewritten outcome is a
     success that the inner work did not have (a swallowed error).
+    ``wait_raises=False``: a failed outcome fails the future only, and
+    ``wait()`` returns ``True`` once the inner work ended.
     """
 
-    def __init__(self, inner: dist.Work, value: Any, outcome: Outcome) -> None:
+    def __init__(
+        self, inner: dist.Work, value: Any, outcome: Outcome, *, wait_raises: bool = True
+    ) -> None:
         super().__init__()
         self._inner = inner
+        self._wait_raises = wait_raises
         self._value = value
         self._outcome_fn: Outcome | None = outcome
         self._error: BaseException | None = None
@@ -211,7 +216,7 @@ class ChainedWork(dist.Work):
 
     def wait(self, timeout: object = None) -> bool:
         error = self._finish(timeout)
-        if error is not None:
+        if error is not None and self._wait_raises:
             raise error
         return True
 

@@ -107,7 +107,8 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
 class FakeProcessGroupWrapper(ProcessGroupWrapper):
     """Wraps ``pg`` to inject errors, for tests: after
     ``report_future_error(e)`` the next op runs as usual on ``pg`` and then
-    fails with ``e``, from ``wait()`` and from ``get_future()`` alike.
+    fails with ``e``, from ``wait()`` and from ``get_future()`` alike (or
+    from the future only: see :meth:`report_future_error`).
 
     Raises:
         TypeError: ``pg`` is not an ftcomm.c10d ``ProcessGroup``.
@@ -115,29 +116,39 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
 
     def __init__(self, pg: ProcessGroup) -> None:
         super().__init__(pg=_check_pg(pg))
-        self._future_error: Exception | None = None
+        self._future_error: tuple[Exception, bool] | None = None
         self._lock = threading.Lock()
 
     def _on_configure(self) -> None:
         self._future_error = None  # a pending injected error is dropped
 
-    def report_future_error(self, e: Exception) -> None:
+    def report_future_error(self, e: Exception, *, wait_raises: bool = True) -> None:
         """Make the next op fail with ``e``.
 
+        ``wait_raises=False``: the op's ``wait()`` returns ``True`` and only
+        its future fails, which is what torchft's wrapper does. Use it under
+        torchft's ``DistributedDataParallel``: its Manager reads the error
+        from the future, and in torchft 0.2.0 an error raised by ``wait()``
+        makes DDP's comm hook assert (``assert fut._fut``, torchft/ddp.py).
+
         Raises:
-            TypeError: ``e`` is not an exception instance.
+            TypeError: ``e`` is not an exception instance, or ``wait_raises``
+                not a bool.
         """
         if not isinstance(e, Exception):
             raise TypeError(f"e must be an Exception instance, got {type(e).__name__}")
-        self._future_error = e
+        if not isinstance(wait_raises, bool):
+            raise TypeError(f"wait_raises must be a bool, got {type(wait_raises).__name__}")
+        self._future_error = (e, wait_raises)
 
     def _run(self, op: str, default: object, issue: Issue) -> dist.Work:
         work = issue(self._target(op))
         with self._lock:
-            error, self._future_error = self._future_error, None
-        if error is None:
+            pending, self._future_error = self._future_error, None
+        if pending is None:
             return work
-        return ChainedWork(work, default, lambda _: error)
+        error, wait_raises = pending
+        return ChainedWork(work, default, lambda _: error, wait_raises=wait_raises)
 
 
 @runtime_checkable
