@@ -119,7 +119,9 @@ class ConnectProgress:
     def __init__(self) -> None:
         self.step = "starting"
         """``"store"`` (reaching the store), ``"meet"`` (waiting for the other
-        ranks in it), ``"native"`` (building the native group), or ``"starting"``."""
+        ranks in it), ``"native"`` (building the native group); ``"worker"``
+        and ``"worker-connect"`` (a subprocess worker starting, connecting);
+        or ``"starting"``."""
         self.detail = ""
         """What the step is waiting for, in words (``"rank 1 of 2 has not ..."``)."""
         self.cause: BaseException | None = None
@@ -173,7 +175,11 @@ def _wait_listening(
     while True:
         remaining = deadline - time.monotonic()
         try:
-            sock = socket.create_connection((addr.host, addr.port), timeout=max(remaining, 0.01))
+            # Each try bounded: a host that drops the connection leaves a cause
+            # for the deadline's error, and a stop is seen within 0.5 s.
+            sock = socket.create_connection(
+                (addr.host, addr.port), timeout=min(max(remaining, 0.01), 0.5)
+            )
         except OSError as exc:
             progress.cause = exc
             progress.detail = why_unreachable(exc)
@@ -194,7 +200,8 @@ def _wait_listening(
         delay = min(delay * 2, 0.5)
 
 
-MEET_KEY = "ftcomm/met/{rank}"
+MEET_KEY = "ftcomm/met/{world}/{rank}"
+MEET_COUNT = "ftcomm/met/{world}/n"
 
 
 def meet(
@@ -209,45 +216,61 @@ def meet(
 
     The native group's own rendezvous waits for the peers too, but with a
     timeout that logs a C++ stack and names no one. Here, a missing rank is
-    named, a superseded connect stops within 50 ms, and the native group is
-    built once everyone is there.
+    named, a superseded connect stops at its next poll, and the native group
+    is built once everyone is there. Each poll is one counter read, so the
+    store's load grows with the ranks, not their square; the rank that gives
+    up takes itself out again.
 
     Raises:
         TimeoutError: not every rank came by ``deadline`` (it names who did not).
         Stopped: ``stop`` completed.
     """
-    store.set(MEET_KEY.format(rank=rank), "1")
+    mine = MEET_KEY.format(world=world_size, rank=rank)
+    count = MEET_COUNT.format(world=world_size)
+    store.set(mine, "1")
+    came = store.add(count, 1)
     if world_size == 1:
         return
-    keys = [MEET_KEY.format(rank=r) for r in range(world_size)]
     progress.step = "meet"
-    progress.detail = f"waiting for the other {world_size - 1} ranks"
+    # Polls back off to 50 ms (longer for large worlds: every rank polls).
+    cap = min(0.5, 0.05 * max(1.0, world_size / 64))
     delay = 0.0005
     named_at = 0.0
-    while not store.check(keys):
-        now = time.monotonic()
-        if now >= deadline or now - named_at >= 0.25:
-            named_at = now
-            progress.detail = _missing(store, keys)
-        if now >= deadline:
-            raise TimeoutError(f"{progress.detail} ({world_size} ranks, this one is rank {rank})")
-        if _stopped(stop, min(delay, deadline - now)):
-            raise Stopped
-        delay = min(delay * 2, 0.05)
+    try:
+        while came < world_size:
+            now = time.monotonic()
+            if now >= deadline or (world_size <= 16 and now - named_at >= 0.5):
+                named_at = now
+                progress.detail = _missing(store, world_size)
+            elif world_size > 16:
+                progress.detail = f"{world_size - came} of {world_size} ranks never came"
+            if now >= deadline:
+                raise TimeoutError(f"{progress.detail} (this is rank {rank})")
+            if _stopped(stop, min(delay, deadline - now)):
+                raise Stopped
+            delay = min(delay * 2, cap)
+            came = store.add(count, 0)
+    except (Stopped, TimeoutError):
+        with contextlib.suppress(Exception):  # best effort: the store may be gone
+            store.add(count, -1)
+            store.delete_key(mine)
+        raise
 
 
-def _missing(store: Store, keys: list[str]) -> str:
-    """Who has not come, in words (at most 64 ranks are checked one by one)."""
-    n = len(keys)
-    if n > 64:
-        return f"not all {n} ranks have come to the store"
-    missing = [r for r, key in enumerate(keys) if not store.check([key])]
+def _missing(store: Store, world_size: int) -> str:
+    """Who has not come, in words (ranks checked one by one up to 64)."""
+    if world_size > 64:
+        came = store.add(MEET_COUNT.format(world=world_size), 0)
+        return f"{world_size - came} of {world_size} ranks never came to the store"
+    missing = [
+        r for r in range(world_size) if not store.check([MEET_KEY.format(world=world_size, rank=r)])
+    ]
     if not missing:
-        return f"all {n} ranks came to the store"
+        return f"all {world_size} ranks came to the store"
     shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
     return (
-        f"{len(missing)} of {n} ranks never came to the store (rank {shown}): did each call "
-        "configure() with this address and world size?"
+        f"{len(missing)} of {world_size} ranks never came to the store (rank {shown}): "
+        "did each call configure() with this address and world size?"
     )
 
 

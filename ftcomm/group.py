@@ -81,10 +81,18 @@ def _configure_timeout(
         why = f"the store at {spec.store} did not answer: {progress.detail or 'no reply'}"
     elif progress.step == "meet":
         why = f"{progress.detail} (store {spec.store})"
+    elif progress.step == "worker":
+        why = (
+            f"the worker process was still starting (store {spec.store}); a fresh "
+            "Python and torch take a second or more: give configure() more time"
+        )
+    elif progress.step == "worker-connect":
+        why = f"the worker process was still connecting (store {spec.store})"
     elif progress.step == "native":
         why = (
             f"every rank came to the store {spec.store}, but the native group was not "
-            "built in time (a peer unreachable on its own address, or a slow start?)"
+            "built in time (a peer unreachable on its own address, a slow start, or a "
+            "prefix reused from an earlier configuration?)"
         )
     else:
         why = f"store {spec.store}"
@@ -500,6 +508,14 @@ class Group(Collectives):
             # the connect's own deadline in the store, a moment after ours: say it as ours
             raise _configure_timeout(seconds, spec, exc) from (spec.progress.cause or exc.__cause__)
         except Exception as exc:  # arguments were checked: this is the store or a peer
+            if getattr(exc, "remote_type", None) in _TIMEOUT_NAMES:
+                # a worker's own deadline, set just before ours: say it as ours
+                why = str(exc).partition(": ")[2] or str(exc)
+                raise CommTimeout(
+                    f"configure timed out after {seconds:g} seconds: {why} (store {spec.store})",
+                    rank=spec.rank,
+                    op="configure",
+                ) from exc
             raise _connect_error(exc, where, spec.rank) from exc
 
     def _refill_for(self, config: Config) -> None:

@@ -19,12 +19,11 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from torch.distributed import PrefixStore, TCPStore
+from helpers import peers_came
 
 import ftcomm
 from ftcomm import CommAborted, CommTimeout
 from ftcomm._runtime.loop import get_runtime
-from ftcomm._store import MEET_KEY
 
 Figures = dict[str, Any]
 
@@ -175,8 +174,7 @@ async def init_absent_peer(rig: Rig, port: int) -> Figures:
     rig.peer_absent()
     # Rank 1 came to the store (else configure waits there, and no
     # communicator is built), then never joined the communicator.
-    client = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
-    PrefixStore("absent", client).set(MEET_KEY.format(rank=1), "1")
+    peers_came(port, "absent", 2, [1])
     async with ftcomm.Group("nccl") as g:
         start = time.monotonic()
         try:

@@ -15,7 +15,7 @@ import ftcomm
 from ftcomm._runtime.native import Done
 from ftcomm._runtime.table import OpTable
 from ftcomm._runtime.work import Work
-from ftcomm._store import MEET_KEY
+from ftcomm._store import MEET_COUNT, MEET_KEY
 from ftcomm.backends.subprocess import SubprocessBackend
 
 
@@ -77,13 +77,17 @@ class StoreServer:
         self._server = None
 
 
-def peers_came(port: int, prefix: str, ranks: Iterable[int]) -> None:
-    """Mark ``ranks`` as having come to the store at ``port`` under ``prefix``
-    (what each rank's configure writes before it builds the native group):
-    for a test whose one rank stands for a group whose peers are there."""
-    client = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+def peers_came(port: int, prefix: str, world: int, ranks: Iterable[int]) -> None:
+    """Mark ``ranks`` of a ``world`` as having come to the store at ``port``
+    under ``prefix`` (what each rank's configure writes before it builds the
+    native group): for a test whose one rank stands for a group whose peers
+    are there."""
+    store = PrefixStore(
+        prefix, TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+    )
     for rank in ranks:
-        PrefixStore(prefix, client).set(MEET_KEY.format(rank=rank), "1")
+        store.set(MEET_KEY.format(world=world, rank=rank), "1")
+        store.add(MEET_COUNT.format(world=world), 1)
 
 
 def free_port() -> int:

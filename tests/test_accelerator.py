@@ -38,7 +38,7 @@ def _addr(store: StoreServer, world: int = 1) -> str:
     """A fresh address on ``store``; ranks 1.. of a ``world`` of several
     have come to it already (the fake's own peers are modelled by its gates)."""
     prefix = f"accel{next(_prefixes)}"
-    peers_came(store.port, prefix, range(1, world))
+    peers_came(store.port, prefix, world, range(1, world))
     return f"127.0.0.1:{store.port}/{prefix}"
 
 

@@ -48,7 +48,7 @@ async def test_a_failed_configure_is_classified_by_type_and_keeps_the_cause(
     monkeypatch.setattr(_Refused, "error", native)
     monkeypatch.setattr(gloo_mod.dist, "ProcessGroupGloo", _Refused)
     g = ftcomm.Group("gloo", timeout=30)
-    peers_came(store.port, "refused", [1])
+    peers_came(store.port, "refused", 2, [1])
     with pytest.raises(expected, match="Connection refused") as info:
         await g.configure(f"127.0.0.1:{store.port}/refused", 0, 2)
     assert type(info.value) is expected
@@ -68,7 +68,7 @@ async def test_a_held_configure_error_holds_no_native_fds(
     it runs; this keeps it so."""
     monkeypatch.setattr(gloo_mod.dist, "ProcessGroupGloo", _Refused)
     g = ftcomm.Group("gloo", timeout=30)
-    peers_came(store.port, "held", [1])
+    peers_came(store.port, "held", 2, [1])
     before = _fds()
     try:
         await g.configure(f"127.0.0.1:{store.port}/held", 0, 2)

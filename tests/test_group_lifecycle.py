@@ -124,23 +124,59 @@ def test_a_thread_without_a_loop_waits_on_real_gloo_ops(store_port: int) -> None
         setup.close()
 
 
+async def _pair(port: int, prefix: str) -> tuple[ftcomm.Group, ftcomm.Group]:
+    g0, g1 = ftcomm.Group("gloo", timeout=10), ftcomm.Group("gloo", timeout=10)
+    addr = f"127.0.0.1:{port}/{prefix}"
+    await asyncio.gather(g0.configure(addr, 0, 2), g1.configure(addr, 1, 2))
+    return g0, g1
+
+
 @pytest.mark.asyncio
 async def test_an_op_is_a_coroutine_for_tasks_and_anyio_task_groups(store_port: int) -> None:
     """``tg.start_soon(group.allreduce, t)`` (anyio wants a coroutine) and
-    ``asyncio.create_task(group.allreduce(t))`` run the op's await; the op
-    can still be awaited as often as one likes."""
+    ``asyncio.create_task(group.allreduce(t))`` run the op's await."""
     import anyio
 
-    async with ftcomm.Group("gloo", timeout=10) as g:
-        await g.configure(f"127.0.0.1:{store_port}/coro", 0, 1)
-        assert asyncio.iscoroutine(g.allreduce(torch.ones(1)))
-        outs = [torch.full((2,), float(i)) for i in range(3)]
+    g0, g1 = await _pair(store_port, "coro")
+    try:
+        assert asyncio.iscoroutine(g0.barrier())
+        await g1.barrier()
+        ts = [[torch.full((2,), float(i + 10 * r)) for i in range(3)] for r in range(2)]
         async with anyio.create_task_group() as tg:
-            for t in outs:
-                tg.start_soon(g.allreduce, t)
-        assert [t.tolist() for t in outs] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
-        work = g.allgather(torch.tensor([7.0]))
+            for i in range(3):
+                tg.start_soon(g0.allreduce, ts[0][i])
+                tg.start_soon(g1.allreduce, ts[1][i])
+        assert [t.tolist() for t in ts[0]] == [[10.0, 10.0], [12.0, 12.0], [14.0, 14.0]]
+        assert [t.tolist() for t in ts[1]] == [t.tolist() for t in ts[0]]
+        work = g0.allgather(torch.tensor([7.0]))
+        other = asyncio.create_task(g1.allgather(torch.tensor([8.0])))
+        # one work driven by several tasks: each gets the result
+        got = await asyncio.gather(asyncio.ensure_future(work), asyncio.wait_for(work, 5))
+        assert [[x.item() for x in out] for out in got] == [[7.0, 8.0], [7.0, 8.0]]
+        assert [x.item() for x in await asyncio.ensure_future(work)] == [7.0, 8.0]
+        await other
+    finally:
+        await asyncio.gather(g0.shutdown(), g1.shutdown())
+
+
+@pytest.mark.asyncio
+async def test_a_task_cancelled_before_its_first_step_aborts_the_op(store_port: int) -> None:
+    """asyncio throws the cancel into a task that never ran: the op is aborted
+    as a cancelled ``await`` aborts it, and every later task over the same
+    work sees that failure, never a success."""
+    g0, g1 = await _pair(store_port, "cancel")
+    try:
+        work = g0.allreduce(torch.ones(1))  # rank 1 never joins it
         task = asyncio.create_task(work)
-        (out,) = await task
-        assert out.item() == 7.0
-        assert (await work)[0] is out  # awaited again: the same result
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert work.done()
+        assert isinstance(g0.errored(), ftcomm.CommAborted)
+        assert "cancelled while in flight" in str(g0.errored())
+        assert "aborted" in str(g0.errored())  # what torchft's users match
+        for _ in range(2):
+            with pytest.raises(ftcomm.CommAborted, match="cancelled while in flight"):
+                await asyncio.ensure_future(work)
+    finally:
+        await asyncio.gather(g0.shutdown(), g1.shutdown())

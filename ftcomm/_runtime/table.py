@@ -149,8 +149,9 @@ class OpTable:
         """Under the lock: mark the table errored unless it is; what to end."""
         first = self.error is None
         if first:
-            self.error = error
+            # errored() first: no thread sees ops refused while it is None
             self.reported = error._group_aborted()
+            self.error = error
             if self._on_error is not None:
                 self._on_error(self)
         assert self.error is not None  # for mypy: set just above, or before

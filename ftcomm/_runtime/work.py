@@ -91,6 +91,15 @@ class Outcome:
 _SUCCESS = Outcome(None)
 
 
+def _task_key() -> object:
+    """The asyncio task driving a Work through the coroutine protocol (None
+    outside a running asyncio loop: ``__await__`` then says what it needs)."""
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None
+
+
 class Work(collections.abc.Coroutine[Any, Any, R]):
     """The awaitable handle of one issued collective.
 
@@ -132,7 +141,7 @@ class Work(collections.abc.Coroutine[Any, Any, R]):
         "__weakref__",
         "_cb_armed",
         "_claimed",
-        "_driver",
+        "_drivers",
         "_end",
         "_native",
         "_result",
@@ -157,7 +166,7 @@ class Work(collections.abc.Coroutine[Any, Any, R]):
         self._end: Outcome | None = None  # published once, under the lock
         self._waiters: list[Callable[[], object]] | None = None  # wake-ups, any thread
         self._cb_armed = False
-        self._driver: Generator[Any, None, R] | None = None
+        self._drivers: dict[object, Generator[Any, None, R]] | None = None
 
     def __repr__(self) -> str:
         end = self._end
@@ -214,11 +223,7 @@ class Work(collections.abc.Coroutine[Any, Any, R]):
             try:
                 yield from self._until_ended()
             except asyncio.CancelledError:
-                if not self.done():
-                    self._abort(
-                        CommAborted(f"{self.op} was cancelled while in flight", **self._ctx())
-                    )
-                    self._until_published()
+                self._cancelled_while_awaited()
                 raise
         end = self._end
         if end is None:
@@ -228,28 +233,57 @@ class Work(collections.abc.Coroutine[Any, Any, R]):
         return self._result
 
     # -- the coroutine protocol: asyncio.create_task(work), anyio's start_soon --
-    def _drive(self) -> Generator[Any, None, R]:
-        if self._driver is None:
-            self._driver = self.__await__()
-        return self._driver
+    # A coroutine is driven by one task; a Work may be driven by several
+    # (ensure_future(work) twice, wait_for, gather): each task gets an await
+    # of its own, as ``await work`` would give it.
+    def _step(self, call: Callable[[Generator[Any, None, R]], Any]) -> Any:
+        key = _task_key()
+        drivers = self._drivers
+        if drivers is None:
+            drivers = self._drivers = {}
+        gen = drivers.get(key)
+        if gen is None:
+            gen = drivers[key] = self.__await__()
+        try:
+            return call(gen)
+        except BaseException:  # StopIteration (the await ended), or its error
+            drivers.pop(key, None)
+            raise
 
     def send(self, value: Any) -> Any:
         """Part of the coroutine protocol (``create_task(work)``, anyio's
-        ``tg.start_soon(group.allreduce, t)``): one await of the op."""
-        return self._drive().send(value)
+        ``tg.start_soon(group.allreduce, t)``): the calling task's await of
+        the op, one step."""
+        return self._step(lambda gen: gen.send(value))
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        """Part of the coroutine protocol: see :meth:`send`."""
+        """Part of the coroutine protocol: see :meth:`send`. A task cancelled
+        before its first step aborts the op, as a cancelled ``await`` does."""
+        exc = typ if val is None and isinstance(typ, BaseException) else val
+        drivers = self._drivers
+        if isinstance(exc, asyncio.CancelledError) and (
+            drivers is None or _task_key() not in drivers
+        ):
+            self._cancelled_while_awaited()
         if val is None and tb is None:  # throw(exc): what asyncio calls
-            return self._drive().throw(typ)
-        return self._drive().throw(typ, val, tb)
+            return self._step(lambda gen: gen.throw(typ))
+        return self._step(lambda gen: gen.throw(typ, val, tb))
 
     def close(self) -> None:
-        """Part of the coroutine protocol: ends that await (not the op)."""
-        if self._driver is not None:
-            self._driver.close()
+        """Part of the coroutine protocol: ends the awaits driven through it
+        (not the op)."""
+        drivers, self._drivers = self._drivers, None
+        for gen in (drivers or {}).values():
+            gen.close()
 
     # -- awaiting ----------------------------------------------------------
+    def _cancelled_while_awaited(self) -> None:
+        """An awaiting task was cancelled: abort the op (and its group) unless
+        it has ended."""
+        if not self.done():
+            self._abort(CommAborted(f"{self.op} was cancelled while in flight", **self._ctx()))
+            self._until_published()
+
     def _outcome(self) -> Outcome:
         end = self._end
         if end is None:  # a caller skipped the wait: a bug in ftcomm, not the user's

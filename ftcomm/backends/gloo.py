@@ -277,6 +277,7 @@ class GlooBackend(Backend):
         deadline = time.monotonic() + spec.timeout
         progress = spec.progress
         store = connect_store(spec.store, spec.timeout, progress, cancel)
+        progress.step, progress.detail = "meet", "this rank was still setting up"
         pg_gloo: Any = dist.ProcessGroupGloo
         opts = pg_gloo._Options()
         opts._timeout = timedelta(seconds=spec.timeout)

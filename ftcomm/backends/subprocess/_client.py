@@ -310,7 +310,9 @@ class WorkerProcess:
             ProtocolError: it sent a malformed frame.
             RemoteError: building the group failed in the worker.
         """
+        spec.progress.step = "worker"
         self.ready(deadline)
+        spec.progress.step = "worker-connect"
         op_id = next(_ids)
         s = spec
         self.channel.send_blocking(
@@ -319,7 +321,9 @@ class WorkerProcess:
                 str(s.store),
                 s.rank,
                 s.world_size,
-                max(0.0, deadline - time.monotonic()),
+                # A little before ours: the worker's own timeout, which says
+                # what it waited for, reaches the parent before its deadline.
+                max(0.0, deadline - time.monotonic() - min(0.2, 0.1 * s.timeout)),
                 s.replica_id,
                 s.quorum_id,
                 s.group_rank,

@@ -1,0 +1,136 @@
+"""configure()'s own steps before the native group: reaching the store's
+port, and meeting the other ranks in the store (ftcomm/_store.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import ftcomm
+from ftcomm._runtime.loop import get_runtime
+from ftcomm._store import (
+    MEET_COUNT,
+    MEET_KEY,
+    ConnectProgress,
+    Stopped,
+    meet,
+)
+
+
+class MemoryStore:
+    """The store calls meet() makes, in memory, counted."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, int | str] = {}
+        self.calls: list[tuple[str, int]] = []  # (method, keys it touched)
+
+    def set(self, key: str, value: str) -> None:
+        self.calls.append(("set", 1))
+        self.data[key] = value
+
+    def add(self, key: str, n: int) -> int:
+        self.calls.append(("add", 1))
+        value = int(self.data.get(key, 0)) + n
+        self.data[key] = value
+        return value
+
+    def check(self, keys: list[str]) -> bool:
+        self.calls.append(("check", len(keys)))
+        return all(k in self.data for k in keys)
+
+    def delete_key(self, key: str) -> bool:
+        self.calls.append(("delete_key", 1))
+        return self.data.pop(key, None) is not None
+
+
+def test_meet_names_the_ranks_that_never_came_and_takes_itself_out() -> None:
+    store = MemoryStore()
+    store.set(MEET_KEY.format(world=3, rank=2), "1")
+    store.add(MEET_COUNT.format(world=3), 1)  # rank 2 came; rank 1 never does
+    progress = ConnectProgress()
+    with pytest.raises(TimeoutError, match=r"1 of 3 ranks never came .*\(rank 1\)"):
+        meet(store, 0, 3, time.monotonic() + 0.2, progress)  # type: ignore[arg-type]
+    assert progress.step == "meet"
+    assert "rank 1" in progress.detail
+    # it gave up: a later rank does not count it as there
+    assert store.data[MEET_COUNT.format(world=3)] == 1
+    assert MEET_KEY.format(world=3, rank=0) not in store.data
+
+
+def test_meet_polls_one_counter_however_large_the_world() -> None:
+    """Every rank polls: a poll is one small request, never a check of every
+    rank's key (that load grew with the square of the world)."""
+    store = MemoryStore()
+    with pytest.raises(TimeoutError, match="999 of 1000 ranks never came"):
+        meet(store, 0, 1000, time.monotonic() + 0.3, ConnectProgress())  # type: ignore[arg-type]
+    polls = [c for c in store.calls if c[0] == "add"]
+    assert len(polls) >= 3
+    assert all(n == 1 for _, n in store.calls), store.calls  # no many-key request
+
+
+def test_meet_returns_once_everyone_came_and_stops_when_asked() -> None:
+    store = MemoryStore()
+    for r in (1, 2):
+        store.set(MEET_KEY.format(world=3, rank=r), "1")
+        store.add(MEET_COUNT.format(world=3), 1)
+    meet(store, 0, 3, time.monotonic() + 5, ConnectProgress())  # type: ignore[arg-type]
+    assert store.data[MEET_COUNT.format(world=3)] == 3
+    lonely = MemoryStore()
+    stop: concurrent.futures.Future[None] = concurrent.futures.Future()
+    stop.set_result(None)
+    started = time.monotonic()
+    with pytest.raises(Stopped):
+        meet(lonely, 0, 2, time.monotonic() + 30, ConnectProgress(), stop)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 1.0
+    assert lonely.data[MEET_COUNT.format(world=2)] == 0
+
+
+@pytest.fixture
+def black_hole() -> Iterator[int]:
+    """A port whose listener's queue is full: connections to it get no answer."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = int(listener.getsockname()[1])
+    filled = []
+    try:
+        for _ in range(4):
+            s = socket.socket()
+            s.settimeout(0.3)
+            try:
+                s.connect(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                break
+            filled.append(s)
+        else:
+            pytest.skip("the kernel kept accepting connections to a full queue")
+        yield port
+    finally:
+        for s in filled:
+            s.close()
+        listener.close()
+
+
+@pytest.mark.asyncio
+async def test_a_store_that_never_answers_says_so_and_an_abort_stops_the_connect(
+    black_hole: int,
+) -> None:
+    async with ftcomm.Group("gloo") as g:
+        with pytest.raises(ftcomm.CommTimeout, match="no answer to the connection") as info:
+            await g.configure(f"127.0.0.1:{black_hole}/bh", 0, 2, timeout=1.5)
+        assert isinstance(info.value.__cause__, TimeoutError)
+        task = asyncio.ensure_future(g.configure(f"127.0.0.1:{black_hole}/bh2", 0, 2, timeout=30))
+        await asyncio.sleep(0.2)
+        g.abort()
+        with pytest.raises(ftcomm.CommAborted):
+            await task
+        started = time.monotonic()
+        # each try at the port is bounded (0.5 s): the connect sees the stop
+        assert await asyncio.to_thread(get_runtime().control.wait_idle, 5.0)
+        assert time.monotonic() - started < 1.5
