@@ -232,9 +232,10 @@ def meet(
     if world_size == 1:
         return
     progress.step = "meet"
-    # Polls back off to 50 ms (longer for large worlds: every rank polls).
+    # Polls back off from 0.2 ms to 50 ms (longer for large worlds: every
+    # rank polls): ranks that come within milliseconds meet within a poll.
     cap = min(0.5, 0.05 * max(1.0, world_size / 64))
-    delay = 0.0005
+    delay = 0.0002
     named_at = 0.0
     try:
         while came < world_size:
@@ -248,7 +249,7 @@ def meet(
                 raise TimeoutError(f"{progress.detail} (this is rank {rank})")
             if _stopped(stop, min(delay, deadline - now)):
                 raise Stopped
-            delay = min(delay * 2, cap)
+            delay = min(delay * 1.5, cap)
             came = store.add(count, 0)
     except (Stopped, TimeoutError):
         with contextlib.suppress(Exception):  # best effort: the store may be gone

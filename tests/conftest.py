@@ -14,6 +14,12 @@ from ftcomm._runtime.loop import get_runtime, new_event_loop
 from ftcomm.testing._world import _children, _fds, _segments, _threads
 
 os.environ.setdefault("FTCOMM_DEBUG", "1")
+# c10d's TCPStore resolves every peer address to a name for its logs (a DNS
+# PTR query, which /etc/hosts does not answer for the IPv4-mapped addresses it
+# sees). Where the DNS server drops a query (this CI's drops one in ~25), the
+# resolver waits its timeout, 5 s by default, in the middle of a configure:
+# 1 s here. docs/errors.md says so for users.
+os.environ.setdefault("RES_OPTIONS", "timeout:1")
 # The watchdog is here to catch blocking calls on the owner loop, which block
 # for an op's deadline (a second or more). On the 2-core CI box a callback can
 # also wait 0.1-0.25 s for the GIL while a test thread runs gc.collect(); the
