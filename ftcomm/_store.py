@@ -202,6 +202,7 @@ def _wait_listening(
 
 MEET_KEY = "ftcomm/met/{world}/{rank}"
 MEET_COUNT = "ftcomm/met/{world}/n"
+_OUT = "out"  # a rank's key once it took itself out
 
 
 def meet(
@@ -218,8 +219,13 @@ def meet(
     timeout that logs a C++ stack and names no one. Here, a missing rank is
     named, a superseded connect stops at its next poll, and the native group
     is built once everyone is there. Each poll is one counter read, so the
-    store's load grows with the ranks, not their square; the rank that gives
-    up takes itself out again.
+    store's load grows with the ranks, not their square.
+
+    A rank is counted once, whatever its attempts: its key holds the token
+    of the attempt that counts it, and a later attempt takes the key over
+    (an earlier one killed with its worker process still counts it) instead
+    of counting again; an attempt that gives up takes the rank out only if
+    the key is still its own.
 
     Raises:
         TimeoutError: not every rank came by ``deadline`` (it names who did not).
@@ -227,8 +233,8 @@ def meet(
     """
     mine = MEET_KEY.format(world=world_size, rank=rank)
     count = MEET_COUNT.format(world=world_size)
-    store.set(mine, "1")
-    came = store.add(count, 1)
+    token = f"{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
+    came = _come(store, mine, count, token)
     if world_size == 1:
         return
     progress.step = "meet"
@@ -240,22 +246,46 @@ def meet(
     try:
         while came < world_size:
             now = time.monotonic()
-            if now >= deadline or (world_size <= 16 and now - named_at >= 0.5):
+            # names: for small worlds all along, for up to 64 near the end
+            near_end = world_size <= 64 and deadline - now <= 0.6
+            if (world_size <= 16 or near_end) and now - named_at >= 0.5:
                 named_at = now
                 progress.detail = _missing(store, world_size)
-            elif world_size > 16:
+            elif not (world_size <= 16 or near_end):
                 progress.detail = f"{world_size - came} of {world_size} ranks never came"
             if now >= deadline:
+                came = int(store.add(count, 0))  # one last look
+                if came >= world_size:
+                    break
+                progress.detail = _missing(store, world_size)
                 raise TimeoutError(f"{progress.detail} (this is rank {rank})")
             if _stopped(stop, min(delay, deadline - now)):
                 raise Stopped
             delay = min(delay * 1.5, cap)
-            came = store.add(count, 0)
+            came = int(store.add(count, 0))
     except (Stopped, TimeoutError):
         with contextlib.suppress(Exception):  # best effort: the store may be gone
-            store.add(count, -1)
-            store.delete_key(mine)
+            if store.compare_set(mine, token, _OUT) == _OUT.encode():
+                store.add(count, -1)
         raise
+
+
+def _come(store: Store, key: str, count: str, token: str) -> int:
+    """Count this rank in, once; the count after."""
+    held = store.compare_set(key, "", token)
+    while held != token.encode():
+        if held == _OUT.encode():  # it took itself out before: count it again
+            held = store.compare_set(key, _OUT, token)
+            if held == token.encode():
+                break
+            continue
+        # another attempt of this rank counts it (one killed with its worker,
+        # or a superseded one still polling): take its key over, uncounted
+        taken = store.compare_set(key, held.decode(), token)
+        if taken == token.encode():
+            return int(store.add(count, 0))
+        held = taken
+    return int(store.add(count, 1))
 
 
 def _missing(store: Store, world_size: int) -> str:
@@ -263,9 +293,11 @@ def _missing(store: Store, world_size: int) -> str:
     if world_size > 64:
         came = store.add(MEET_COUNT.format(world=world_size), 0)
         return f"{world_size - came} of {world_size} ranks never came to the store"
-    missing = [
-        r for r in range(world_size) if not store.check([MEET_KEY.format(world=world_size, rank=r)])
-    ]
+    missing = []
+    for r in range(world_size):
+        key = MEET_KEY.format(world=world_size, rank=r)
+        if not store.check([key]) or store.get(key) == _OUT.encode():
+            missing.append(r)
     if not missing:
         return f"all {world_size} ranks came to the store"
     shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
@@ -294,7 +326,7 @@ def connect_store(
     """
     started = time.monotonic()
     progress = progress or ConnectProgress()
-    progress.step = "store"
+    progress.step, progress.detail = "store", ""
     _wait_listening(addr, timeout, started + timeout, progress, stop)
     # The store's ops keep the whole timeout; the connect, what is left of it.
     guard = _StuckReadGuard(addr, max(started + timeout - time.monotonic(), 0.01))

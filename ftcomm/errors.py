@@ -75,9 +75,9 @@ class CommError(RuntimeError):
         """What ``errored()`` reports for a group this error broke: the same
         class and attributes, a message that says the group is aborted (it
         is: every other op ended, the native group was let go), and this
-        error, the one its op raised, as ``__cause__``. An error that says
-        "abort" already (``abort()``'s own) is itself."""
-        if "abort" in self.message.lower():
+        error, the one its op raised, as ``__cause__``. An abort that says
+        so (``abort()``'s own) is itself."""
+        if isinstance(self, CommAborted) and "aborted" in self.message:
             return self
         state = {k: v for k, v in self.__dict__.items() if k not in _CONTEXT}
         message = f"the group is aborted (configure() it again to go on) after: {self.message}"

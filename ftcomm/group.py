@@ -19,7 +19,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -30,6 +30,7 @@ from . import _validate as v
 from ._collectives import Collectives
 from ._runtime import faults
 from ._runtime.deadline import Timeout, resolve, to_seconds
+from ._runtime.driven import TaskDriven
 from ._runtime.loop import get_runtime, require_asyncio, wake_threadsafe
 from ._runtime.native import NativeOp
 from ._runtime.table import OpTable
@@ -94,6 +95,8 @@ def _configure_timeout(
             "built in time (a peer unreachable on its own address, a slow start, or a "
             "prefix reused from an earlier configuration?)"
         )
+    elif progress.detail:
+        why = f"{progress.detail} (store {spec.store})"
     else:
         why = f"store {spec.store}"
     return CommTimeout(
@@ -116,7 +119,7 @@ def _finish(fut: concurrent.futures.Future[Any]) -> None:
         fut.set_result(None)
 
 
-class Closing(collections.abc.Coroutine[Any, Any, None]):
+class Closing(TaskDriven, collections.abc.Coroutine[Any, Any, None]):
     """What :meth:`Group.abort` and :meth:`Group.shutdown` return.
 
     The abort or shutdown has already happened when you get this: the
@@ -132,14 +135,14 @@ class Closing(collections.abc.Coroutine[Any, Any, None]):
     ``asyncio.create_task(g.abort())`` work as they did.
     """
 
-    __slots__ = ("_closed", "_driver", "_timeout")
+    __slots__ = ("_closed", "_drivers", "_timeout")
 
     def __init__(
         self, closed: concurrent.futures.Future[None] | None, timeout: float = 2.0
     ) -> None:
         self._closed = closed
         self._timeout = timeout
-        self._driver: Coroutine[Any, Any, None] | None = None
+        self._drivers: dict[object, Generator[Any, None, Any]] | None = None
 
     def done(self) -> bool:
         """Whether the ops have ended and the native group is closed."""
@@ -168,24 +171,6 @@ class Closing(collections.abc.Coroutine[Any, Any, None]):
         fut: asyncio.Future[Any] = loop.create_future()
         closed.add_done_callback(lambda _: wake_threadsafe(loop, fut))
         await asyncio.wait({fut}, timeout=self._timeout)
-
-    # -- the coroutine protocol, for asyncio.run() and create_task() ----------
-    def _drive(self) -> Coroutine[Any, Any, None]:
-        if self._driver is None:
-            self._driver = self._until_closed()
-        return self._driver
-
-    def send(self, value: Any) -> Any:
-        return self._drive().send(value)
-
-    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        if val is None and tb is None:  # throw(exc): what asyncio calls
-            return self._drive().throw(typ)
-        return self._drive().throw(typ, val, tb)
-
-    def close(self) -> None:
-        if self._driver is not None:
-            self._driver.close()
 
 
 class Group(Collectives):

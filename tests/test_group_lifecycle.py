@@ -178,5 +178,18 @@ async def test_a_task_cancelled_before_its_first_step_aborts_the_op(store_port: 
         for _ in range(2):
             with pytest.raises(ftcomm.CommAborted, match="cancelled while in flight"):
                 await asyncio.ensure_future(work)
+        # an abort's Closing, too, may be driven by several tasks
+        closing = g0.abort()
+        assert await asyncio.gather(asyncio.ensure_future(closing), closing) == [None, None]
+    finally:
+        await asyncio.gather(g0.shutdown(), g1.shutdown())
+    # the class form of throw() (drivers other than asyncio use it) aborts too
+    g0, g1 = await _pair(store_port, "cancel-class")
+    try:
+        pending = g1.barrier()  # rank 0 never joins it
+        with pytest.raises(asyncio.CancelledError):
+            pending.throw(asyncio.CancelledError)
+        assert pending.done()
+        assert isinstance(g1.errored(), ftcomm.CommAborted)
     finally:
         await asyncio.gather(g0.shutdown(), g1.shutdown())

@@ -47,6 +47,23 @@ class MemoryStore:
         self.calls.append(("delete_key", 1))
         return self.data.pop(key, None) is not None
 
+    def get(self, key: str) -> bytes:
+        self.calls.append(("get", 1))
+        return str(self.data[key]).encode()
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        """c10d's: set ``desired`` if the value is ``expected`` (or the key
+        is missing and ``expected`` is empty); the value after."""
+        self.calls.append(("compare_set", 1))
+        if key not in self.data:
+            if expected == "":
+                self.data[key] = desired
+                return desired.encode()
+            return expected.encode()
+        if str(self.data[key]) == expected:
+            self.data[key] = desired
+        return str(self.data[key]).encode()
+
 
 def test_meet_names_the_ranks_that_never_came_and_takes_itself_out() -> None:
     store = MemoryStore()
@@ -59,7 +76,24 @@ def test_meet_names_the_ranks_that_never_came_and_takes_itself_out() -> None:
     assert "rank 1" in progress.detail
     # it gave up: a later rank does not count it as there
     assert store.data[MEET_COUNT.format(world=3)] == 1
-    assert MEET_KEY.format(world=3, rank=0) not in store.data
+    assert store.data[MEET_KEY.format(world=3, rank=0)] == "out"
+    # and when it comes again, it counts once more
+    store.set(MEET_KEY.format(world=3, rank=1), "1")
+    store.add(MEET_COUNT.format(world=3), 1)
+    meet(store, 0, 3, time.monotonic() + 5, ConnectProgress())  # type: ignore[arg-type]
+    assert store.data[MEET_COUNT.format(world=3)] == 3
+
+
+def test_a_rank_is_counted_once_whatever_its_attempts() -> None:
+    """An attempt killed with its worker process never takes itself out: the
+    rank's next attempt takes its key over instead of counting again, so the
+    rank that is still missing keeps the others waiting (and is named)."""
+    store = MemoryStore()
+    store.set(MEET_KEY.format(world=2, rank=0), "token-of-a-killed-worker")
+    store.add(MEET_COUNT.format(world=2), 1)
+    with pytest.raises(TimeoutError, match=r"1 of 2 ranks never came .*\(rank 1\)"):
+        meet(store, 0, 2, time.monotonic() + 0.2, ConnectProgress())  # type: ignore[arg-type]
+    assert store.data[MEET_COUNT.format(world=2)] == 0  # and it took itself out
 
 
 def test_meet_polls_one_counter_however_large_the_world() -> None:

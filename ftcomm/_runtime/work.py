@@ -53,6 +53,7 @@ from typing import Any, TypeVar
 
 from ..errors import CommAborted, CommError, CommFailed, CommTimeout
 from .deadline import to_seconds
+from .driven import TaskDriven
 from .loop import require_asyncio, wake_threadsafe
 from .native import NativeOp
 from .table import Broken, OpTable, _peek, _wake_all, log
@@ -91,16 +92,7 @@ class Outcome:
 _SUCCESS = Outcome(None)
 
 
-def _task_key() -> object:
-    """The asyncio task driving a Work through the coroutine protocol (None
-    outside a running asyncio loop: ``__await__`` then says what it needs)."""
-    try:
-        return asyncio.current_task()
-    except RuntimeError:
-        return None
-
-
-class Work(collections.abc.Coroutine[Any, Any, R]):
+class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
     """The awaitable handle of one issued collective.
 
     The op is already on the wire when you get this. ``await work`` returns its
@@ -232,51 +224,10 @@ class Work(collections.abc.Coroutine[Any, Any, R]):
             raise end.error
         return self._result
 
-    # -- the coroutine protocol: asyncio.create_task(work), anyio's start_soon --
-    # A coroutine is driven by one task; a Work may be driven by several
-    # (ensure_future(work) twice, wait_for, gather): each task gets an await
-    # of its own, as ``await work`` would give it.
-    def _step(self, call: Callable[[Generator[Any, None, R]], Any]) -> Any:
-        key = _task_key()
-        drivers = self._drivers
-        if drivers is None:
-            drivers = self._drivers = {}
-        gen = drivers.get(key)
-        if gen is None:
-            gen = drivers[key] = self.__await__()
-        try:
-            return call(gen)
-        except BaseException:  # StopIteration (the await ended), or its error
-            drivers.pop(key, None)
-            raise
-
-    def send(self, value: Any) -> Any:
-        """Part of the coroutine protocol (``create_task(work)``, anyio's
-        ``tg.start_soon(group.allreduce, t)``): the calling task's await of
-        the op, one step."""
-        return self._step(lambda gen: gen.send(value))
-
-    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        """Part of the coroutine protocol: see :meth:`send`. A task cancelled
-        before its first step aborts the op, as a cancelled ``await`` does."""
-        exc = typ if val is None and isinstance(typ, BaseException) else val
-        drivers = self._drivers
-        if isinstance(exc, asyncio.CancelledError) and (
-            drivers is None or _task_key() not in drivers
-        ):
-            self._cancelled_while_awaited()
-        if val is None and tb is None:  # throw(exc): what asyncio calls
-            return self._step(lambda gen: gen.throw(typ))
-        return self._step(lambda gen: gen.throw(typ, val, tb))
-
-    def close(self) -> None:
-        """Part of the coroutine protocol: ends the awaits driven through it
-        (not the op)."""
-        drivers, self._drivers = self._drivers, None
-        for gen in (drivers or {}).values():
-            gen.close()
-
     # -- awaiting ----------------------------------------------------------
+    def _cancel_before_start(self) -> None:
+        self._cancelled_while_awaited()
+
     def _cancelled_while_awaited(self) -> None:
         """An awaiting task was cancelled: abort the op (and its group) unless
         it has ended."""

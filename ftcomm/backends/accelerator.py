@@ -323,6 +323,7 @@ class AcceleratorBackend(Backend):
         if not flavor.real_abort:  # before anything is built: -W error raises here
             warn_local_aborts(flavor)
         _go_on(cancel)  # given up before it began: not even the environment
+        spec.progress.detail = "this rank was still setting up its device"
         prepare_environment(flavor, spec.timeout)
         device = calls.device(spec.device)
         deadline = time.monotonic() + spec.timeout

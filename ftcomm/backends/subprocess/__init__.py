@@ -274,9 +274,13 @@ class Launcher:
         deadline = time.monotonic() + spec.timeout
         with self._lock:
             spare, self._spare = self._spare, None
+        spec.progress.step = "worker"
         if spare is not None:
             try:
                 spare.ready(deadline)
+            except TimeoutError:  # still starting at the deadline: so is configure
+                spare.abandon()
+                raise
             except (EOFError, OSError, ProtocolError):  # it died while it waited
                 spare.abandon()
                 spare = None
