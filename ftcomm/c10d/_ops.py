@@ -13,7 +13,7 @@ list arguments that c10d nests per device must hold exactly one entry.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -242,6 +242,22 @@ class DummyOps(GroupOps):
             out.copy_(inp)
         return DoneWork(value)
 
+    def _coalesced(
+        self,
+        op: str,
+        output_tensors: Sequence[torch.Tensor],
+        input_tensors: Sequence[torch.Tensor],
+        check_opts: Callable[[], object],
+        one_rank: Callable[[list[torch.Tensor], list[torch.Tensor]], OpWork],
+    ) -> OpWork | DoneWork:
+        """A coalesced op: one pair per rank's tensors is a one-rank group's op."""
+        outs = tensor_list(output_tensors, "output_tensors")
+        ins = tensor_list(input_tensors, "input_tensors")
+        if len(outs) == len(ins):
+            return one_rank(outs, ins)
+        check_opts()
+        return self._discard(op, list(zip(outs, ins, strict=False)), outs)
+
     def allgather(
         self,
         output_tensors: Sequence[Sequence[torch.Tensor]],
@@ -261,13 +277,14 @@ class DummyOps(GroupOps):
         input_tensors: Sequence[torch.Tensor],
         opts: object = None,
     ) -> OpWork | DoneWork:
-        outs = tensor_list(output_tensors, "output_tensors")
-        ins = tensor_list(input_tensors, "input_tensors")
-        if len(outs) == len(ins):
-            return super().allgather_into_tensor_coalesced(outs, ins, opts)
-        op_timeout(opts)
-        return self._discard(
-            "allgather_into_tensor_coalesced", list(zip(outs, ins, strict=False)), outs
+        return self._coalesced(
+            "allgather_into_tensor_coalesced",
+            output_tensors,
+            input_tensors,
+            lambda: op_timeout(opts),
+            lambda outs, ins: super(DummyOps, self).allgather_into_tensor_coalesced(
+                outs, ins, opts
+            ),
         )
 
     def reduce_scatter(
@@ -289,11 +306,12 @@ class DummyOps(GroupOps):
         input_tensors: Sequence[torch.Tensor],
         opts: object = None,
     ) -> OpWork | DoneWork:
-        outs = tensor_list(output_tensors, "output_tensors")
-        ins = tensor_list(input_tensors, "input_tensors")
-        if len(outs) == len(ins):
-            return super().reduce_scatter_tensor_coalesced(outs, ins, opts)
-        reduce_args(opts)
-        return self._discard(
-            "reduce_scatter_tensor_coalesced", list(zip(outs, ins, strict=False)), outs
+        return self._coalesced(
+            "reduce_scatter_tensor_coalesced",
+            output_tensors,
+            input_tensors,
+            lambda: reduce_args(opts),
+            lambda outs, ins: super(DummyOps, self).reduce_scatter_tensor_coalesced(
+                outs, ins, opts
+            ),
         )
