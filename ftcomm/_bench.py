@@ -248,7 +248,12 @@ async def _open_baby(env: ChildEnv) -> Runner:
     return _c10d_runner(env, "baby", "baby-bench", pg)
 
 
+_WITHOUT_TORCHFT: list[bool] = [False]  # --no-torchft
+
+
 def _torchft_missing() -> str | None:
+    if _WITHOUT_TORCHFT[0]:
+        return "--no-torchft"
     try:
         importlib.import_module("torchft.process_group")
     except Exception as exc:  # not installed, or broken: either way, no rows
@@ -651,6 +656,9 @@ def parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=300.0, help="give up after this many seconds (300)"
     )
     p.add_argument(
+        "--no-torchft", action="store_true", help="skip torchft's rows even where it is installed"
+    )
+    p.add_argument(
         "--recovery-samples",
         type=_non_negative,
         default=5,
@@ -662,6 +670,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the bench; print the table. Returns the exit code."""
     args = parser().parse_args(argv)
+    _WITHOUT_TORCHFT[0] = args.no_torchft
     loop: str = args.loop or _default_loop()
     if loop == "uvloop" and _default_loop() != "uvloop":
         print("ftcomm bench: --loop uvloop but uvloop is not installed", file=sys.stderr)

@@ -202,7 +202,7 @@ def _wait_listening(
 
 MEET_KEY = "ftcomm/met/{world}/{rank}"
 MEET_COUNT = "ftcomm/met/{world}/n"
-_OUT = "out"  # a rank's key once it took itself out
+_OUT_PREFIX = b"out-"  # a rank's key once an attempt took it out: out-<its token>
 
 
 def meet(
@@ -265,27 +265,38 @@ def meet(
             came = int(store.add(count, 0))
     except (Stopped, TimeoutError):
         with contextlib.suppress(Exception):  # best effort: the store may be gone
-            if store.compare_set(mine, token, _OUT) == _OUT.encode():
+            out = _OUT_PREFIX.decode() + token
+            if store.compare_set(mine, token, out) == out.encode():  # still ours
                 store.add(count, -1)
         raise
 
 
 def _come(store: Store, key: str, count: str, token: str) -> int:
-    """Count this rank in, once; the count after."""
-    held = store.compare_set(key, "", token)
-    while held != token.encode():
-        if held == _OUT.encode():  # it took itself out before: count it again
-            held = store.compare_set(key, _OUT, token)
-            if held == token.encode():
-                break
-            continue
-        # another attempt of this rank counts it (one killed with its worker,
-        # or a superseded one still polling): take its key over, uncounted
-        taken = store.compare_set(key, held.decode(), token)
-        if taken == token.encode():
-            return int(store.add(count, 0))
-        held = taken
-    return int(store.add(count, 1))
+    """Count this rank in, once; the count after.
+
+    Counted first, then the key claimed: an attempt killed in between
+    leaves the rank counted once too often (the others then wait in the
+    native rendezvous), never uncounted for good. Where another attempt of
+    this rank holds the key (and so counts it), this one takes it over and
+    takes its own count back.
+    """
+    came = int(store.add(count, 1))
+    mine = token.encode()
+    held: Any = store.compare_set(key, "", token)  # bytes, passed back as they are
+    for _ in range(64):  # each failed swap is another attempt's success
+        if held == mine:
+            return came
+        if held.startswith(_OUT_PREFIX):  # taken out: this attempt's count stands
+            swapped = store.compare_set(key, held, token)
+            if swapped == mine:
+                return came
+        else:  # another attempt counts it: take the key over, uncount ours
+            swapped = store.compare_set(key, held, token)
+            if swapped == mine:
+                return int(store.add(count, -1))
+        # compare_set answers the expected value when the key is gone
+        held = store.compare_set(key, "", token) if swapped == held else swapped
+    raise RuntimeError(f"could not claim {key!r} in the store: it keeps changing")
 
 
 def _missing(store: Store, world_size: int) -> str:
@@ -296,7 +307,7 @@ def _missing(store: Store, world_size: int) -> str:
     missing = []
     for r in range(world_size):
         key = MEET_KEY.format(world=world_size, rank=r)
-        if not store.check([key]) or store.get(key) == _OUT.encode():
+        if not store.check([key]) or store.get(key).startswith(_OUT_PREFIX):
             missing.append(r)
     if not missing:
         return f"all {world_size} ranks came to the store"

@@ -12,7 +12,7 @@ import pytest
 @pytest.mark.timeout(120)
 def test_bench_runs_and_prints_ratios() -> None:
     tiny = ["--iters", "50", "--big-iters", "2", "--big-mib", "1", "--rounds", "2", "--warmup", "5"]
-    tiny += ["--recovery-samples", "1"]
+    tiny += ["--recovery-samples", "1", "--no-torchft"]  # torchft's rows: make bench
     proc = subprocess.run(
         [sys.executable, "-m", "ftcomm", "bench", *tiny, "--timeout", "50"],
         capture_output=True,
@@ -30,6 +30,7 @@ def test_bench_runs_and_prints_ratios() -> None:
         assert re.search(rf"^allreduce 1xfp32\s+{impl}\s+[\d.]+\s+[\d.]+\s+\d+\.\d+x$", out, re.M)
     assert re.search(r"^dead worker noticed\s+\d+\.\d+\s+\d+\.\d+$", out, re.M), out
     assert re.search(r"^subproc, spare worker\s+\d+\.\d+", out, re.M), out
+    assert "torchft rows skipped: --no-torchft" in out, out
 
 
 def test_no_command_prints_usage_and_exits_2() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -55,6 +56,8 @@ class MemoryStore:
         """c10d's: set ``desired`` if the value is ``expected`` (or the key
         is missing and ``expected`` is empty); the value after."""
         self.calls.append(("compare_set", 1))
+        if isinstance(expected, bytes):  # c10d takes bytes as they are
+            expected = expected.decode()
         if key not in self.data:
             if expected == "":
                 self.data[key] = desired
@@ -76,7 +79,7 @@ def test_meet_names_the_ranks_that_never_came_and_takes_itself_out() -> None:
     assert "rank 1" in progress.detail
     # it gave up: a later rank does not count it as there
     assert store.data[MEET_COUNT.format(world=3)] == 1
-    assert store.data[MEET_KEY.format(world=3, rank=0)] == "out"
+    assert str(store.data[MEET_KEY.format(world=3, rank=0)]).startswith("out-")
     # and when it comes again, it counts once more
     store.set(MEET_KEY.format(world=3, rank=1), "1")
     store.add(MEET_COUNT.format(world=3), 1)
@@ -94,6 +97,43 @@ def test_a_rank_is_counted_once_whatever_its_attempts() -> None:
     with pytest.raises(TimeoutError, match=r"1 of 2 ranks never came .*\(rank 1\)"):
         meet(store, 0, 2, time.monotonic() + 0.2, ConnectProgress())  # type: ignore[arg-type]
     assert store.data[MEET_COUNT.format(world=2)] == 0  # and it took itself out
+    # the killed worker's attempt, were it to give up late, takes nothing out
+    key = MEET_KEY.format(world=2, rank=0)
+    assert store.compare_set(key, "token-of-a-killed-worker", "out-x") != b"out-x"
+    assert store.data[MEET_COUNT.format(world=2)] == 0
+
+
+def test_two_attempts_giving_up_take_the_rank_out_once() -> None:
+    store = MemoryStore()
+    count = MEET_COUNT.format(world=2)
+    with pytest.raises(TimeoutError):
+        meet(store, 0, 2, time.monotonic() + 0.1, ConnectProgress())  # type: ignore[arg-type]
+    with pytest.raises(TimeoutError):
+        meet(store, 0, 2, time.monotonic() + 0.1, ConnectProgress())  # type: ignore[arg-type]
+    assert store.data[count] == 0
+    # rank 1 comes with rank 0: they meet, counted once each
+    store.set(MEET_KEY.format(world=2, rank=1), "1")
+    store.add(count, 1)
+    meet(store, 0, 2, time.monotonic() + 5, ConnectProgress())  # type: ignore[arg-type]
+    assert store.data[count] == 2
+
+
+class VanishingStore(MemoryStore):
+    """A key that someone else deletes as this rank claims it."""
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        if expected not in ("", b"") and key in self.data:
+            del self.data[key]  # gone between the read and the swap
+        return super().compare_set(key, expected, desired)
+
+
+def test_a_key_that_vanishes_mid_claim_is_claimed_again_not_spun_on() -> None:
+    store = VanishingStore()
+    key = MEET_KEY.format(world=1, rank=0)
+    store.data[key] = "another-attempt"
+    meet(store, 0, 1, time.monotonic() + 5, ConnectProgress())  # type: ignore[arg-type]
+    assert str(store.data[key]).startswith(str(os.getpid()))
+    assert len(store.calls) < 20
 
 
 def test_meet_polls_one_counter_however_large_the_world() -> None:
