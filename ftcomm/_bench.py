@@ -248,12 +248,7 @@ async def _open_baby(env: ChildEnv) -> Runner:
     return _c10d_runner(env, "baby", "baby-bench", pg)
 
 
-_WITHOUT_TORCHFT: list[bool] = [False]  # --no-torchft
-
-
 def _torchft_missing() -> str | None:
-    if _WITHOUT_TORCHFT[0]:
-        return "--no-torchft"
     try:
         importlib.import_module("torchft.process_group")
     except Exception as exc:  # not installed, or broken: either way, no rows
@@ -549,7 +544,7 @@ async def _spare_ready(group: Any, timeout: float = 30.0) -> None:
         await asyncio.to_thread(select.select, [spare.channel.fd], [], [], timeout)
 
 
-async def _recovery(port: int, samples: int) -> dict[str, Seconds]:
+async def _recovery(port: int, samples: int, torchft: bool) -> dict[str, Seconds]:
     import ftcomm
 
     out: dict[str, Seconds] = {}
@@ -581,7 +576,7 @@ async def _recovery(port: int, samples: int) -> dict[str, Seconds]:
             out.setdefault("dead worker noticed", []).append(time.perf_counter() - killed)
             if not isinstance(g.errored(), ftcomm.WorkerDied):
                 raise RuntimeError(f"a killed worker gave {g.errored()!r}, not WorkerDied")
-    if _torchft_missing() is None:
+    if torchft:
         pgs: Any = importlib.import_module("torchft.process_group")
         for _ in range(samples):
             pg = pgs.ProcessGroupBabyGloo(timeout=timedelta(seconds=_OP_TIMEOUT))
@@ -670,7 +665,6 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the bench; print the table. Returns the exit code."""
     args = parser().parse_args(argv)
-    _WITHOUT_TORCHFT[0] = args.no_torchft
     loop: str = args.loop or _default_loop()
     if loop == "uvloop" and _default_loop() != "uvloop":
         print("ftcomm bench: --loop uvloop but uvloop is not installed", file=sys.stderr)
@@ -678,7 +672,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes: list[str] = []
     cases: list[str] = []
     for case in CASES:
-        why = case.missing()
+        torchft_row = case.missing is _torchft_missing
+        why = "--no-torchft" if torchft_row and args.no_torchft else case.missing()
         if why is None:
             cases.append(case.impl)
         else:
@@ -697,7 +692,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.recovery_samples:
         store = TCPStore(host_name=HOST, port=0, is_master=True, wait_for_workers=False)
         try:
-            times = asyncio.run(_recovery(store.port, args.recovery_samples))
+            torchft = not args.no_torchft and _torchft_missing() is None
+            times = asyncio.run(_recovery(store.port, args.recovery_samples, torchft))
         finally:
             del store
         print(format_recovery(times), flush=True)

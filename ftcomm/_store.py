@@ -246,19 +246,19 @@ def meet(
     try:
         while came < world_size:
             now = time.monotonic()
-            # names: for small worlds all along, for up to 64 near the end
-            near_end = world_size <= 64 and deadline - now <= 0.6
-            if (world_size <= 16 or near_end) and now - named_at >= 0.5:
-                named_at = now
-                progress.detail = _missing(store, world_size)
-            elif not (world_size <= 16 or near_end):
-                progress.detail = f"{world_size - came} of {world_size} ranks never came"
             if now >= deadline:
                 came = int(store.add(count, 0))  # one last look
                 if came >= world_size:
                     break
                 progress.detail = _missing(store, world_size)
                 raise TimeoutError(f"{progress.detail} (this is rank {rank})")
+            # names: for small worlds all along, for up to 64 near the end
+            if world_size <= 16 or (world_size <= 64 and deadline - now <= 0.6):
+                if now - named_at >= 0.5:
+                    named_at = now
+                    progress.detail = _missing(store, world_size)
+            else:
+                progress.detail = f"{world_size - came} of {world_size} ranks never came"
             if _stopped(stop, min(delay, deadline - now)):
                 raise Stopped
             delay = min(delay * 1.5, cap)

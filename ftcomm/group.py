@@ -70,32 +70,26 @@ def _connect_error(exc: Exception, where: str, rank: int) -> CommError:
 
 
 def _configure_timeout(
-    seconds: float, spec: ConnectSpec, raised: TimeoutError | None = None
+    seconds: float, spec: ConnectSpec, raised: Exception | None = None
 ) -> CommTimeout:
     """The error of a ``configure()`` whose deadline passed: what the connect
     was waiting for then (``spec.progress``), and what to do about it.
-    ``raised``: the connect's own timeout, where it came first."""
+    ``raised``: the connect's own timeout, where it came first (a worker's
+    is set to come a moment before ours, and says what it waited for)."""
     progress = spec.progress
-    if progress.step == "store" and not progress.detail and raised is not None:
+    if getattr(raised, "remote_type", None) is not None:
+        why = f"{str(raised).partition(': ')[2] or raised} (store {spec.store})"
+    elif progress.step == "store" and not progress.detail and raised is not None:
         why = str(raised)  # the store took the connection, and then did not answer
     elif progress.step == "store":
         why = f"the store at {spec.store} did not answer: {progress.detail or 'no reply'}"
-    elif progress.step == "meet":
-        why = f"{progress.detail} (store {spec.store})"
-    elif progress.step == "worker":
-        why = (
-            f"the worker process was still starting (store {spec.store}); a fresh "
-            "Python and torch take a second or more: give configure() more time"
-        )
-    elif progress.step == "worker-connect":
-        why = f"the worker process was still connecting (store {spec.store})"
     elif progress.step == "native":
         why = (
             f"every rank came to the store {spec.store}, but the native group was not "
             "built in time (a peer unreachable on its own address, a slow start, or a "
             "prefix reused from an earlier configuration?)"
         )
-    elif progress.detail:
+    elif progress.detail:  # meeting the other ranks, a worker starting, ...
         why = f"{progress.detail} (store {spec.store})"
     else:
         why = f"store {spec.store}"
@@ -494,13 +488,7 @@ class Group(Collectives):
             raise _configure_timeout(seconds, spec, exc) from (spec.progress.cause or exc.__cause__)
         except Exception as exc:  # arguments were checked: this is the store or a peer
             if getattr(exc, "remote_type", None) in _TIMEOUT_NAMES:
-                # a worker's own deadline, set just before ours: say it as ours
-                why = str(exc).partition(": ")[2] or str(exc)
-                raise CommTimeout(
-                    f"configure timed out after {seconds:g} seconds: {why} (store {spec.store})",
-                    rank=spec.rank,
-                    op="configure",
-                ) from exc
+                raise _configure_timeout(seconds, spec, exc) from exc  # a worker's deadline
             raise _connect_error(exc, where, spec.rank) from exc
 
     def _refill_for(self, config: Config) -> None:

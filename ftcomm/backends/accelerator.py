@@ -329,12 +329,8 @@ class AcceleratorBackend(Backend):
         deadline = time.monotonic() + spec.timeout
         progress = spec.progress
         store = connect_store(spec.store, spec.timeout, progress, cancel)
-        try:
+        with contextlib.suppress(Stopped):  # stopped: cancel is done, and the check below raises
             meet(store, spec.rank, spec.world_size, deadline, progress, cancel)
-        except Stopped:
-            del store  # not held by the error's traceback
-            _go_on(cancel)
-            raise
         if cancel is not None and cancel.done():  # nobody waits any more: build nothing
             del store  # not held by the error's traceback
             _go_on(cancel)

@@ -13,7 +13,7 @@ list arguments that c10d nests per device must hold exactly one entry.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -224,9 +224,16 @@ class DummyOps(GroupOps):
     __slots__ = ()
 
     def _discard(
-        self, op: str, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], value: object
+        self,
+        op: str,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        value: object,
     ) -> DoneWork:
+        """Pair ``outputs`` with ``inputs`` in order (as ``zip`` does), copy
+        each input to its output, and end at once with ``value``."""
         self.group._check_open(op)
+        pairs = list(zip(outputs, inputs, strict=False))
         for i, (out, inp) in enumerate(pairs):
             if not isinstance(out, torch.Tensor) or not isinstance(inp, torch.Tensor):
                 raise TypeError(
@@ -242,22 +249,6 @@ class DummyOps(GroupOps):
             out.copy_(inp)
         return DoneWork(value)
 
-    def _coalesced(
-        self,
-        op: str,
-        output_tensors: Sequence[torch.Tensor],
-        input_tensors: Sequence[torch.Tensor],
-        check_opts: Callable[[], object],
-        one_rank: Callable[[list[torch.Tensor], list[torch.Tensor]], OpWork],
-    ) -> OpWork | DoneWork:
-        """A coalesced op: one pair per rank's tensors is a one-rank group's op."""
-        outs = tensor_list(output_tensors, "output_tensors")
-        ins = tensor_list(input_tensors, "input_tensors")
-        if len(outs) == len(ins):
-            return one_rank(outs, ins)
-        check_opts()
-        return self._discard(op, list(zip(outs, ins, strict=False)), outs)
-
     def allgather(
         self,
         output_tensors: Sequence[Sequence[torch.Tensor]],
@@ -269,7 +260,7 @@ class DummyOps(GroupOps):
             return super().allgather(output_tensors, input_tensor, opts)
         op_timeout(opts)
         ins = tensor_list(input_tensor, "input_tensor")
-        return self._discard("allgather", list(zip(outs, ins, strict=False)), output_tensors)
+        return self._discard("allgather", outs, ins, output_tensors)
 
     def allgather_into_tensor_coalesced(
         self,
@@ -277,15 +268,12 @@ class DummyOps(GroupOps):
         input_tensors: Sequence[torch.Tensor],
         opts: object = None,
     ) -> OpWork | DoneWork:
-        return self._coalesced(
-            "allgather_into_tensor_coalesced",
-            output_tensors,
-            input_tensors,
-            lambda: op_timeout(opts),
-            lambda outs, ins: super(DummyOps, self).allgather_into_tensor_coalesced(
-                outs, ins, opts
-            ),
-        )
+        outs = tensor_list(output_tensors, "output_tensors")
+        ins = tensor_list(input_tensors, "input_tensors")
+        if len(outs) == len(ins):
+            return super().allgather_into_tensor_coalesced(outs, ins, opts)
+        op_timeout(opts)
+        return self._discard("allgather_into_tensor_coalesced", outs, ins, outs)
 
     def reduce_scatter(
         self,
@@ -298,7 +286,7 @@ class DummyOps(GroupOps):
         if len(outs) == 1 and len(ins) == 1:
             return super().reduce_scatter(output_tensors, input_tensors, opts)
         reduce_args(opts)
-        return self._discard("reduce_scatter", list(zip(outs, ins, strict=False)), output_tensors)
+        return self._discard("reduce_scatter", outs, ins, output_tensors)
 
     def reduce_scatter_tensor_coalesced(
         self,
@@ -306,12 +294,9 @@ class DummyOps(GroupOps):
         input_tensors: Sequence[torch.Tensor],
         opts: object = None,
     ) -> OpWork | DoneWork:
-        return self._coalesced(
-            "reduce_scatter_tensor_coalesced",
-            output_tensors,
-            input_tensors,
-            lambda: reduce_args(opts),
-            lambda outs, ins: super(DummyOps, self).reduce_scatter_tensor_coalesced(
-                outs, ins, opts
-            ),
-        )
+        outs = tensor_list(output_tensors, "output_tensors")
+        ins = tensor_list(input_tensors, "input_tensors")
+        if len(outs) == len(ins):
+            return super().reduce_scatter_tensor_coalesced(outs, ins, opts)
+        reduce_args(opts)
+        return self._discard("reduce_scatter_tensor_coalesced", outs, ins, outs)

@@ -39,7 +39,7 @@ from ..._runtime.native import NativeOp
 from ...errors import CommError, ProtocolError
 from .. import backend_class
 from .._base import Backend, ConnectSpec
-from ._client import Call, WorkerProcess
+from ._client import Call, WorkerProcess, starting
 from ._device import PoolClosed
 from ._layout import CARRIED
 from ._ops import reduce_op_name
@@ -274,7 +274,7 @@ class Launcher:
         deadline = time.monotonic() + spec.timeout
         with self._lock:
             spare, self._spare = self._spare, None
-        spec.progress.step = "worker"
+        starting(spec.progress)
         if spare is not None:
             try:
                 spare.ready(deadline)

@@ -50,6 +50,7 @@ from ..._protocol import (
     encode_op,
 )
 from ..._runtime.loop import Runtime
+from ..._store import ConnectProgress
 from ...errors import CommAborted, CommError, CommFailed, ProtocolError, WorkerDied
 from .._base import ConnectSpec
 from . import _worker
@@ -68,6 +69,15 @@ that the op has not been abandoned."""
 _EOF_GRACE = 0.5
 """How long a worker that closed its socket may take to exit before it is killed."""
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
+
+
+def starting(progress: ConnectProgress) -> None:
+    """A worker process is starting for this connect: what its deadline says."""
+    progress.step, progress.detail = (
+        "worker",
+        "the worker process was still starting; a fresh Python and torch take a second "
+        "or more: give configure() more time",
+    )
 
 
 def _worker_timeout(remaining: float) -> float:
@@ -316,9 +326,12 @@ class WorkerProcess:
             ProtocolError: it sent a malformed frame.
             RemoteError: building the group failed in the worker.
         """
-        spec.progress.step = "worker"
+        starting(spec.progress)
         self.ready(deadline)
-        spec.progress.step = "worker-connect"
+        spec.progress.step, spec.progress.detail = (
+            "worker-connect",
+            "the worker process was still connecting",
+        )
         op_id = next(_ids)
         s = spec
         self.channel.send_blocking(
