@@ -8,7 +8,13 @@ the survivors and carry on.
 
 from . import errors as errors
 from ._runtime.deadline import Timeout as Timeout
+from ._runtime.observe import Event as Event
+from ._runtime.observe import GroupStats as GroupStats
+from ._runtime.observe import OpStats as OpStats
+from ._runtime.observe import Subscription as Subscription
 from ._runtime.work import Work as Work
+from ._server import StoreServer as StoreServer
+from ._server import serve_store as serve_store
 from ._state import State as State
 from .errors import CommAborted as CommAborted
 from .errors import CommError as CommError
@@ -28,12 +34,18 @@ __all__ = [
     "CommError",
     "CommFailed",
     "CommTimeout",
+    "Event",
     "Group",
+    "GroupStats",
     "NotConfigured",
+    "OpStats",
     "ProtocolError",
     "State",
+    "StoreServer",
+    "Subscription",
     "Timeout",
     "Work",
     "WorkerDied",
     "errors",
+    "serve_store",
 ]

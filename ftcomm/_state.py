@@ -206,7 +206,7 @@ class GroupCore:
             return Teardown(None, None)
         if event in ("begin", "shutdown"):
             self._config = None
-        return Teardown(cfg, cfg.table._break_locked(to_close))
+        return Teardown(cfg, cfg.table._break_locked(to_close, event))
 
     def table_broke(self, table: OpTable) -> None:
         """Under the lock: the op table ``table`` has just set its ``error``."""

@@ -60,6 +60,8 @@ def parse_store_addr(value: object, name: str = "store_addr") -> StoreAddr:
     if not value.strip():
         raise ValueError(f"{name} must be 'host:port/prefix', got an empty string")
     scheme, sep, _ = value.partition("://")
+    if sep and scheme == "env":
+        raise ValueError(f"{name} {value!r}: env:// is for configure() (it reads the environment)")
     if sep:
         raise ValueError(
             f"{name} {value!r} has a scheme: write 'host:port/prefix' (drop '{scheme}://')"
@@ -97,6 +99,66 @@ def parse_store_addr(value: object, name: str = "store_addr") -> StoreAddr:
             f"{name} {value!r}: port must be an integer in 1..65535, got {port_text!r}"
         )
     return StoreAddr(host, int(port_text), prefix)
+
+
+ENV_SCHEME = "env://"
+DEFAULT_ENV_PREFIX = "ftcomm"
+
+
+@dataclass(frozen=True, slots=True)
+class EnvStore:
+    """``env://[prefix]`` read from the environment, as torchrun sets it."""
+
+    addr: StoreAddr
+    rank: int | None
+    world_size: int | None
+
+
+def _env_int(name: str) -> int | None:
+    text = os.environ.get(name)
+    if text is None or not text.strip():
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"the environment's {name}={text!r} is not an integer") from None
+
+
+def parse_env_addr(value: str, name: str = "store_addr") -> EnvStore:
+    """``env://`` or ``env://prefix``: the store at ``MASTER_ADDR:MASTER_PORT``
+    (which ``torchrun`` sets, and whose agent hosts the store), under
+    ``prefix`` (``"ftcomm"`` when empty), and ``RANK``/``WORLD_SIZE`` if set.
+
+    Raises:
+        ValueError: ``MASTER_ADDR`` or ``MASTER_PORT`` is unset, or a variable
+            is malformed; the message names it.
+    """
+    prefix = value[len(ENV_SCHEME) :] or DEFAULT_ENV_PREFIX
+    if prefix.startswith("?"):
+        raise ValueError(
+            f"{name} {value!r}: env:// takes a prefix (env://run/q1), not query "
+            "parameters; pass rank and world_size as arguments"
+        )
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v, "").strip()]
+    if missing:
+        raise ValueError(
+            f"{name} {value!r} needs {' and '.join(missing)} in the environment "
+            "(torchrun sets them; else host a store with `python -m ftcomm store` "
+            "and export its address)"
+        )
+    host = os.environ["MASTER_ADDR"].strip().removeprefix("[").removesuffix("]")
+    port = _env_int("MASTER_PORT")
+    if port is None or not 0 < port < 65536:
+        raise ValueError(f"the environment's MASTER_PORT must be in 1..65535, got {port}")
+    return EnvStore(StoreAddr(host, port, prefix), _env_int("RANK"), _env_int("WORLD_SIZE"))
+
+
+def resolve_store_addr(value: object, name: str = "store_addr") -> StoreAddr:
+    """A store address: ``host:port/prefix`` (:func:`parse_store_addr`), or
+    ``env://prefix`` (:func:`parse_env_addr`)."""
+    if isinstance(value, str) and value.startswith(ENV_SCHEME):
+        return parse_env_addr(value, name).addr
+    return parse_store_addr(value, name)
 
 
 def _is_ipv6(host: str) -> bool:

@@ -33,10 +33,11 @@ from ._runtime.deadline import Timeout, resolve, to_seconds
 from ._runtime.driven import TaskDriven
 from ._runtime.loop import get_runtime, require_asyncio, wake_threadsafe
 from ._runtime.native import NativeOp
-from ._runtime.table import OpTable
+from ._runtime.observe import Event, GroupStats, Observer, Subscription
+from ._runtime.table import Broken, OpTable
 from ._runtime.work import Work
 from ._state import Attempt, Config, GroupCore, State, Teardown, all_of
-from ._store import parse_store_addr
+from ._store import ENV_SCHEME, StoreAddr, parse_env_addr, parse_store_addr
 from ._verify import Chain, VerifiedOp, describe
 from .backends import Backend, ConnectSpec, backend_class
 
@@ -211,6 +212,9 @@ class Group(Collectives):
             (docs/errors.md). Costs one small op per collective (about
             doubling a small op's latency; docs/design.md). Send and recv
             are not checked.
+        stats: keep per-op statistics (:meth:`stats`): on by default; an
+            op's end then costs one histogram increment (docs/design.md,
+            "What a group did"). Events and log lines come either way.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -232,10 +236,16 @@ class Group(Collectives):
         spare_worker: bool = True,
         share_min_bytes: int | None = None,
         verify: bool = False,
+        stats: bool = True,
     ) -> None:
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-        flags = (("subprocess", subprocess), ("spare_worker", spare_worker), ("verify", verify))
+        flags = (
+            ("subprocess", subprocess),
+            ("spare_worker", spare_worker),
+            ("verify", verify),
+            ("stats", stats),
+        )
         for name, flag in flags:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -266,6 +276,9 @@ class Group(Collectives):
         # "on the wire". Not the state lock: issuing may wait on a native
         # call, and transitions never wait.
         self._issue_lock = threading.Lock()
+        # Not a method of the group: the tables hold the observer, and must
+        # not keep a group dropped without shutdown() alive.
+        self._observer = Observer(self._core.lock, self._runtime.events.submit, stats=stats)
 
     def __repr__(self) -> str:
         cfg = self._core.config
@@ -302,8 +315,8 @@ class Group(Collectives):
     async def configure(
         self,
         store_addr: str,
-        rank: int,
-        world_size: int,
+        rank: int | None = None,
+        world_size: int | None = None,
         *,
         replica_id: str = "0",
         quorum_id: int | None = None,
@@ -318,6 +331,14 @@ class Group(Collectives):
         Use a fresh store prefix each time (``host:port/prefix``; IPv6 as
         ``[::1]:port/prefix``). A previous configuration is torn down first
         without blocking: its in-flight ops end with ``CommAborted``.
+        Someone must host the store: ``python -m ftcomm store``,
+        :func:`ftcomm.serve_store`, or torchrun's agent.
+
+        ``store_addr="env://prefix"`` (or ``"env://"``: prefix ``ftcomm``)
+        takes the store from ``MASTER_ADDR``/``MASTER_PORT`` and, where
+        ``rank``/``world_size`` are not given, ``RANK``/``WORLD_SIZE``: under
+        ``torchrun`` its agent hosts that store. Pass ``rank`` and
+        ``world_size`` to reconfigure with the survivors.
 
         ``device_id`` (NCCL/XCCL only): the device index the communicator
         uses; by default the calling thread's current device
@@ -325,8 +346,10 @@ class Group(Collectives):
 
         Raises:
             TypeError, ValueError: a bad argument (checked before anything is
-                torn down: the previous configuration stays as it was), or a
-                ``device_id`` for a backend without devices.
+                torn down: the previous configuration stays as it was), a
+                ``device_id`` for a backend without devices, or ``env://``
+                with ``MASTER_ADDR``/``MASTER_PORT`` (or ``RANK``/``WORLD_SIZE``,
+                where not given) missing from the environment.
             CommTimeout: the store or the peers did not answer within the
                 configure timeout.
             CommFailed: the store or the native group construction failed.
@@ -334,9 +357,9 @@ class Group(Collectives):
             RuntimeError: awaited without a running asyncio loop (trio).
         """
         require_asyncio("configure()")
-        addr = parse_store_addr(store_addr)
-        world_size = v.check_int(world_size, "world_size", minimum=1)
-        rank = v.check_rank(rank, "rank", world_size)
+        addr, given_rank, given_world = _store_and_ranks(store_addr, rank, world_size)
+        world_size = v.check_int(given_world, "world_size", minimum=1)
+        rank = v.check_rank(given_rank, "rank", world_size)
         if not isinstance(replica_id, str):
             raise TypeError(f"replica_id must be a str, got {type(replica_id).__name__}")
         if quorum_id is not None:
@@ -380,7 +403,17 @@ class Group(Collectives):
             ranks,
             device,
         )
+        started = time.monotonic()
+        try:
+            await self._build(spec)
+        except (Exception, asyncio.CancelledError) as exc:
+            self._observer.configure_failed(rank, str(addr), time.monotonic() - started, exc)
+            raise
+        self._observer.configured(rank, world_size, str(addr), time.monotonic() - started)
 
+    async def _build(self, spec: ConnectSpec) -> None:
+        """Tear the old configuration down, build the new one from ``spec``."""
+        rank, world_size, seconds = spec.rank, spec.world_size, spec.timeout
         attempt, teardown = self._core.begin(
             CommAborted("the group was reconfigured", rank=rank, op="configure")
         )
@@ -398,6 +431,8 @@ class Group(Collectives):
             lambda _, until: self._runtime.dispose(*backend.close(), until=until),
             lock=self._core.lock,
             on_error=self._core.table_broke,
+            observer=self._observer,
+            store=str(spec.store),
         )
         chain = None
         if self._verify:
@@ -407,7 +442,7 @@ class Group(Collectives):
                 world_size,
                 table.break_,
             )
-        config = Config(backend, table, str(addr), _SUM in backend.reduce_ops, chain)
+        config = Config(backend, table, str(spec.store), _SUM in backend.reduce_ops, chain)
         if not self._core.ready(attempt, config):
             self._runtime.dispose(*backend.close())
             raise self._core.superseded(attempt, rank)
@@ -560,6 +595,34 @@ class Group(Collectives):
         that superseded a ``configure()``), or ``None``."""
         return self._core.errored()
 
+    def stats(self) -> GroupStats:
+        """What this group did since it was made: per op kind, the ops that
+        ended, their failures by error type and latency percentiles (from a
+        fixed-size histogram, within 1/16); configures and their durations;
+        aborts by cause; ops in flight now. ``print(group.stats())`` shows a
+        table; ``.as_dict()`` gives plain values. With ``Group(stats=False)``,
+        ``ops`` stays empty. Any thread; raises nothing."""
+        cfg = self._core.config
+        return self._observer.snapshot(len(cfg.table) if cfg is not None else 0)
+
+    def subscribe(self, callback: Callable[[Event], object]) -> Subscription:
+        """Call ``callback(event)`` for every :class:`ftcomm.Event` of this
+        group from now on: ops issued, ended and failed, configures, aborts,
+        worker deaths, shutdowns, each with rank, op, seq, store and duration.
+
+        It runs on the thread where the event happened (the caller's, the
+        owner loop's, a backend's), outside every lock of ftcomm: it must be
+        quick, must not block, and may call the group. What it raises is
+        logged and dropped. To get events on your own loop, forward them:
+        ``lambda e: loop.call_soon_threadsafe(queue.put_nowait, e)``.
+        Returns a :class:`ftcomm.Subscription`: ``close()`` it (or use it
+        in a ``with``) to stop.
+
+        Raises:
+            TypeError: ``callback`` is not callable.
+        """
+        return self._observer.subscribe(callback)
+
     def set_timeout(self, timeout: Timeout) -> None:
         """Set the default deadline of ops issued from now on.
 
@@ -629,11 +692,13 @@ class Group(Collectives):
     ) -> Work[R]:
         seconds = self._timeout if timeout is None else to_seconds(timeout)
         table = cfg.table
+        broken: Broken | None = None
         with self._issue_lock:
             error = table.error
             if error is not None:
                 raise _refused(op, error, table.rank) from error
-            deadline = time.monotonic() + seconds
+            issued = time.monotonic()
+            deadline = issued + seconds
             try:
                 if cfg.chain is not None and check is not None:
                     start = self._verified(cfg.chain, op, check, extra, deadline, start)
@@ -653,9 +718,10 @@ class Group(Collectives):
                 with table._lock:
                     broken = table._break_locked(refused)
             else:
-                work = Work(table, op, table.next_seq(), deadline, native, result)
+                work = Work(table, op, table.next_seq(), deadline, native, result, issued)
                 table.track(work, seconds)
-                return work
+        if broken is None:
+            return work
         table._after_break(broken, time.monotonic())
         if broken.cause is refused:
             raise refused from refused.__cause__
@@ -695,6 +761,37 @@ class Group(Collectives):
         failed = CommFailed(f"{op} could not be issued: {exc}", rank=table.rank, op=op)
         failed.__cause__ = exc
         return failed
+
+
+def _store_and_ranks(
+    store_addr: object, rank: object, world_size: object
+) -> tuple[StoreAddr, object, object]:
+    """``configure()``'s store address, rank and world size: from the
+    environment for ``env://`` (where not given), else as given."""
+    if isinstance(store_addr, str) and store_addr.startswith(ENV_SCHEME):
+        env = parse_env_addr(store_addr)
+        for name, given, found, var in (
+            ("rank", rank, env.rank, "RANK"),
+            ("world_size", world_size, env.world_size, "WORLD_SIZE"),
+        ):
+            if given is None and found is None:
+                raise ValueError(
+                    f"configure({store_addr!r}) needs {name}: pass it, or set {var} "
+                    "in the environment (torchrun does)"
+                )
+        return (
+            env.addr,
+            env.rank if rank is None else rank,
+            env.world_size if world_size is None else world_size,
+        )
+    addr = parse_store_addr(store_addr)
+    for name, given in (("rank", rank), ("world_size", world_size)):
+        if given is None:
+            raise TypeError(
+                f"configure() needs {name} (only an env:// store address reads it "
+                "from the environment)"
+            )
+    return addr, rank, world_size
 
 
 def _refused(op: str, error: CommError, rank: int | None) -> CommAborted:

@@ -110,6 +110,8 @@ async def test_each_configure_gets_a_fresh_worker_the_spare_when_there_is_one(
 @pytest.mark.asyncio
 async def test_worker_death_while_idle_errors_the_group_at_once(group: ftcomm.Group) -> None:
     worker = subprocess_backend(group).worker
+    events: list[ftcomm.Event] = []
+    group.subscribe(events.append)
     started = time.monotonic()
     os.kill(worker.pid, signal.SIGKILL)
     await _until_dead(worker)
@@ -120,6 +122,12 @@ async def test_worker_death_while_idle_errors_the_group_at_once(group: ftcomm.Gr
     assert noticed < 1.0, noticed  # within 100 ms here; generous for a loaded CI machine
     with pytest.raises(CommAborted, match="errored"):
         group.allreduce(torch.ones(1))
+    assert group.stats().aborts == {"WorkerDied": 1}
+    assert get_runtime().events.wait_idle(10.0)
+    assert [(e.kind, type(e.error)) for e in events] == [
+        ("worker_died", WorkerDied),
+        ("aborted", WorkerDied),
+    ]
 
 
 @pytest.mark.asyncio

@@ -251,6 +251,9 @@ class Runtime:
         # Completions handed off the owner loop (c10d futures settled by a
         # deadline or an abort): never behind blocked native waits.
         self.callbacks = WorkerPool("ftcomm-callback", max_workers=4)
+        # Groups' events and log lines (observe.py): one thread, in order,
+        # never a native library's thread.
+        self.events = WorkerPool("ftcomm-events", max_workers=1)
         self.reaper = Reaper()
         self.watchdog: Watchdog | None = None
         started = threading.Event()
@@ -359,7 +362,7 @@ class Runtime:
         if exit_grace is None:
             exit_grace = float(os.environ.get("FTCOMM_EXIT_GRACE", "5"))
         end = time.monotonic() + exit_grace
-        for pending in (self.control, self.workers, self.callbacks, self.reaper):
+        for pending in (self.control, self.workers, self.callbacks, self.events, self.reaper):
             pending.wait_short(max(0.0, end - time.monotonic()))
         if self.watchdog is not None:
             self.watchdog.stop()
@@ -369,6 +372,7 @@ class Runtime:
         self.workers.close(timeout / 4)
         self.control.close(timeout / 4)
         self.callbacks.close(timeout / 4)
+        self.events.close(timeout / 4)
         self.reaper.close(0.1)
 
 

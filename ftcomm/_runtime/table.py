@@ -21,6 +21,7 @@ from .loop import Runtime
 from .native import NativeOp
 
 if TYPE_CHECKING:
+    from .observe import Observer
     from .work import Work
 
 log = logging.getLogger("ftcomm")
@@ -30,12 +31,17 @@ class Broken:
     """A table's break, decided under its lock: the error that broke it (the
     first one), whether this call broke it, and the ops that were in flight."""
 
-    __slots__ = ("cause", "first", "pending")
+    __slots__ = ("cause", "first", "pending", "why")
 
-    def __init__(self, cause: CommError, first: bool, pending: list[Work[Any]]) -> None:
+    def __init__(
+        self, cause: CommError, first: bool, pending: list[Work[Any]], why: str = "break"
+    ) -> None:
         self.cause = cause
         self.first = first
         self.pending = pending
+        self.why = why
+        """The group's state event that broke it: ``"break"`` (an op, a dead
+        worker), ``"abort"``, ``"begin"`` (a reconfigure), ``"shutdown"``."""
 
 
 def _wake_all(wakeups: list[Callable[[], object]]) -> None:
@@ -72,9 +78,15 @@ class OpTable:
         on_break: Callable[[CommError, float], None],
         lock: threading.Lock | None = None,
         on_error: Callable[[OpTable], None] | None = None,
+        observer: Observer | None = None,
+        store: str = "",
     ) -> None:
         self.runtime = runtime
         self.rank = rank
+        self.observer = observer
+        """The group's statistics and subscribers (``None``: nothing recorded)."""
+        self.store = store
+        """The configuration's store address, for its events and log lines."""
         self.error: CommError | None = None
         """The error that broke the table: the one its op (or abort) raised."""
         self.reported: CommError | None = None
@@ -124,6 +136,8 @@ class OpTable:
             if error is None:
                 self._inflight[work.seq] = work
                 self._issued += 1
+            if self.observer is not None and self.observer.subscribers:
+                self.observer.issued_locked(work)
         if error is not None:
             _wake_all(work._end_after_break(error))
             return
@@ -145,8 +159,9 @@ class OpTable:
             broken = self._break_locked(error)
         self._after_break(broken, time.monotonic())
 
-    def _break_locked(self, error: CommError) -> Broken:
-        """Under the lock: mark the table errored unless it is; what to end."""
+    def _break_locked(self, error: CommError, why: str = "break") -> Broken:
+        """Under the lock: mark the table errored unless it is; what to end
+        (``why``: the state event that breaks it, see :class:`Broken`)."""
         first = self.error is None
         if first:
             # errored() first: no thread sees ops refused while it is None
@@ -155,7 +170,7 @@ class OpTable:
             if self._on_error is not None:
                 self._on_error(self)
         assert self.error is not None  # for mypy: set just above, or before
-        return Broken(self.error, first, list(self._inflight.values()))
+        return Broken(self.error, first, list(self._inflight.values()), why)
 
     def _after_break(self, broken: Broken, until: float) -> None:
         """End the ops of ``broken`` and wake their waiters (lock released).
@@ -178,6 +193,10 @@ class OpTable:
         if broken.first:
             self.runtime.call_soon(self._disarm)
             self._on_break(broken.cause, max([until, *(w.deadline for w in broken.pending)]))
+            if self.observer is not None:
+                self.observer.broke(
+                    broken.cause, broken.why, self.store, self.rank, len(broken.pending)
+                )
         if interrupted is not None:
             _wake_all(wakeups)
             raise interrupted

@@ -131,10 +131,12 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
 
     __slots__ = (
         "__weakref__",
+        "_announced",
         "_cb_armed",
         "_claimed",
         "_drivers",
         "_end",
+        "_issued",
         "_native",
         "_result",
         "_table",
@@ -145,9 +147,19 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
     )
 
     def __init__(
-        self, table: OpTable, op: str, seq: int, deadline: float, native: NativeOp, result: R
+        self,
+        table: OpTable,
+        op: str,
+        seq: int,
+        deadline: float,
+        native: NativeOp,
+        result: R,
+        issued: float | None = None,
     ) -> None:
         self._table = table
+        # time.monotonic() when it was issued: its latency, for the statistics
+        self._issued = time.monotonic() if issued is None else issued
+        self._announced = False  # its "issued" event is out (observe.py; under the lock)
         self.op = op
         self.seq = seq
         self.deadline = deadline
@@ -495,6 +507,9 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         self._end = end
         waiters, self._waiters = self._waiters, None
         self._native = None
+        observer = self._table.observer
+        if observer is not None:
+            observer.op_ended_locked(self, time.monotonic() - self._issued, end.error)
         return waiters or []
 
     def _publish_by(self, seconds: float, error: BaseException) -> None:

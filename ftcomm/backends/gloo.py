@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 import warnings
@@ -92,10 +93,20 @@ def _td(seconds: float) -> timedelta:
     return timedelta(seconds=max(seconds, _MIN_NATIVE_TIMEOUT))
 
 
+HOST_ENV = "FTCOMM_GLOO_HOST"
+"""Where this rank's Gloo listens, if set: an address or host name of this
+machine (ranks on 127.0.0.2 and 127.0.0.3 stand in for two hosts)."""
+
+
 def _device(addr: StoreAddr) -> tuple[object, tuple[str, int] | None]:
-    """Where Gloo listens (the store's loopback address, else Gloo's
-    default), and the address of its listening socket if found exactly."""
+    """Where Gloo listens (``$FTCOMM_GLOO_HOST``; else the store's loopback
+    address; else Gloo's default: the address this machine's host name
+    resolves to, or ``$GLOO_SOCKET_IFNAME``'s), and the address of its
+    listening socket if found exactly."""
     pg_gloo: Any = dist.ProcessGroupGloo
+    own = os.environ.get(HOST_ENV, "").strip()
+    if own:
+        return make_device(lambda: pg_gloo.create_device(hostname=own))
     if addr.is_loopback:
         host = "127.0.0.1" if addr.host == "localhost" else addr.host
         return make_device(lambda: pg_gloo.create_device(hostname=host))

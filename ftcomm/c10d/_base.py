@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from .._runtime.deadline import to_seconds
-from .._store import connect_store, parse_store_addr
+from .._store import connect_store, resolve_store_addr
 from . import _registry
 
 logger = logging.getLogger("ftcomm.c10d")
@@ -26,7 +26,7 @@ def create_store_client(store_addr: str, timeout: timedelta) -> Store:
         TypeError, ValueError: a malformed address or timeout.
         RuntimeError: (torch's ``DistStoreError``) the store did not answer in time.
     """
-    return connect_store(parse_store_addr(store_addr), to_seconds(timeout, "timeout"))
+    return connect_store(resolve_store_addr(store_addr), to_seconds(timeout, "timeout"))
 
 
 class ProcessGroup(dist.ProcessGroup):

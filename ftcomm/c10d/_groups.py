@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .._runtime.deadline import to_seconds
 from .._runtime.loop import get_runtime
+from .._runtime.observe import Event, GroupStats, Subscription
 from .._validate import check_int
 from ..errors import CommError, NotConfigured
 from ..group import Group
@@ -42,6 +43,32 @@ class _Facade(ProcessGroup):
         self._group: Group | None = None
         self._ops: GroupOps | None = None
         self._inner: ProcessGroup | None = None
+
+    # -- what it did --------------------------------------------------------
+    def stats(self) -> GroupStats:
+        """What its ops did: :meth:`ftcomm.Group.stats` of the group it runs
+        on (a wrapper's: of the group it wraps), across configures.
+
+        Raises:
+            NotImplementedError: it has no backend of its own and wraps nothing.
+        """
+        return self._ftcomm_group().stats()
+
+    def subscribe(self, callback: Callable[[Event], object]) -> Subscription:
+        """:meth:`ftcomm.Group.subscribe` on the group it runs on (a
+        wrapper's: on the group it wraps), from now on, across configures.
+
+        Raises:
+            TypeError: ``callback`` is not callable.
+            NotImplementedError: it has no backend of its own and wraps nothing.
+        """
+        return self._ftcomm_group().subscribe(callback)
+
+    def _ftcomm_group(self) -> Group:
+        """The :class:`~ftcomm.Group` it runs on."""
+        if self._group is None:
+            raise NotImplementedError(f"{type(self).__name__} runs on no ftcomm Group")
+        return self._group
 
     # -- dispatch -----------------------------------------------------------
     def _target(self, op: str) -> Target:
@@ -357,12 +384,8 @@ class ProcessGroupWrapper(_Facade):
             )
             _registry.refresh(self)
             return
-        group = self._group
-        if group is None:
-            group = self._new_group()
-            self._group, self._ops = group, GroupOps(group)
         self._configure_group(
-            group,
+            self._own_group(),
             store_addr,
             replica_id,
             rank,
@@ -375,6 +398,22 @@ class ProcessGroupWrapper(_Facade):
 
     def _on_configure(self) -> None:
         """Called first by :meth:`configure`: wrappers drop per-configuration state."""
+
+    def _own_group(self) -> Group:
+        """The :class:`~ftcomm.Group` this process group runs on, made on first use."""
+        group = self._group
+        if group is None:
+            group = self._new_group()
+            self._group, self._ops = group, GroupOps(group)
+        return group
+
+    def _ftcomm_group(self) -> Group:
+        inner = self._inner
+        if inner is None:
+            return self._own_group()
+        if isinstance(inner, _Facade):
+            return inner._ftcomm_group()
+        raise NotImplementedError(f"{type(inner).__name__} runs on no ftcomm Group")
 
     def _new_group(self) -> Group:
         if self._backend is None:

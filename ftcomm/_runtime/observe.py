@@ -1,0 +1,490 @@
+"""What a group did: its statistics, its events and its log lines.
+
+One :class:`Observer` per :class:`~ftcomm.Group`. It is told of every op's
+end, every configure and every break, and keeps:
+
+- **statistics** (``Group.stats()``): per op kind, how many ended, how many
+  failed by error type, and the latency of those that succeeded in a
+  fixed-size histogram (:class:`Histogram`: 8 buckets per doubling from 1 µs
+  to 128 s, so a percentile is off by at most 1/16 of its value, in
+  constant memory); configures and their durations; aborts by cause.
+- **events** for subscribers (``Group.subscribe()``): each op issued and
+  ended, each configure, abort and worker death, with rank, op, seq, store
+  and duration.
+- **log records** on the ``ftcomm`` logger, one line each, with the same
+  fields in ``extra``: every abort (a timeout, a failure, ``abort()``, a
+  cancel, a dead worker: WARNING, or INFO for ``abort()``), every configure
+  (INFO; a failed one: WARNING) and every shutdown (DEBUG).
+
+Statistics are recorded where the op is published, under the group's lock
+(one histogram increment). Events and log lines are queued there, and
+delivered on one thread of ftcomm's (``ftcomm-events``), one at a time, in
+the order they were queued: never on a native library's thread (Gloo ends
+ops on its own, where Python code would make a ``_DummyThread`` per
+thread), never under a lock of ftcomm, and an op's ``"issued"`` always
+before its end. With no subscriber, no op event is built or queued.
+``Group(stats=False)`` records nothing per op.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CommAborted, CommError, CommTimeout, WorkerDied
+
+if TYPE_CHECKING:
+    from .work import Work
+
+log = logging.getLogger("ftcomm")
+
+_SUB = 8  # buckets per doubling
+_LOW = -20  # 2**-20 s: about 1 µs
+_HIGH = 7  # 2**7 s: 128 s
+_BUCKETS = (_HIGH - _LOW) * _SUB + 2  # + one below _LOW, one from _HIGH up
+
+
+def _bucket(seconds: float) -> int:
+    if not seconds > 2.0**_LOW:  # also NaN
+        return 0
+    mantissa, exp = math.frexp(seconds)  # seconds = mantissa * 2**exp, mantissa in [0.5, 1)
+    return min((exp - 1 - _LOW) * _SUB + int((mantissa * 2 - 1) * _SUB) + 1, _BUCKETS - 1)
+
+
+def _middle(index: int) -> float:
+    """A value inside bucket ``index``: its geometric middle."""
+    if index == 0:
+        return 2.0**_LOW
+    if index == _BUCKETS - 1:
+        return 2.0**_HIGH
+    octave, step = divmod(index - 1, _SUB)
+    low = 2.0 ** (_LOW + octave) * (1 + step / _SUB)
+    high = 2.0 ** (_LOW + octave) * (1 + (step + 1) / _SUB)
+    return math.sqrt(low * high)
+
+
+class Histogram:
+    """Durations in a fixed number of log-spaced buckets (see the module)."""
+
+    __slots__ = ("count", "counts", "max", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * _BUCKETS
+        self.count = 0
+        self.total = 0.0
+        self.max = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.counts[_bucket(seconds)] += 1
+        self.count += 1
+        self.total += seconds
+        if seconds > self.max:
+            self.max = seconds
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q``-quantile (0..1), within 1/16 of its value; ``None`` if empty."""
+        if self.count == 0:
+            return None
+        rank = max(1, math.ceil(q * self.count))
+        seen = 0
+        for index, n in enumerate(self.counts):
+            seen += n
+            if seen >= rank:
+                return min(_middle(index), self.max)
+        return self.max
+
+    def copy(self) -> Histogram:
+        other = Histogram()
+        other.counts = list(self.counts)
+        other.count, other.total, other.max = self.count, self.total, self.max
+        return other
+
+
+@dataclass(frozen=True)
+class OpStats:
+    """One op kind's statistics (see :meth:`ftcomm.Group.stats`).
+
+    Latencies are of the ops that succeeded, from issue to end, in seconds
+    (``None`` before any did); within 1/16 of the exact value.
+    """
+
+    count: int
+    """Ops of this kind that ended (succeeded or failed)."""
+    failed: Mapping[str, int]
+    """Failed ones, by error type name (``CommTimeout``, ``CommAborted``, ...)."""
+    p50: float | None
+    p99: float | None
+    mean: float | None
+    max: float | None
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """What :meth:`ftcomm.Group.stats` returns: a snapshot, since the group was made."""
+
+    ops: Mapping[str, OpStats]
+    """Per op kind (``"allreduce"``, ``"barrier"``, ...), those with any op."""
+    configures: int
+    """``configure()`` calls that built a group."""
+    configure_failures: Mapping[str, int]
+    """Those that did not, by error type name."""
+    configure_seconds: OpStats | None
+    """Durations of the configures that built a group (``None`` before one did)."""
+    aborts: Mapping[str, int]
+    """Configurations that broke, by the type name of what broke them
+    (``CommTimeout``, ``CommFailed``, ``WorkerDied``, ``CommAborted`` for
+    ``abort()`` and cancels). A reconfigure or shutdown is not an abort."""
+    last_abort: str | None
+    """What broke the last one, in words."""
+    in_flight: int
+    """Ops of the current configuration that have not ended."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dicts and numbers (for JSON, a metrics exporter)."""
+
+        def one(s: OpStats) -> dict[str, Any]:
+            return {
+                "count": s.count,
+                "failed": dict(s.failed),
+                "p50": s.p50,
+                "p99": s.p99,
+                "mean": s.mean,
+                "max": s.max,
+            }
+
+        return {
+            "ops": {name: one(s) for name, s in self.ops.items()},
+            "configures": self.configures,
+            "configure_failures": dict(self.configure_failures),
+            "configure_seconds": one(self.configure_seconds) if self.configure_seconds else None,
+            "aborts": dict(self.aborts),
+            "last_abort": self.last_abort,
+            "in_flight": self.in_flight,
+        }
+
+    def __str__(self) -> str:
+        def ms(value: float | None) -> str:
+            return "-" if value is None else f"{value * 1e3:.3g}"
+
+        lines = [f"{'op':<34}{'count':>8}{'failed':>8}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}"]
+        for name, s in sorted(self.ops.items()):
+            failed = sum(s.failed.values())
+            lines.append(
+                f"{name:<34}{s.count:>8}{failed:>8}{ms(s.p50):>10}{ms(s.p99):>10}{ms(s.max):>10}"
+            )
+        c = self.configure_seconds
+        failures = sum(self.configure_failures.values())
+        lines.append(
+            f"{'configure':<34}{self.configures:>8}{failures:>8}"
+            f"{ms(c.p50 if c else None):>10}{ms(c.p99 if c else None):>10}"
+            f"{ms(c.max if c else None):>10}"
+        )
+        aborts = ", ".join(f"{k} {v}" for k, v in sorted(self.aborts.items())) or "none"
+        lines.append(f"aborts: {aborts}; in flight: {self.in_flight}")
+        if self.last_abort:
+            lines.append(f"last abort: {self.last_abort}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something a group did, as a subscriber gets it (:meth:`ftcomm.Group.subscribe`).
+
+    ``kind`` is one of:
+
+    - ``"issued"``: an op went on the wire (``op``, ``seq``);
+    - ``"ended"``: it succeeded (``duration``: from issue to end);
+    - ``"failed"``: it ended with ``error`` (``duration`` as above);
+    - ``"configured"``: ``configure()`` built a group (``duration``);
+    - ``"configure_failed"``: it did not (``error``, ``duration``);
+    - ``"aborted"``: the configuration broke (``error``: what broke it, the
+      op's error for a timeout or a failure; ``op``/``seq``: that op's). The
+      ``"failed"`` of the ops it ended may come before or after it: an op
+      is published once its native op can no longer write (a stopped Gloo
+      op, a millisecond or two later);
+    - ``"worker_died"``: the subprocess worker exited (``error`` is the
+      ``WorkerDied``), just before its ``"aborted"``;
+    - ``"shutdown"``: ``shutdown()`` ended the configuration.
+    """
+
+    kind: str
+    rank: int | None
+    store: str | None
+    """The configuration's ``host:port/prefix``."""
+    op: str | None = None
+    seq: int | None = None
+    duration: float | None = None
+    """Seconds: an op's from issue to end, a configure's."""
+    error: BaseException | None = None
+    time: float = field(default_factory=time.time)
+    """When, as ``time.time()``."""
+
+
+Subscriber = Callable[[Event], object]
+
+
+class Subscription:
+    """A subscriber's registration: :meth:`close` (or leave the ``with``) to stop."""
+
+    __slots__ = ("_callback", "_observer")
+
+    def __init__(self, observer: Observer, callback: Subscriber) -> None:
+        self._observer: Observer | None = observer
+        self._callback = callback
+
+    def close(self) -> None:
+        """Stop delivering events to the callback (idempotent). Events
+        queued before (not yet delivered) still arrive."""
+        observer, self._observer = self._observer, None
+        if observer is not None:
+            observer._unsubscribe(self._callback)
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _deliver(subscribers: tuple[Subscriber, ...], event: Event) -> None:
+    for callback in subscribers:
+        try:
+            callback(event)
+        except Exception:
+            log.exception("ftcomm: an event subscriber raised on %s", event.kind)
+
+
+def _safely(fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+    try:
+        fn(*args, **kwargs)
+    except Exception:  # a log handler's bug: not the group's
+        log.exception("ftcomm: writing a log line failed")
+
+
+def _name(error: BaseException) -> str:
+    return type(error).__name__
+
+
+class _OpCounters:
+    __slots__ = ("count", "failed", "hist")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.failed: dict[str, int] = {}
+        self.hist = Histogram()
+
+    def snapshot(self) -> OpStats:
+        h = self.hist
+        mean = h.total / h.count if h.count else None
+        return OpStats(
+            self.count,
+            dict(self.failed),
+            h.quantile(0.5),
+            h.quantile(0.99),
+            mean,
+            h.max if h.count else None,
+        )
+
+
+class Observer:
+    """One group's statistics, subscribers and log lines (see the module).
+
+    Op ends are recorded under the group's lock (passed in as ``lock``: the
+    one the op is published under); the rest under this observer's own.
+    Events and log lines go through ``post`` (the runtime's events thread).
+    """
+
+    def __init__(
+        self,
+        lock: threading.Lock,
+        post: Callable[[Callable[[], object]], object],
+        *,
+        stats: bool = True,
+    ) -> None:
+        self.stats_on = stats
+        self._post = post
+        self._ops_lock = lock
+        self._lock = threading.Lock()
+        self._ops: dict[str, _OpCounters] = {}
+        self.subscribers: tuple[Subscriber, ...] = ()
+        """Read without a lock on the hot path (replaced whole, never mutated)."""
+        self._configures = _OpCounters()
+        self._aborts: dict[str, int] = {}
+        self._last_abort: str | None = None
+
+    # -- subscribers -------------------------------------------------------
+    def subscribe(self, callback: Subscriber) -> Subscription:
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+        with self._lock:
+            self.subscribers = (*self.subscribers, callback)
+        return Subscription(self, callback)
+
+    def _unsubscribe(self, callback: Subscriber) -> None:
+        with self._lock:
+            subs = list(self.subscribers)
+            for i, sub in enumerate(subs):
+                if sub is callback:
+                    del subs[i]
+                    break
+            self.subscribers = tuple(subs)
+
+    def emit(self, event: Event) -> None:
+        """Queue ``event`` for the subscribers (if any)."""
+        subs = self.subscribers
+        if subs:
+            self._post(lambda: _deliver(subs, event))
+
+    def _log(self, level: int, message: str, *args: object, extra: dict[str, Any]) -> None:
+        """Queue a log line (formatted where it is written: lazily)."""
+        if log.isEnabledFor(level):
+            self._post(lambda: _safely(log.log, level, message, *args, extra=extra))
+
+    # -- ops ---------------------------------------------------------------
+    def issued_locked(self, work: Work[Any]) -> None:
+        """Under the group's lock: queue ``work``'s ``"issued"`` event, once."""
+        if not work._announced:
+            work._announced = True
+            table = work._table
+            self.emit(Event("issued", table.rank, table.store, work.op, work.seq))
+
+    def op_ended_locked(self, work: Work[Any], seconds: float, error: BaseException | None) -> None:
+        """Under the group's lock: record an op's end; queue its event (after
+        its ``"issued"``) if anyone subscribed."""
+        if self.stats_on:
+            counters = self._ops.get(work.op)
+            if counters is None:
+                counters = self._ops[work.op] = _OpCounters()
+            counters.count += 1
+            if error is None:
+                counters.hist.add(seconds)
+            else:
+                name = _name(error)
+                counters.failed[name] = counters.failed.get(name, 0) + 1
+        if self.subscribers:
+            self.issued_locked(work)
+            table = work._table
+            kind = "ended" if error is None else "failed"
+            self.emit(Event(kind, table.rank, table.store, work.op, work.seq, seconds, error))
+
+    # -- configurations ----------------------------------------------------
+    def configured(self, rank: int, world_size: int, store: str, seconds: float) -> None:
+        with self._lock:
+            self._configures.count += 1
+            self._configures.hist.add(seconds)
+        self._log(
+            logging.INFO,
+            "ftcomm: configured rank %d of %d at %s in %.1f ms",
+            rank,
+            world_size,
+            store,
+            seconds * 1e3,
+            extra=_extra("configured", rank, store, duration=seconds),
+        )
+        self.emit(Event("configured", rank, store, "configure", None, seconds))
+
+    def configure_failed(self, rank: int, store: str, seconds: float, error: BaseException) -> None:
+        with self._lock:
+            name = _name(error)
+            self._configures.failed[name] = self._configures.failed.get(name, 0) + 1
+        superseded = isinstance(error, CommAborted)
+        self._log(
+            logging.INFO if superseded else logging.WARNING,
+            "ftcomm: configure of rank %d at %s failed after %.1f ms: %s: %s",
+            rank,
+            store,
+            seconds * 1e3,
+            _name(error),
+            error,
+            extra=_extra("configure_failed", rank, store, duration=seconds, error=error),
+        )
+        self.emit(Event("configure_failed", rank, store, "configure", None, seconds, error))
+
+    def broke(self, cause: CommError, why: str, store: str, rank: int, in_flight: int) -> None:
+        """A configuration ended: ``why`` is the state event that ended it
+        (``"break"``/``"abort"``: an abort; ``"begin"``: a reconfigure;
+        ``"shutdown"``). No lock held."""
+        if why == "begin":
+            return  # the configure that follows logs and emits
+        if why == "shutdown":
+            self._log(
+                logging.DEBUG,
+                "ftcomm: rank %d at %s shut down (%d ops ended with it)",
+                rank,
+                store,
+                in_flight,
+                extra=_extra("shutdown", rank, store),
+            )
+            self.emit(Event("shutdown", rank, store))
+            return
+        what = _name(cause)
+        with self._lock:
+            self._aborts[what] = self._aborts.get(what, 0) + 1
+            self._last_abort = f"{what}: {cause}"
+        died = isinstance(cause, WorkerDied)
+        by_call = isinstance(cause, CommAborted) and cause.op is None
+        kind = "timeout" if isinstance(cause, CommTimeout) else "worker died" if died else what
+        self._log(
+            logging.INFO if by_call else logging.WARNING,
+            "ftcomm: group aborted (rank %d at %s, %s; %d other ops ended with it): %s",
+            rank,
+            store,
+            kind,
+            in_flight,
+            cause,
+            extra=_extra("aborted", rank, store, op=cause.op, seq=cause.seq, error=cause),
+        )
+        if died:
+            self.emit(Event("worker_died", rank, store, cause.op, cause.seq, None, cause))
+        self.emit(Event("aborted", rank, store, cause.op, cause.seq, None, cause))
+
+    # -- reading -----------------------------------------------------------
+    def snapshot(self, in_flight: int) -> GroupStats:
+        with self._ops_lock:
+            ops = {name: c.snapshot() for name, c in self._ops.items()}
+        with self._lock:
+            configures = self._configures.snapshot()
+            aborts = dict(self._aborts)
+            last = self._last_abort
+        return GroupStats(
+            ops=ops,
+            configures=configures.count,
+            configure_failures=configures.failed,
+            configure_seconds=configures if configures.p50 is not None else None,
+            aborts=aborts,
+            last_abort=last,
+            in_flight=in_flight,
+        )
+
+
+def _extra(
+    event: str,
+    rank: int | None,
+    store: str | None,
+    *,
+    op: str | None = None,
+    seq: int | None = None,
+    duration: float | None = None,
+    error: BaseException | None = None,
+) -> dict[str, Any]:
+    """The structured fields of a log record (``record.ftcomm_event`` ...)."""
+    return {
+        "ftcomm_event": event,
+        "ftcomm_rank": rank,
+        "ftcomm_store": store,
+        "ftcomm_op": op,
+        "ftcomm_seq": seq,
+        "ftcomm_duration": duration,
+        "ftcomm_error": None if error is None else _name(error),
+    }

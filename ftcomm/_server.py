@@ -1,0 +1,202 @@
+"""A store to configure against: :func:`serve_store` and ``python -m ftcomm store``.
+
+``Group.configure()`` is a client of a c10d ``TCPStore``; someone must host
+it. Under ``torchrun`` its agent does (``configure("env://...")``); elsewhere
+run ``python -m ftcomm store --port N`` on one machine (it outlives every
+rank, so the survivors of any failure can meet again), or call
+:func:`serve_store` in a launcher process.
+
+A c10d store server listens on every interface whatever host it is given
+(torch 2.13). This one listens only on the address asked for, loopback by
+default: it binds the socket itself and hands it to the store. A store has
+no authentication: whoever reaches its port can join a group or poison a
+quorum, so a multi-host run belongs on a private network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+from torch._C._distributed_c10d import TCPStore
+
+from ._store import StoreAddr
+
+DEFAULT_HOST = "127.0.0.1"
+_BACKLOG = 2048  # every rank connects at once after a failure
+
+
+class StoreServer:
+    """A running store server (see :func:`serve_store`).
+
+    Attributes:
+        host: the address it listens on (an IP address).
+        port: its port.
+    """
+
+    def __init__(self, host: str, port: int, store: Any) -> None:
+        self.host = host
+        self.port = port
+        self._store: Any = store
+
+    def __repr__(self) -> str:
+        state = "serving" if self._store is not None else "closed"
+        return f"<ftcomm.StoreServer {self.address} {state}>"
+
+    @property
+    def address(self) -> str:
+        """``host:port`` (``[v6]:port`` for IPv6): a store address without its prefix."""
+        return str(StoreAddr(self.host, self.port, "")).removesuffix("/")
+
+    def addr(self, prefix: str) -> str:
+        """The ``host:port/prefix`` to ``configure()`` a group with.
+
+        Use a fresh prefix for every configuration (``run/q0``, ``run/q1``, ...).
+
+        Raises:
+            TypeError: ``prefix`` is not a str.
+        """
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+        return f"{self.address}/{prefix}"
+
+    @property
+    def serving(self) -> bool:
+        """Whether it still serves (not closed)."""
+        return self._store is not None
+
+    def close(self) -> None:
+        """Stop serving (ranks connected to it lose their store). Idempotent."""
+        self._store = None
+
+    def __enter__(self) -> StoreServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _address(host: str) -> tuple[socket.AddressFamily, str]:
+    """``host`` as (family, IP address); a name is resolved once, here."""
+    if not isinstance(host, str) or not host.strip():
+        raise ValueError(f"host must be a host name or an IP address, got {host!r}")
+    host = host.strip().removeprefix("[").removesuffix("]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise ValueError(f"host {host!r} does not resolve ({exc.strerror})") from None
+        family, _, _, _, sockaddr = infos[0]
+        return family, str(sockaddr[0])
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    return family, str(ip)
+
+
+def serve_store(host: str = DEFAULT_HOST, port: int = 0, *, timeout: float = 300.0) -> StoreServer:
+    """Host a c10d ``TCPStore`` for ``Group.configure()`` in this process.
+
+    Args:
+        host: the address to listen on: loopback (``127.0.0.1``) by default;
+            an interface's address (or ``0.0.0.0`` / ``::`` for all) to let
+            other machines in. The store has no authentication: anyone who
+            reaches the port can join or poison a quorum.
+        port: the port; 0 picks a free one (read it from ``.port``).
+        timeout: how long the server's own blocking calls may wait, in seconds.
+
+    It serves until :meth:`StoreServer.close` (or the ``with`` block ends,
+    or the object is dropped). Ranks configure against
+    ``server.addr("run/q0")``.
+
+    Raises:
+        TypeError: ``port`` is not an int.
+        ValueError: a port outside 0..65535, or a host that does not resolve.
+        OSError: the address cannot be bound (in use, not this machine's).
+    """
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise TypeError(f"port must be an int, got {type(port).__name__}")
+    if not 0 <= port < 65536:
+        raise ValueError(f"port must be in 0..65535, got {port}")
+    family, ip = _address(host)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((ip, port))
+        sock.listen(_BACKLOG)
+        bound = int(sock.getsockname()[1])
+    except BaseException:
+        sock.close()
+        raise
+    # The store owns the socket from here: it closes it when it is dropped.
+    store = TCPStore(
+        ip,
+        bound,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+        master_listen_fd=sock.detach(),
+    )
+    return StoreServer(ip, bound, store)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ftcomm store",
+        description=(
+            "Host a store for ftcomm groups until interrupted. Ranks configure() "
+            "against HOST:PORT/PREFIX. The store has no authentication: give it a "
+            "non-loopback --host only on a private network."
+        ),
+    )
+    p.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address to listen on ({DEFAULT_HOST}; 0.0.0.0 or :: for every interface)",
+    )
+    p.add_argument("--port", type=int, default=29500, help="port (29500; 0 picks a free one)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ftcomm store``: serve until SIGINT or SIGTERM."""
+    args = parser().parse_args(argv)
+    try:
+        server = serve_store(args.host, args.port)
+    except (OSError, ValueError) as exc:
+        print(
+            f"python -m ftcomm store: cannot listen on {args.host}:{args.port}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with server:
+        print(f"ftcomm store serving on {server.address}", flush=True)
+        print(
+            f"  ranks: await group.configure('{server.addr('run/q0')}', rank, world_size)",
+            flush=True,
+        )
+        if not ipaddress.ip_address(server.host).is_loopback:
+            print("  no authentication: anyone who reaches this port can join a group", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            stop.wait()
+    print("ftcomm store stopped", flush=True)
+    return 0

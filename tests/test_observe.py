@@ -1,0 +1,203 @@
+"""What a group did: ``stats()``, ``subscribe()`` and the ``ftcomm`` log lines."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+import torch
+
+import ftcomm
+from ftcomm._runtime.loop import get_runtime
+from ftcomm._runtime.observe import Histogram
+
+
+def delivered() -> None:
+    """Every event and log line queued so far has been delivered."""
+    assert get_runtime().events.wait_idle(10.0)
+
+
+def test_histogram_percentiles_are_within_a_sixteenth() -> None:
+    rng = random.Random(7)
+    for draw in (
+        lambda: rng.lognormvariate(-9, 1.5),  # ~100 µs, wide
+        lambda: rng.uniform(1e-3, 2e-3),
+        lambda: 10 ** rng.uniform(-6.5, 2.5),  # past both ends
+    ):
+        values = sorted(draw() for _ in range(5000))
+        h = Histogram()
+        for value in values:
+            h.add(value)
+        for q in (0.5, 0.9, 0.99):
+            exact = values[max(0, int(q * len(values) + 0.999999) - 1)]
+            got = h.quantile(q)
+            assert got is not None
+            bound = max(exact, 2.0**-20) if exact < 2.0**7 else None
+            if bound is not None:
+                assert abs(got - exact) <= bound / 16, (q, got, exact)
+        assert h.max == values[-1]
+        assert h.count == len(values)
+    assert Histogram().quantile(0.5) is None
+
+
+@pytest_asyncio.fixture
+async def pair() -> AsyncIterator[tuple[ftcomm.Group, ftcomm.Group, str]]:
+    with ftcomm.serve_store() as server:
+        groups = (ftcomm.Group("gloo", timeout=10), ftcomm.Group("gloo", timeout=10))
+        addr = server.addr("obs/q0")
+        await asyncio.gather(*(g.configure(addr, r, 2) for r, g in enumerate(groups)))
+        try:
+            yield groups[0], groups[1], addr
+        finally:
+            await asyncio.gather(*(g.shutdown() for g in groups))
+
+
+@pytest.mark.asyncio
+async def test_stats_events_and_log_lines_of_ops_a_timeout_and_an_abort(
+    pair: tuple[ftcomm.Group, ftcomm.Group, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b, addr = pair
+    events: list[ftcomm.Event] = []
+    aborted = threading.Event()
+
+    def seen(event: ftcomm.Event) -> None:
+        assert threading.current_thread().name.startswith("ftcomm-events")
+        events.append(event)
+        a.stats()  # a subscriber may call the group: no lock of ftcomm is held
+        if event.kind == "aborted":
+            aborted.set()
+
+    caplog.set_level(logging.DEBUG, logger="ftcomm")
+    sub = a.subscribe(seen)
+    for _ in range(20):
+        await asyncio.gather(a.allreduce(torch.ones(4)), b.allreduce(torch.ones(4)))
+    await asyncio.gather(a.barrier(), b.barrier())
+    delivered()
+    stats = a.stats()
+    assert stats.ops["allreduce"].count == 20
+    assert stats.ops["barrier"].count == 1
+    lat = stats.ops["allreduce"]
+    assert lat.p50 is not None
+    assert lat.p99 is not None
+    assert lat.max is not None
+    assert 0 < lat.p50 <= lat.p99 <= lat.max * (1 + 1 / 16)
+    assert stats.configures == 1
+    assert stats.configure_seconds is not None
+    assert stats.in_flight == 0
+    assert stats.aborts == {}
+    issued = [e for e in events if e.kind == "issued"]
+    ended = [e for e in events if e.kind == "ended"]
+    assert [e.seq for e in issued] == [e.seq for e in ended] == list(range(1, 22))
+    assert all(e.store == addr.split("/", 1)[0] + "/obs/q0" and e.rank == 0 for e in ended)
+    assert all(e.duration is not None and e.duration > 0 for e in ended)
+
+    # a deadline: rank 1 never joins this allreduce
+    with pytest.raises(ftcomm.CommTimeout):
+        await a.allreduce(torch.ones(4), timeout=0.2)
+    assert await asyncio.to_thread(aborted.wait, 5)
+    delivered()
+    stats = a.stats()
+    assert stats.ops["allreduce"].failed == {"CommTimeout": 1}
+    assert stats.ops["allreduce"].count == 21
+    assert stats.aborts == {"CommTimeout": 1}
+    assert stats.last_abort is not None
+    assert "did not complete by its deadline" in stats.last_abort
+    failed = [e for e in events if e.kind == "failed"]
+    assert [(e.op, e.seq, type(e.error)) for e in failed] == [("allreduce", 22, ftcomm.CommTimeout)]
+    # the op's "failed" may come after: a stopped Gloo op is published once it has ended
+    (abort,) = [e for e in events if e.kind == "aborted"]
+    assert len(events) == 2 * 22 + 1
+    assert (abort.op, abort.seq, type(abort.error)) == ("allreduce", 22, ftcomm.CommTimeout)
+    (warning,) = [r for r in caplog.records if getattr(r, "ftcomm_event", None) == "aborted"]
+    assert warning.levelno == logging.WARNING
+    assert (warning.ftcomm_op, warning.ftcomm_seq, warning.ftcomm_error) == (  # type: ignore[attr-defined]
+        "allreduce",
+        22,
+        "CommTimeout",
+    )
+    assert "timeout" in warning.getMessage()
+
+    sub.close()
+    before = len(events)
+    await a.abort()
+    delivered()
+    assert len(events) == before  # closed: nothing more delivered
+    assert a.stats().aborts == {"CommTimeout": 1}  # already errored: abort() broke nothing new
+    print(a.stats())  # the table renders
+
+
+@pytest.mark.asyncio
+async def test_abort_reconfigure_and_shutdown_are_events_and_stats_can_be_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="ftcomm")
+    with ftcomm.serve_store() as server:
+        group = ftcomm.Group("gloo", timeout=10, stats=False)
+        kinds: list[str] = []
+        with group.subscribe(lambda e: kinds.append(e.kind)):
+            await group.configure(server.addr("q0"), 0, 1)
+            await group.allreduce(torch.ones(2))
+            await group.abort()
+            await group.configure(server.addr("q1"), 0, 1)
+            await group.shutdown()
+
+        def boom(_: ftcomm.Event) -> None:
+            raise ValueError("a subscriber's bug")
+
+        with group.subscribe(boom):
+            await group.configure(server.addr("q2"), 0, 1)  # logged, not raised
+            await group.shutdown()
+            delivered()
+    assert kinds == ["configured", "issued", "ended", "aborted", "configured", "shutdown"]
+    stats = group.stats()
+    assert stats.ops == {}  # stats=False: no per-op records
+    assert stats.aborts == {"CommAborted": 1}
+    assert stats.configures == 3
+    assert any("a subscriber's bug" in str(r.exc_info) for r in caplog.records if r.exc_info)
+    levels = {getattr(r, "ftcomm_event", None): r.levelno for r in caplog.records}
+    assert levels["aborted"] == logging.INFO  # abort() is the caller's own: not a warning
+    assert levels["configured"] == logging.INFO
+    assert levels["shutdown"] == logging.DEBUG
+    with pytest.raises(TypeError, match="callable"):
+        group.subscribe(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_a_failed_configure_is_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    from helpers import free_port
+
+    group = ftcomm.Group("gloo", timeout=10)
+    with pytest.raises(ftcomm.CommTimeout):
+        await group.configure(f"127.0.0.1:{free_port()}/q0", 0, 1, timeout=0.3)
+    stats = group.stats()
+    assert stats.configures == 0
+    assert stats.configure_failures == {"CommTimeout": 1}
+    delivered()
+    (record,) = [r for r in caplog.records if getattr(r, "ftcomm_event", None)]
+    assert record.levelno == logging.WARNING
+    assert "configure of rank 0" in record.getMessage()
+    assert stats.as_dict()["configure_failures"] == {"CommTimeout": 1}
+
+
+def test_the_facades_groups_show_their_stats_and_events() -> None:
+    from ftcomm.c10d import ErrorSwallowingProcessGroupWrapper, ProcessGroupGloo
+
+    with ftcomm.serve_store() as server:
+        pg = ProcessGroupGloo(timeout=10.0)
+        wrapper = ErrorSwallowingProcessGroupWrapper(pg)
+        kinds: list[str] = []
+        wrapper.subscribe(lambda e: kinds.append(e.kind))  # before its first configure
+        wrapper.configure(server.addr("facade/q0"), "r0", 0, 1)
+        try:
+            wrapper.allreduce([torch.ones(2)]).wait()
+            assert pg.stats().ops["allreduce"].count == 1
+            assert wrapper.stats().configures == 1
+        finally:
+            wrapper.shutdown()
+        delivered()
+        assert kinds == ["configured", "issued", "ended", "shutdown"]
