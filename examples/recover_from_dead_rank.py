@@ -98,6 +98,7 @@ class Finished(TypedDict):
     first_loss: float
     final_loss: float
     params: list[float]
+    aborts: dict[str, int]  # group.stats().aborts: what broke its configurations
 
 
 Report = VictimReady | StepFailed | Finished
@@ -228,7 +229,9 @@ async def train(fault: Fault, rank: int, port: int, t0: float, conn: Connection)
                 say(t0, who, f"step {step}: loss {loss_now:.5f} (world {world})")
             step += 1
         params = parameters_to_vector(model.parameters()).tolist()
-        say(t0, who, f"finished {STEPS} steps as rank {group.rank}/{group.size()}")
+        stats = group.stats()
+        table = "\n".join(f"      {line}" for line in str(stats).splitlines())
+        say(t0, who, f"finished {STEPS} steps as rank {group.rank}/{group.size()}; stats:\n{table}")
         conn.send(
             Finished(
                 kind="done",
@@ -239,6 +242,7 @@ async def train(fault: Fault, rank: int, port: int, t0: float, conn: Connection)
                 first_loss=first_loss,
                 final_loss=loss_now,
                 params=params,
+                aborts=dict(stats.aborts),
             )
         )
 
@@ -404,6 +408,14 @@ def check(run: Scenario) -> bool:
                 d is not None and d["steps"] == STEPS and d["world"] == len(survivors),
             )
         )
+        if d:
+            checks.append(
+                (
+                    f"rank {r}'s stats() counted the abort: {d['aborts']}",
+                    sum(d["aborts"].values()) == 1
+                    and set(d["aborts"]) <= {"CommFailed", "CommTimeout"},
+                )
+            )
     finals = [done[r] for r in survivors if r in done]
     same = len(finals) == len(survivors) and all(d["params"] == finals[0]["params"] for d in finals)
     checks.append((f"ranks {survivors} hold identical final parameters", same))

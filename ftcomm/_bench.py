@@ -7,7 +7,9 @@ installed), then measures every *workload* (an op at one size) in rounds,
 alternating the order of the cases from round to round, with a store barrier
 before every phase, so that drift on these noisy 2-core machines hits all the
 cases alike. Rank 0 sends its per-op latencies to the parent, which prints one
-table of medians, tails and ratios against raw Gloo.
+table of medians, tails and ratios against raw Gloo; ``--json`` writes the same
+figures as one JSON object, ``--plot`` draws the latency distributions
+(matplotlib, ``pip install 'ftcomm[plot]'``).
 
 Adding a row: add a :class:`Case` to :data:`CASES` (its ``open`` builds a
 :class:`Runner` on every rank). Adding an op: add a :class:`Workload` in
@@ -20,14 +22,17 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import json
+import logging
 import math
 import multiprocessing
 import multiprocessing.connection
 import os
+import platform
 import sys
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -36,6 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+
+from ._server import serve_store
 
 WORLD_SIZE = 2
 HOST = "127.0.0.1"
@@ -79,9 +86,12 @@ class Plan:
 
 @dataclass
 class Report:
-    """Rank 0's latencies (seconds per op), keyed by (workload label, case)."""
+    """Rank 0's latencies (seconds per op), keyed by (workload label, case), and
+    what failed on any rank without stopping the run (a case that did not close
+    cleanly)."""
 
     latencies: dict[tuple[str, str], Seconds] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
 
 
 # -- runners: how one implementation issues and times ops ------------------------------
@@ -194,8 +204,15 @@ async def _group_runner(env: ChildEnv, impl: str, prefix: str, **kwargs: Any) ->
     return AwaitingRunner(impl, {"allreduce": group.allreduce}, group.shutdown)
 
 
-def _c10d_runner(env: ChildEnv, impl: str, prefix: str, pg: Any) -> Runner:
-    """A c10d-style group (ftcomm's facade, or torchft's), blocking op by op."""
+def _c10d_runner(
+    env: ChildEnv,
+    impl: str,
+    prefix: str,
+    pg: Any,
+    close: Callable[[], object] | None = None,
+) -> Runner:
+    """A c10d-style group (ftcomm's facade, or torchft's), blocking op by op;
+    ``close`` ends it (default: its ``shutdown``)."""
     from torch.distributed import AllreduceOptions
 
     pg.configure(env.store_addr(prefix), "0", env.rank, WORLD_SIZE)
@@ -203,11 +220,15 @@ def _c10d_runner(env: ChildEnv, impl: str, prefix: str, pg: Any) -> Runner:
     def allreduce(t: torch.Tensor) -> None:
         pg.allreduce([t], AllreduceOptions()).wait()  # what torch.distributed.all_reduce does
 
-    return BlockingRunner(impl, {"allreduce": allreduce}, getattr(pg, "shutdown", None))
+    return BlockingRunner(impl, {"allreduce": allreduce}, close or getattr(pg, "shutdown", None))
 
 
 async def _open_ftcomm(env: ChildEnv) -> Runner:
     return await _group_runner(env, "ftcomm", "ftcomm-bench")
+
+
+async def _open_stats_off(env: ChildEnv) -> Runner:
+    return await _group_runner(env, "stats-off", "stats-off-bench", stats=False)
 
 
 async def _open_verified(env: ChildEnv) -> Runner:
@@ -262,10 +283,46 @@ async def _open_torchft(env: ChildEnv) -> Runner:
     return _c10d_runner(env, "torchft", "torchft-bench", pg)
 
 
+def close_torchft_baby(pg: Any) -> None:
+    """Shut a torchft ``ProcessGroupBaby`` down without its worker's tracebacks.
+
+    torchft 0.2's ``shutdown()`` closes its pipes first and kills the worker
+    after. The worker, blocked reading its request pipe, wakes to that EOF
+    first: it logs "worker errored: EOFError", fails to send the error back
+    (``BrokenPipeError``) and raises, and multiprocessing prints that as
+    "Process SpawnProcess-N" with two tracebacks, for every group shut down.
+
+    Here the pipe that torchft's future thread reads is closed first (that
+    thread stops without a word on a closed pipe), then the worker is killed
+    and reaped while its request pipe is still open, so it never sees an EOF,
+    and only then does torchft's own ``shutdown()`` close the rest. A worker
+    that had already exited before its shutdown died on its own: that is
+    raised (after the shutdown), not hidden. Without those internals (another
+    torchft), this is plain ``shutdown()``.
+    """
+    proc = getattr(pg, "_p", None)
+    future_pipe = getattr(pg, "_future_pipe", None)
+    code: int | None = None
+    pid: int | None = None
+    if proc is not None and future_pipe is not None:
+        code, pid = proc.exitcode, proc.pid
+        future_pipe.close()
+        if code is None:
+            proc.kill()
+            proc.join(10)
+    pg.shutdown()
+    if code is not None:
+        raise RuntimeError(
+            f"torchft's worker (pid {pid}) had exited on its own, code {code}, before its shutdown"
+        )
+
+
 async def _open_torchft_baby(env: ChildEnv) -> Runner:
     pgs: Any = importlib.import_module("torchft.process_group")
     pg = pgs.ProcessGroupBabyGloo(timeout=timedelta(seconds=_OP_TIMEOUT))
-    return _c10d_runner(env, "tft-baby", "torchft-baby-bench", pg)
+    return _c10d_runner(
+        env, "tft-baby", "torchft-baby-bench", pg, close=lambda: close_torchft_baby(pg)
+    )
 
 
 @dataclass(frozen=True)
@@ -280,12 +337,15 @@ class Case:
     impl: str
     open: Callable[[ChildEnv], Awaitable[Runner]]
     missing: Callable[[], str | None] = lambda: None
+    opt_in: bool = False
+    """Only run with ``--with IMPL``."""
 
 
 BASELINE = "raw"
 CASES: list[Case] = [
     Case(BASELINE, _open_raw),
     Case("ftcomm", _open_ftcomm),
+    Case("stats-off", _open_stats_off, opt_in=True),  # what Group.stats() costs
     Case("verify", _open_verified),
     Case("facade", _open_facade),
     Case("subproc", _open_subprocess),
@@ -374,13 +434,19 @@ async def _measure(rank: int, port: int, plan: Plan, store: Store) -> Report:
                     report.latencies.setdefault((w.label, impl), []).extend(lat)
         barrier()  # nobody tears down while a peer is still in an op
     finally:
-        for runner in runners.values():
-            await runner.close()
+        for impl, runner in runners.items():
+            try:
+                await runner.close()
+            except Exception as exc:  # the times stand; the failure is reported with them
+                report.failures.append(
+                    f"rank {rank}, {impl}: close failed: {type(exc).__name__}: {exc}"
+                )
     return report
 
 
 def _child(rank: int, port: int, plan: Plan, conn: Connection) -> None:
-    """A rank's process: measure, send rank 0's report, exit (at once on failure)."""
+    """A rank's process: measure, send its report (times: rank 0's only), exit
+    (at once on failure)."""
     try:
         os.environ[_LOOP_ENV] = plan.loop  # ftcomm's owner loop matches the caller's
         store = TCPStore(
@@ -397,7 +463,7 @@ def _child(rank: int, port: int, plan: Plan, conn: Connection) -> None:
             report = uvloop.run(coro)
         else:
             report = asyncio.run(coro)
-        conn.send(report if rank == 0 else None)
+        conn.send(report if rank == 0 else Report(failures=report.failures))
         conn.close()
     except BaseException:
         # A native op may still be in flight: a normal exit could block on the
@@ -414,7 +480,7 @@ class BenchFailed(Exception):
 
 def _run_children(plan: Plan, timeout: float) -> Report:
     ctx = multiprocessing.get_context("spawn")
-    store = TCPStore(host_name=HOST, port=0, is_master=True, wait_for_workers=False)
+    store = serve_store(HOST)  # loopback only
     procs: list[multiprocessing.process.BaseProcess] = []
     conns: dict[Connection, int] = {}
     try:
@@ -442,7 +508,7 @@ def _run_children(plan: Plan, timeout: float) -> Report:
             proc.close()
         for conn in conns:
             conn.close()
-        del store  # the master store (and its port) goes with its last reference
+        store.close()
 
 
 def _collect(
@@ -474,9 +540,15 @@ def _collect(
     for rank in range(len(procs)):
         if rank not in replies:
             raise BenchFailed(f"rank {rank} exited without a reply")
-    report = replies[0]
-    if not isinstance(report, Report):
-        raise BenchFailed(f"rank 0 sent {type(report).__name__}, not a Report")
+    reports = [replies[rank] for rank in range(len(procs))]
+    for rank, reply in enumerate(reports):
+        if not isinstance(reply, Report):
+            raise BenchFailed(f"rank {rank} sent {type(reply).__name__}, not a Report")
+    report = reports[0]
+    assert isinstance(report, Report)
+    for other in reports[1:]:
+        assert isinstance(other, Report)
+        report.failures.extend(other.failures)
     return report
 
 
@@ -492,35 +564,42 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def format_table(plan: Plan, report: Report, notes: Sequence[str]) -> str:
-    head = f"{'op':<24} {'impl':<8} {'p50_us':>9} {'p99_us':>9} {'GB/s':>7}   ratio_p50(vs raw)"
-    lines = [
-        f"ftcomm bench: {WORLD_SIZE} ranks, gloo, loopback, loop={plan.loop}, "
-        f"torch {torch.__version__}",
-        head,
-    ]
+def _measured(plan: Plan, report: Report) -> Iterator[tuple[Workload, str, Seconds, float | None]]:
+    """Every (workload, case) with latencies, in the table's order, and raw's p50."""
     for w in plan.workloads:
         base = report.latencies.get((w.label, BASELINE))
         base_p50 = percentile(base, 50) if base else None
         for impl in plan.cases:
             lat = report.latencies.get((w.label, impl))
-            if not lat:
-                continue
-            p50, p99 = percentile(lat, 50), percentile(lat, 99)
-            gbs = f"{w.nbytes / p50 / 1e9:7.2f}" if w.bandwidth else ""
-            ratio = ""
-            if impl != BASELINE and base_p50 is not None:
-                ratio = (
-                    f"(bw ratio {base_p50 / p50:.2f}x)" if w.bandwidth else f"{p50 / base_p50:.2f}x"
-                )
-            row = f"{w.label:<24} {impl:<8} {p50 * 1e6:9.1f} {p99 * 1e6:9.1f} {gbs:>7}   {ratio}"
-            lines.append(row.rstrip())
+            if lat:
+                yield w, impl, lat, base_p50
+
+
+def format_table(plan: Plan, report: Report, notes: Sequence[str]) -> str:
+    width = max([8, *(len(impl) for impl in plan.cases)])
+    head = (
+        f"{'op':<24} {'impl':<{width}} {'p50_us':>9} {'p99_us':>9} {'GB/s':>7}   ratio_p50(vs raw)"
+    )
+    lines = [
+        f"ftcomm bench: {WORLD_SIZE} ranks, gloo, loopback, loop={plan.loop}, "
+        f"torch {torch.__version__}",
+        head,
+    ]
+    for w, impl, lat, base_p50 in _measured(plan, report):
+        p50, p99 = percentile(lat, 50), percentile(lat, 99)
+        gbs = f"{w.nbytes / p50 / 1e9:7.2f}" if w.bandwidth else ""
+        ratio = ""
+        if impl != BASELINE and base_p50 is not None:
+            ratio = f"(bw ratio {base_p50 / p50:.2f}x)" if w.bandwidth else f"{p50 / base_p50:.2f}x"
+        row = f"{w.label:<24} {impl:<{width}} {p50 * 1e6:9.1f} {p99 * 1e6:9.1f} {gbs:>7}   {ratio}"
+        lines.append(row.rstrip())
     lines.append(
         f"({plan.rounds} rounds, cases alternating; per case: "
         + ", ".join(f"{w.label}: {w.iters * plan.rounds} ops" for w in plan.workloads)
         + "; rank 0's times)"
     )
     lines.extend(f"note: {note}" for note in notes)
+    lines.extend(f"FAILED: {failure}" for failure in report.failures)
     return "\n".join(lines)
 
 
@@ -544,11 +623,29 @@ async def _spare_ready(group: Any, timeout: float = 30.0) -> None:
         await asyncio.to_thread(select.select, [spare.channel.fd], [], [], timeout)
 
 
+class _KilledOnPurpose(logging.Filter):
+    """Drops ftcomm's log records of the aborts the bench causes itself (a
+    worker it kills, by the store address of that group); every other record
+    passes, so an abort nobody caused is still printed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stores: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(record, "ftcomm_store", None) not in self.stores
+
+
+_KILLED_ON_PURPOSE = _KilledOnPurpose()
+
+
 async def _recovery(port: int, samples: int, torchft: bool) -> dict[str, Seconds]:
     import ftcomm
 
     out: dict[str, Seconds] = {}
     n = iter(range(1 << 30))
+    # Kept for the rest of the process: a record may be logged after the kill is seen.
+    logging.getLogger("ftcomm").addFilter(_KILLED_ON_PURPOSE)
 
     def addr() -> str:
         return f"{HOST}:{port}/recovery-{next(n)}"
@@ -567,7 +664,9 @@ async def _recovery(port: int, samples: int, torchft: bool) -> dict[str, Seconds
             out.setdefault("subproc, spare worker", []).append(await _first_op(g, addr()))
         for _ in range(samples):
             await _spare_ready(g)
-            await _first_op(g, addr())
+            victim = addr()
+            _KILLED_ON_PURPOSE.stores.add(victim)
+            await _first_op(g, victim)
             cfg: Any = g._config
             worker = cfg.backend.worker
             killed = time.perf_counter()
@@ -584,7 +683,7 @@ async def _recovery(port: int, samples: int, torchft: bool) -> dict[str, Seconds
             pg.configure(addr(), "0", 0, 1)
             pg.allreduce([torch.ones(1)], dist.AllreduceOptions()).wait()
             out.setdefault("torchft baby", []).append(time.perf_counter() - started)
-            pg.shutdown()
+            close_torchft_baby(pg)
     return out
 
 
@@ -600,6 +699,280 @@ def format_recovery(times: Mapping[str, Seconds]) -> str:
         "SIGKILL to the worker reaped and the group errored with WorkerDied)"
     )
     return "\n".join(lines)
+
+
+# -- JSON and plot ---------------------------------------------------------------------
+def machine() -> str:
+    """This machine in a few words: CPU model, CPUs this process may use, OS."""
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as info:
+        for line in info:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = len(affinity(0)) if affinity is not None else os.cpu_count()
+    return (
+        f"{model or platform.processor() or platform.machine()}, {cpus} CPUs, {platform.system()}"
+    )
+
+
+def _us(seconds: float) -> float:
+    return round(seconds * 1e6, 3)
+
+
+def results(
+    plan: Plan,
+    report: Report,
+    notes: Sequence[str],
+    recovery: Mapping[str, Seconds] | None,
+) -> dict[str, Any]:
+    """Every figure of the table and of the recovery part, as one JSON-able object.
+
+    ``rows``: one per (workload, case), the table's order; latencies in
+    microseconds; ``ratio_p50_vs_raw`` is p50 / raw's p50 (lower is better),
+    ``bw_ratio_vs_raw`` (bandwidth workloads) raw's p50 / p50 (higher is better).
+    """
+    from . import __version__
+
+    rows: list[dict[str, Any]] = []
+    for w, impl, lat, base_p50 in _measured(plan, report):
+        p50 = percentile(lat, 50)
+        rows.append(
+            {
+                "workload": w.label,
+                "op": w.op,
+                "bytes": w.nbytes,
+                "case": impl,
+                "baseline": impl == BASELINE,
+                "ops": len(lat),
+                "p50_us": _us(p50),
+                "p90_us": _us(percentile(lat, 90)),
+                "p99_us": _us(percentile(lat, 99)),
+                "gb_per_s": round(w.nbytes / p50 / 1e9, 4) if w.bandwidth else None,
+                "ratio_p50_vs_raw": round(p50 / base_p50, 4) if base_p50 else None,
+                "bw_ratio_vs_raw": (round(base_p50 / p50, 4) if base_p50 and w.bandwidth else None),
+            }
+        )
+    return {
+        "bench": "ftcomm",
+        "ftcomm": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": machine(),
+        "world_size": WORLD_SIZE,
+        "backend": "gloo",
+        "transport": "loopback",
+        "plan": {
+            "loop": plan.loop,
+            "rounds": plan.rounds,
+            "cases": list(plan.cases),
+            "baseline": BASELINE,
+            "workloads": [
+                {
+                    "label": w.label,
+                    "op": w.op,
+                    "numel": w.numel,
+                    "bytes": w.nbytes,
+                    "iters_per_round": w.iters,
+                    "warmup_per_round": w.warmup,
+                    "iters": w.iters * plan.rounds,
+                    "bandwidth": w.bandwidth,
+                }
+                for w in plan.workloads
+            ],
+        },
+        "rows": rows,
+        "recovery": (
+            None
+            if recovery is None
+            else [
+                {
+                    "what": what,
+                    "samples": len(values),
+                    "p50_ms": round(percentile(values, 50) * 1e3, 3),
+                    "max_ms": round(max(values) * 1e3, 3),
+                }
+                for what, values in recovery.items()
+            ]
+        ),
+        "notes": list(notes),
+        "failures": list(report.failures),
+    }
+
+
+PLOT_HINT = "pip install 'ftcomm[plot]'"
+
+# One colour per family of cases; raw Gloo, the reference, in black.
+_COLORS = {
+    BASELINE: "#222222",
+    "ftcomm": "#1f77b4",
+    "verify": "#6baed6",
+    "facade": "#2ca02c",
+    "subproc": "#ff7f0e",
+    "sub+move": "#fdae6b",
+    "baby": "#d62728",
+    "torchft": "#9467bd",
+    "tft-baby": "#c5b0d5",
+}
+
+
+def matplotlib_missing() -> str | None:
+    """Why ``--plot`` cannot work here, or ``None``."""
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError as exc:
+        return f"--plot needs matplotlib, which is not importable ({exc}): {PLOT_HINT}"
+    return None
+
+
+def write_plot(path: str, plan: Plan, report: Report) -> None:
+    """Draw each case's per-op latencies side by side, one panel per workload
+    (violins of log latency for the small op, every op as a point for the big
+    one), raw Gloo first and in black, its median as a dashed line across."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    panels = [
+        w for w in plan.workloads if any(report.latencies.get((w.label, c)) for c in plan.cases)
+    ]
+    fig = Figure(figsize=(12, 4.2 * len(panels) + 1.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for ax, w in zip(axes, panels, strict=True):
+        cases = [c for c in plan.cases if report.latencies.get((w.label, c))]
+        lat = {c: np.asarray(report.latencies[(w.label, c)]) for c in cases}
+        p50 = {c: percentile(lat[c].tolist(), 50) for c in cases}
+        p99 = {c: percentile(lat[c].tolist(), 99) for c in cases}
+        base = p50.get(BASELINE)
+        pos = list(range(1, len(cases) + 1))
+        colors = [_COLORS.get(c, f"C{i}") for i, c in enumerate(cases)]
+        labels = []
+        for c in cases:
+            if w.bandwidth:
+                figure = f"{w.nbytes / p50[c] / 1e9:.2f} GB/s"
+                ratio = "" if base is None else f"{base / p50[c]:.2f}x bw"
+            else:
+                figure = f"p50 {p50[c] * 1e6:.0f} µs"
+                ratio = "" if base is None else f"{p50[c] / base:.2f}x"
+            name = f"{c} (reference)" if c == BASELINE else c
+            labels.append(f"{name}\n{figure}\n{'' if c == BASELINE else ratio}".rstrip())
+        if w.bandwidth:
+            # Few ops: every one as a point (jittered sideways), the median as a bar.
+            rng = np.random.default_rng(0)
+            for x, c, color in zip(pos, cases, colors, strict=True):
+                ms = lat[c] * 1e3
+                jitter = rng.uniform(-0.18, 0.18, ms.size)
+                ax.scatter(x + jitter, ms, s=14, color=color, alpha=0.75, linewidths=0)
+                ax.hlines(p50[c] * 1e3, x - 0.3, x + 0.3, color="black", linewidth=2)
+            ax.set_ylabel("ms per op")
+            ax.set_ylim(bottom=0)
+            if base is not None:
+                ax.axhline(base * 1e3, color=_COLORS[BASELINE], linestyle="--", linewidth=1)
+            ax.legend(
+                handles=[
+                    Line2D(
+                        [], [], marker="o", linestyle="", color="gray", markersize=4, label="one op"
+                    ),
+                    Line2D([], [], color="black", linewidth=2, label="p50"),
+                    Line2D([], [], color=_COLORS[BASELINE], linestyle="--", label="raw Gloo p50"),
+                ],
+                loc="lower right",
+                bbox_to_anchor=(1.0, 1.0),
+                ncol=3,
+                fontsize=8,
+                framealpha=0.9,
+            )
+        else:
+            # Many ops over decades: violins of log10(µs), ticks labelled in µs.
+            logs = [np.log10(lat[c] * 1e6) for c in cases]
+            parts = ax.violinplot(logs, pos, widths=0.85, showextrema=False, points=300)
+            for body, color, c in zip(parts["bodies"], colors, cases, strict=True):
+                body.set_facecolor(color)
+                body.set_edgecolor("black" if c == BASELINE else color)
+                body.set_linewidth(1.5 if c == BASELINE else 0.5)
+                body.set_alpha(0.85 if c == BASELINE else 0.6)
+            ax.scatter(
+                pos,
+                [math.log10(p50[c] * 1e6) for c in cases],
+                marker="o",
+                s=28,
+                color="white",
+                edgecolors="black",
+                zorder=3,
+            )
+            ax.scatter(
+                pos,
+                [math.log10(p99[c] * 1e6) for c in cases],
+                marker="_",
+                s=260,
+                color="black",
+                linewidths=1.5,
+                zorder=3,
+            )
+            if base is not None:
+                ax.axhline(
+                    math.log10(base * 1e6), color=_COLORS[BASELINE], linestyle="--", linewidth=1
+                )
+            lo = min(float(v.min()) for v in logs)
+            hi = max(float(v.max()) for v in logs)
+            nice = [m * 10**e for e in range(-1, 8) for m in (1, 2, 5)]
+            ticks = [math.log10(v) for v in nice if lo - 0.05 <= math.log10(v) <= hi + 0.05]
+            ax.yaxis.set_major_locator(FixedLocator(ticks))
+            ax.yaxis.set_minor_locator(NullLocator())
+            ax.set_yticklabels([f"{10**t:g}" for t in ticks])
+            ax.set_ylabel("µs per op (log scale)")
+            ax.legend(
+                handles=[
+                    Line2D(
+                        [],
+                        [],
+                        marker="o",
+                        linestyle="",
+                        markerfacecolor="white",
+                        markeredgecolor="black",
+                        label="p50",
+                    ),
+                    Line2D(
+                        [],
+                        [],
+                        marker="_",
+                        linestyle="",
+                        color="black",
+                        markersize=14,
+                        markeredgewidth=1.5,
+                        label="p99",
+                    ),
+                    Line2D([], [], color=_COLORS[BASELINE], linestyle="--", label="raw Gloo p50"),
+                ],
+                loc="lower right",
+                bbox_to_anchor=(1.0, 1.0),
+                ncol=3,
+                fontsize=8,
+                framealpha=0.9,
+            )
+        ax.set_xticks(pos)
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_xlim(0.4, len(cases) + 0.6)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_title(
+            f"{w.label}: {len(lat[cases[0]])} ops per case"
+            + ("  (ratio: raw's bandwidth = 1)" if w.bandwidth else "  (ratio: p50 / raw's p50)"),
+            fontsize=10,
+        )
+        baseline_tick = ax.get_xticklabels()[cases.index(BASELINE)] if base is not None else None
+        if baseline_tick is not None:
+            baseline_tick.set_fontweight("bold")
+    fig.suptitle(
+        f"ftcomm bench: allreduce latency per op, {WORLD_SIZE} ranks, Gloo over loopback "
+        f"(raw torch.distributed Gloo = reference)\n{machine()}; loop={plan.loop}; "
+        f"torch {torch.__version__}; {plan.rounds} rounds, cases alternating; rank 0's times",
+        fontsize=10,
+    )
+    fig.savefig(path, dpi=110)
 
 
 # -- CLI --------------------------------------------------------------------------------
@@ -654,24 +1027,91 @@ def parser() -> argparse.ArgumentParser:
         "--no-torchft", action="store_true", help="skip torchft's rows even where it is installed"
     )
     p.add_argument(
+        "--with",
+        dest="with_",
+        action="append",
+        default=[],
+        choices=[case.impl for case in CASES if case.opt_in],
+        help="add an optional row: stats-off (ftcomm with Group(stats=False))",
+    )
+    p.add_argument(
         "--recovery-samples",
         type=_non_negative,
         default=5,
         help="samples of configure-to-first-op and dead-worker detection (5; 0: skip)",
     )
+    p.add_argument(
+        "--json",
+        metavar="FILE|-",
+        default=None,
+        help="also write every figure (each row's p50/p90/p99 or GB/s and ratio to raw, the "
+        "recovery times, the plan, torch's and ftcomm's versions) as one JSON object to FILE; "
+        "'-': print only that JSON on stdout, no tables",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        default=None,
+        help="also draw each case's per-op latency distribution, side by side, raw Gloo as "
+        f"the reference, into FILE (.png; matplotlib: {PLOT_HINT})",
+    )
     return p
 
 
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written (checked before the run, not after it)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"{path}: no such directory {folder}"
+    if os.path.isdir(path):
+        return f"{path} is a directory"
+    return None
+
+
+def _unplottable(path: str) -> str | None:
+    """Why matplotlib cannot write ``path``'s format (checked before the run)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext not in formats:
+        known = ", ".join(sorted(formats))
+        return f"--plot {path}: write .png (or {known}), not {ext or 'no extension'!r}"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the bench; print the table. Returns the exit code."""
+    """Run the bench; print the table (or the JSON). Returns the exit code."""
     args = parser().parse_args(argv)
     loop: str = args.loop or _default_loop()
     if loop == "uvloop" and _default_loop() != "uvloop":
         print("ftcomm bench: --loop uvloop but uvloop is not installed", file=sys.stderr)
         return 2
+    json_path: str | None = args.json
+    plot_path: str | None = args.plot
+    missing = None if plot_path is None else matplotlib_missing()
+    problems = [
+        why
+        for why in (
+            missing,
+            None if plot_path is None or missing else _unplottable(plot_path),
+            None if plot_path is None else _unwritable(plot_path),
+            None if json_path in (None, "-") else _unwritable(json_path),
+        )
+        if why is not None
+    ]
+    if problems:
+        for problem in problems:
+            print(f"ftcomm bench: {problem}", file=sys.stderr)
+        return 2
+    tables = json_path != "-"  # '-': stdout carries the JSON alone
+    out = sys.stdout if tables else sys.stderr  # where "wrote FILE" goes
     notes: list[str] = []
     cases: list[str] = []
     for case in CASES:
+        if case.opt_in and case.impl not in args.with_:
+            continue
         torchft_row = case.missing is _torchft_missing
         why = "--no-torchft" if torchft_row and args.no_torchft else case.missing()
         if why is None:
@@ -688,13 +1128,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     notes.append(f"took {time.monotonic() - started:.1f} s")
-    print(format_table(plan, report, notes), flush=True)
+    if tables:
+        print(format_table(plan, report, notes), flush=True)
+    else:
+        for failure in report.failures:
+            print(f"ftcomm bench: FAILED: {failure}", file=sys.stderr)
+    failed = bool(report.failures)
+    if plot_path is not None:
+        try:
+            write_plot(plot_path, plan, report)
+        except Exception as exc:  # the measurements still go to the table and the JSON
+            print(f"ftcomm bench: cannot write the plot: {exc}", file=sys.stderr)
+            failed = True
+        else:
+            print(f"plot: {plot_path}", file=out, flush=True)
+    times: dict[str, Seconds] | None = None
     if args.recovery_samples:
-        store = TCPStore(host_name=HOST, port=0, is_master=True, wait_for_workers=False)
+        store = serve_store(HOST)  # loopback only
         try:
             torchft = not args.no_torchft and _torchft_missing() is None
             times = asyncio.run(_recovery(store.port, args.recovery_samples, torchft))
+        except Exception as exc:
+            traceback.print_exc()
+            print(f"ftcomm bench: recovery failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            report.failures.append(f"recovery: {type(exc).__name__}: {exc}")
+            failed = True
         finally:
-            del store
-        print(format_recovery(times), flush=True)
-    return 0
+            store.close()
+        if times is not None and tables:
+            print(format_recovery(times), flush=True)
+    if json_path is not None:
+        text = json.dumps(results(plan, report, notes, times), indent=2)
+        if json_path == "-":
+            print(text, flush=True)
+        else:
+            try:
+                with open(json_path, "w", encoding="utf-8") as f:
+                    f.write(text + "\n")
+            except OSError as exc:
+                print(f"ftcomm bench: cannot write the JSON: {exc}", file=sys.stderr)
+                failed = True
+            else:
+                print(f"json: {json_path}", file=out, flush=True)
+    return 1 if failed else 0

@@ -276,15 +276,16 @@ async def _live_gloo_abort() -> JSON:
     0's tensor is untouched. Everything is shut down and dropped before it returns.
     """
     import torch
-    from torch._C._distributed_c10d import TCPStore
 
     from .backends.gloo import GlooBackend
     from .errors import CommAborted, CommError
     from .group import Group
 
     result: JSON = {"ran": True, "passed": False, "error": None}
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    addr = f"127.0.0.1:{store.port}/ftcomm-doctor"
+    from ._server import serve_store
+
+    store = serve_store()  # loopback only (c10d's own server listens everywhere)
+    addr = store.addr("ftcomm-doctor")
     # ftcomm logs the peer's failure (a WARNING), maybe after this returns:
     # expected here, and the report says it. Records naming another store pass.
     _QUIET.marks.add(addr)
@@ -342,7 +343,7 @@ async def _live_gloo_abort() -> JSON:
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.gather(g0.shutdown(), g1.shutdown()), LIVE_TIMEOUT)
-        del store  # the server goes with its last reference
+        store.close()
     return result
 
 
@@ -394,9 +395,9 @@ def store_check(text: str) -> JSON:
     """Whether a TCPStore answers at ``text`` (``host:port[/prefix]``), within
     :data:`STORE_TIMEOUT`: one TCP connect (a refusal is an answer at once),
     then a store client's handshake and one read."""
-    from ._store import connect_store, parse_store_addr, why_unreachable
+    from ._store import connect_store, resolve_store_addr, why_unreachable
 
-    addr = parse_store_addr(text, "--store")
+    addr = resolve_store_addr(text, "--store")  # env:// too: torchrun's store
     host = f"[{addr.host}]" if ":" in addr.host else addr.host
     result: JSON = {
         "addr": text,
@@ -578,10 +579,9 @@ def collect(store: str | None, live: bool) -> JSON:
             problems.append(
                 Problem(
                     f"the store at {sc['addr']} is not reachable: {sc['detail']}",
-                    f"start a store on {sc['host_port']} (python -m ftcomm store, "
-                    "or torch.distributed.TCPStore(host, port, is_master=True) in a process "
-                    "that stays up), or fix the address; check that a firewall lets the "
-                    "port through",
+                    f"start a store on {sc['host_port']} (python -m ftcomm store --host "
+                    "HOST --port PORT, in a process that stays up), or fix the address; "
+                    "check that a firewall lets the port through",
                 )
             )
 
@@ -732,10 +732,10 @@ def main(argv: Sequence[str]) -> int:
     )
     args = parser.parse_args(list(argv))
     if args.store is not None:
-        from ._store import parse_store_addr
+        from ._store import resolve_store_addr
 
         try:
-            parse_store_addr(args.store, "--store")
+            resolve_store_addr(args.store, "--store")  # env:// too: torchrun's store
         except ValueError as exc:
             parser.error(str(exc))
     report = collect(args.store, live=not args.no_live)

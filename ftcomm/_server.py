@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ipaddress
+import os
 import signal
 import socket
 import sys
@@ -29,6 +30,7 @@ from typing import Any
 
 from torch._C._distributed_c10d import TCPStore
 
+from ._runtime.deadline import to_seconds
 from ._store import StoreAddr
 
 DEFAULT_HOST = "127.0.0.1"
@@ -124,34 +126,40 @@ def serve_store(host: str = DEFAULT_HOST, port: int = 0, *, timeout: float = 300
     ``server.addr("run/q0")``.
 
     Raises:
-        TypeError: ``port`` is not an int.
-        ValueError: a port outside 0..65535, or a host that does not resolve.
+        TypeError: ``port`` is not an int, or ``timeout`` not a number.
+        ValueError: a port outside 0..65535, a host that does not resolve,
+            or a timeout that is not a positive number of seconds.
         OSError: the address cannot be bound (in use, not this machine's).
     """
     if isinstance(port, bool) or not isinstance(port, int):
         raise TypeError(f"port must be an int, got {type(port).__name__}")
     if not 0 <= port < 65536:
         raise ValueError(f"port must be in 0..65535, got {port}")
+    seconds = to_seconds(timeout, "timeout")
+    if seconds <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {seconds:g}")
     family, ip = _address(host)
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            # '::' is every address, IPv4 ones included (as the docs say), and
+            # '::ffff:a.b.c.d' is an IPv4 one: never IPv6-only.
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.bind((ip, port))
         sock.listen(_BACKLOG)
         bound = int(sock.getsockname()[1])
+        fd = sock.detach()  # the store owns it from here: it closes it when dropped
     except BaseException:
         sock.close()
         raise
-    # The store owns the socket from here: it closes it when it is dropped.
     store = TCPStore(
         ip,
         bound,
         is_master=True,
         wait_for_workers=False,
-        timeout=timedelta(seconds=timeout),
-        master_listen_fd=sock.detach(),
+        timeout=timedelta(seconds=seconds),
+        master_listen_fd=fd,
     )
     return StoreServer(ip, bound, store)
 
@@ -188,15 +196,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    ip = ipaddress.ip_address(server.host)
+    # a wildcard is not an address to connect to: ranks use this machine's own
+    where = f"<this machine's address>:{server.port}" if ip.is_unspecified else server.address
     with server:
-        print(f"ftcomm store serving on {server.address}", flush=True)
-        print(
-            f"  ranks: await group.configure('{server.addr('run/q0')}', rank, world_size)",
-            flush=True,
-        )
-        if not ipaddress.ip_address(server.host).is_loopback:
-            print("  no authentication: anyone who reaches this port can join a group", flush=True)
+        _say(f"ftcomm store serving on {server.address}")
+        _say(f"  ranks: await group.configure('{where}/run/q0', rank, world_size)")
+        if not ip.is_loopback:
+            _say("  no authentication: anyone who reaches this port can join a group")
         with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
-    print("ftcomm store stopped", flush=True)
+    _say("ftcomm store stopped")
     return 0
+
+
+def _say(line: str) -> None:
+    """Print a line; a reader that went away (``| head``) does not stop the store."""
+    try:
+        print(line, flush=True)
+    except (BrokenPipeError, ValueError):
+        with contextlib.suppress(OSError):  # later lines, and the exit's flush, go nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

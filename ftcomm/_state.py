@@ -224,15 +224,21 @@ class GroupCore:
         _announce(old)
         return attempt, teardown
 
-    def ready(self, attempt: Attempt, config: Config) -> bool:
+    def ready(
+        self, attempt: Attempt, config: Config, on_ready: Callable[[], None] | None = None
+    ) -> bool:
         """The attempt built ``config``; False if it was superseded (the caller
-        must then dispose of it: it never became the group's)."""
+        must then dispose of it: it never became the group's). ``on_ready``
+        runs under the lock once it is READY (it must not block): before any
+        op of the configuration can be issued."""
         with self.lock:
             if self._attempt is not attempt:
                 return False
             self._attempt = None
             self._config = config
             self._go("ready")
+            if on_ready is not None:
+                on_ready()
             return True
 
     def fail(self, attempt: Attempt) -> None:

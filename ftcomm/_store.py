@@ -105,16 +105,12 @@ ENV_SCHEME = "env://"
 DEFAULT_ENV_PREFIX = "ftcomm"
 
 
-@dataclass(frozen=True, slots=True)
-class EnvStore:
-    """``env://[prefix]`` read from the environment, as torchrun sets it."""
+def env_int(name: str) -> int | None:
+    """The integer in environment variable ``name``; ``None`` if unset or empty.
 
-    addr: StoreAddr
-    rank: int | None
-    world_size: int | None
-
-
-def _env_int(name: str) -> int | None:
+    Raises:
+        ValueError: it is not an integer (the message names the variable).
+    """
     text = os.environ.get(name)
     if text is None or not text.strip():
         return None
@@ -124,17 +120,19 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"the environment's {name}={text!r} is not an integer") from None
 
 
-def parse_env_addr(value: str, name: str = "store_addr") -> EnvStore:
+def parse_env_addr(value: str, name: str = "store_addr") -> StoreAddr:
     """``env://`` or ``env://prefix``: the store at ``MASTER_ADDR:MASTER_PORT``
     (which ``torchrun`` sets, and whose agent hosts the store), under
-    ``prefix`` (``"ftcomm"`` when empty), and ``RANK``/``WORLD_SIZE`` if set.
+    ``prefix`` (``"ftcomm"`` when empty). ``RANK`` and ``WORLD_SIZE`` are
+    read by whoever needs them (:func:`env_int`).
 
     Raises:
-        ValueError: ``MASTER_ADDR`` or ``MASTER_PORT`` is unset, or a variable
-            is malformed; the message names it.
+        ValueError: ``MASTER_ADDR`` or ``MASTER_PORT`` is unset or malformed
+            (a port in ``MASTER_ADDR``, a scheme, whitespace), or the prefix
+            has a query; the message names what to fix.
     """
     prefix = value[len(ENV_SCHEME) :] or DEFAULT_ENV_PREFIX
-    if prefix.startswith("?"):
+    if "?" in prefix:
         raise ValueError(
             f"{name} {value!r}: env:// takes a prefix (env://run/q1), not query "
             "parameters; pass rank and world_size as arguments"
@@ -146,18 +144,29 @@ def parse_env_addr(value: str, name: str = "store_addr") -> EnvStore:
             "(torchrun sets them; else host a store with `python -m ftcomm store` "
             "and export its address)"
         )
-    host = os.environ["MASTER_ADDR"].strip().removeprefix("[").removesuffix("]")
-    port = _env_int("MASTER_PORT")
+    text = os.environ["MASTER_ADDR"].strip()
+    host = text.removeprefix("[").removesuffix("]")
+    if (
+        not host
+        or "/" in host
+        or "".join(host.split()) != host
+        or (":" in host and not _is_ipv6(host))
+    ):
+        raise ValueError(
+            f"the environment's MASTER_ADDR={text!r} is not a host name or an IP address "
+            "(the port goes in MASTER_PORT)"
+        )
+    port = env_int("MASTER_PORT")
     if port is None or not 0 < port < 65536:
         raise ValueError(f"the environment's MASTER_PORT must be in 1..65535, got {port}")
-    return EnvStore(StoreAddr(host, port, prefix), _env_int("RANK"), _env_int("WORLD_SIZE"))
+    return StoreAddr(host, port, prefix)
 
 
 def resolve_store_addr(value: object, name: str = "store_addr") -> StoreAddr:
     """A store address: ``host:port/prefix`` (:func:`parse_store_addr`), or
     ``env://prefix`` (:func:`parse_env_addr`)."""
     if isinstance(value, str) and value.startswith(ENV_SCHEME):
-        return parse_env_addr(value, name).addr
+        return parse_env_addr(value, name)
     return parse_store_addr(value, name)
 
 
@@ -209,7 +218,7 @@ def why_unreachable(exc: BaseException) -> str:
     if isinstance(exc, ConnectionRefusedError):
         return (
             "connection refused: nothing listens on that port; is the store hosted there "
-            "(torch.distributed.TCPStore(host, port, is_master=True)) and running?"
+            "(python -m ftcomm store, ftcomm.serve_store()) and running?"
         )
     if isinstance(exc, socket.gaierror):
         return f"the host name does not resolve ({exc.strerror})"

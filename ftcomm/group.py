@@ -37,7 +37,7 @@ from ._runtime.observe import Event, GroupStats, Observer, Subscription
 from ._runtime.table import Broken, OpTable
 from ._runtime.work import Work
 from ._state import Attempt, Config, GroupCore, State, Teardown, all_of
-from ._store import ENV_SCHEME, StoreAddr, parse_env_addr, parse_store_addr
+from ._store import ENV_SCHEME, StoreAddr, env_int, parse_env_addr, parse_store_addr
 from ._verify import Chain, VerifiedOp, describe
 from .backends import Backend, ConnectSpec, backend_class
 
@@ -276,9 +276,7 @@ class Group(Collectives):
         # "on the wire". Not the state lock: issuing may wait on a native
         # call, and transitions never wait.
         self._issue_lock = threading.Lock()
-        # Not a method of the group: the tables hold the observer, and must
-        # not keep a group dropped without shutdown() alive.
-        self._observer = Observer(self._core.lock, self._runtime.events.submit, stats=stats)
+        self._observer = Observer(self._core.lock, self._runtime.events.post, stats=stats)
 
     def __repr__(self) -> str:
         cfg = self._core.config
@@ -357,6 +355,7 @@ class Group(Collectives):
             RuntimeError: awaited without a running asyncio loop (trio).
         """
         require_asyncio("configure()")
+        self._runtime.watch_caller()  # debug mode: is the caller's loop ever held?
         addr, given_rank, given_world = _store_and_ranks(store_addr, rank, world_size)
         world_size = v.check_int(given_world, "world_size", minimum=1)
         rank = v.check_rank(given_rank, "rank", world_size)
@@ -405,14 +404,14 @@ class Group(Collectives):
         )
         started = time.monotonic()
         try:
-            await self._build(spec)
+            await self._build(spec, started)
         except (Exception, asyncio.CancelledError) as exc:
             self._observer.configure_failed(rank, str(addr), time.monotonic() - started, exc)
             raise
-        self._observer.configured(rank, world_size, str(addr), time.monotonic() - started)
 
-    async def _build(self, spec: ConnectSpec) -> None:
-        """Tear the old configuration down, build the new one from ``spec``."""
+    async def _build(self, spec: ConnectSpec, started: float) -> None:
+        """Tear the old configuration down, build the new one from ``spec``
+        (``configure()`` began at ``started``)."""
         rank, world_size, seconds = spec.rank, spec.world_size, spec.timeout
         attempt, teardown = self._core.begin(
             CommAborted("the group was reconfigured", rank=rank, op="configure")
@@ -443,7 +442,12 @@ class Group(Collectives):
                 table.break_,
             )
         config = Config(backend, table, str(spec.store), _SUM in backend.reduce_ops, chain)
-        if not self._core.ready(attempt, config):
+
+        def on_ready() -> None:  # under the lock: its event comes before any of its ops'
+            store = str(spec.store)
+            self._observer.configured(rank, world_size, store, time.monotonic() - started)
+
+        if not self._core.ready(attempt, config, on_ready):
             self._runtime.dispose(*backend.close())
             raise self._core.superseded(attempt, rank)
         # Weakly: the worker's reader holds this callback, and must not keep a
@@ -610,10 +614,12 @@ class Group(Collectives):
         group from now on: ops issued, ended and failed, configures, aborts,
         worker deaths, shutdowns, each with rank, op, seq, store and duration.
 
-        It runs on the thread where the event happened (the caller's, the
-        owner loop's, a backend's), outside every lock of ftcomm: it must be
-        quick, must not block, and may call the group. What it raises is
-        logged and dropped. To get events on your own loop, forward them:
+        It runs on one thread of ftcomm's (``ftcomm-events``), one event at a
+        time, in the order they happened (an op's ``"issued"`` before its
+        end), outside every lock of ftcomm: it may call the group, and it
+        should be quick (a slow one delays the events after it; past
+        100,000 waiting, events are dropped and a warning says so). What it
+        raises is logged and dropped. To get events on your own loop, forward them:
         ``lambda e: loop.call_soon_threadsafe(queue.put_nowait, e)``.
         Returns a :class:`ftcomm.Subscription`: ``close()`` it (or use it
         in a ``with``) to stop.
@@ -697,8 +703,8 @@ class Group(Collectives):
             error = table.error
             if error is not None:
                 raise _refused(op, error, table.rank) from error
-            issued = time.monotonic()
-            deadline = issued + seconds
+            issued = time.perf_counter()  # for its latency
+            deadline = time.monotonic() + seconds
             try:
                 if cfg.chain is not None and check is not None:
                     start = self._verified(cfg.chain, op, check, extra, deadline, start)
@@ -769,29 +775,31 @@ def _store_and_ranks(
     """``configure()``'s store address, rank and world size: from the
     environment for ``env://`` (where not given), else as given."""
     if isinstance(store_addr, str) and store_addr.startswith(ENV_SCHEME):
-        env = parse_env_addr(store_addr)
-        for name, given, found, var in (
-            ("rank", rank, env.rank, "RANK"),
-            ("world_size", world_size, env.world_size, "WORLD_SIZE"),
-        ):
-            if given is None and found is None:
-                raise ValueError(
-                    f"configure({store_addr!r}) needs {name}: pass it, or set {var} "
-                    "in the environment (torchrun does)"
-                )
-        return (
-            env.addr,
-            env.rank if rank is None else rank,
-            env.world_size if world_size is None else world_size,
-        )
-    addr = parse_store_addr(store_addr)
+        addr = parse_env_addr(store_addr)
+        found = {}
+        for name, given, var in (("rank", rank, "RANK"), ("world_size", world_size, "WORLD_SIZE")):
+            if given is None:
+                found[name] = env_int(var)
+                if found[name] is None:
+                    raise ValueError(
+                        f"configure({store_addr!r}) needs {name}: pass it, or set {var} "
+                        "in the environment (torchrun does)"
+                    )
+        world = found.get("world_size", world_size)
+        env_rank = found.get("rank")
+        if env_rank is not None and isinstance(world, int) and not 0 <= env_rank < world:
+            raise ValueError(
+                f"the environment's RANK={env_rank} is not a rank of a world of {world}"
+            )
+        return addr, found.get("rank", rank), world
+    parsed = parse_store_addr(store_addr)
     for name, given in (("rank", rank), ("world_size", world_size)):
         if given is None:
             raise TypeError(
                 f"configure() needs {name} (only an env:// store address reads it "
                 "from the environment)"
             )
-    return addr, rank, world_size
+    return parsed, rank, world_size
 
 
 def _refused(op: str, error: CommError, rank: int | None) -> CommAborted:

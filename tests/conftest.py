@@ -4,14 +4,14 @@ import asyncio
 import os
 import threading
 from collections.abc import Callable, Iterator
-from multiprocessing import resource_tracker
+from multiprocessing import forkserver, resource_tracker
 
 import pytest
 from helpers import StoreServer
 from torch._C._distributed_c10d import TCPStore
 
 from ftcomm._runtime.loop import get_runtime, new_event_loop
-from ftcomm.testing._world import _children, _fds, _segments, _threads
+from ftcomm.testing._world import _children, _fds, _mp_context, _segments, _threads
 
 os.environ.setdefault("FTCOMM_DEBUG", "1")
 # c10d's TCPStore resolves every peer address to a name for its logs (a DNS
@@ -28,6 +28,9 @@ os.environ.setdefault("FTCOMM_STALL_MS", "500")
 # multiprocessing's long-lived helper process: start it now, so that it belongs
 # to the baseline of every leak check.
 resource_tracker.ensure_running()
+# And the fork server the worlds' ranks start from (torch imported once).
+if _mp_context().get_start_method() == "forkserver":
+    forkserver.ensure_running()
 # torch keeps a process-wide pipe pair once the first TCPStore server has run.
 TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
@@ -55,7 +58,7 @@ def no_leaks() -> Iterator[None]:
     """Every test leaves no thread, child process (running or unreaped), fd,
     shared-memory segment or owner-loop stall behind."""
     rt = get_runtime()
-    threads, fds, children = _threads(), _fds(), _children(zombies=True)
+    threads, fds, children = _threads(), _fds(), _children(zombies=True, descendants=True)
     segments = {s for s in _segments() if s.startswith(f"ftcomm-{os.getpid()}-")}
     stalls = len(rt.watchdog.stalls) if rt.watchdog else 0
     yield
@@ -67,7 +70,7 @@ def no_leaks() -> Iterator[None]:
         if thread.ident not in threads and not thread.name.startswith("ftcomm-"):
             thread.join(5.0)  # a thread that is finishing gets a bounded moment
     assert not (_threads() - threads), f"threads left behind: {threading.enumerate()}"
-    left = _children(zombies=True) - children
+    left = _children(zombies=True, descendants=True) - children
     assert not left, f"child processes left behind (running or unreaped): {left}"
     mine = {s for s in _segments() if s.startswith(f"ftcomm-{os.getpid()}-")}
     assert not (mine - segments), f"/dev/shm segments left: {mine - segments}"

@@ -1,18 +1,32 @@
-"""Smoke test of ``python -m ftcomm bench``: it runs, exits 0 and prints ratios."""
+"""Smoke test of ``python -m ftcomm bench``: it runs, exits 0 and prints ratios;
+its ``--json`` and ``--plot`` outputs; how it ends torchft's subprocess groups."""
 
 from __future__ import annotations
 
+import json
 import re
+import struct
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+
+import ftcomm
+from ftcomm import _bench
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.timeout(120)
-def test_bench_runs_and_prints_ratios() -> None:
+def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     tiny = ["--iters", "50", "--big-iters", "2", "--big-mib", "1", "--rounds", "2", "--warmup", "5"]
     tiny += ["--recovery-samples", "1", "--no-torchft"]  # torchft's rows: make bench
+    tiny += ["--with", "stats-off"]
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    tiny += ["--json", str(out_json), "--plot", str(out_png)]
     proc = subprocess.run(
         [sys.executable, "-m", "ftcomm", "bench", *tiny, "--timeout", "50"],
         capture_output=True,
@@ -21,16 +35,125 @@ def test_bench_runs_and_prints_ratios() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "group aborted" not in proc.stderr, proc.stderr  # the kills it does on purpose
     out = proc.stdout
     assert re.search(r"^allreduce 1xfp32\s+raw\s+\d+\.\d+\s+\d+\.\d+\s*$", out, re.M), out
     assert re.search(r"^allreduce 1xfp32\s+ftcomm\s+[\d.]+\s+[\d.]+\s+\d+\.\d+x$", out, re.M), out
     assert re.search(r"^allreduce 1xfp32\s+facade\s+[\d.]+\s+[\d.]+\s+\d+\.\d+x$", out, re.M), out
     assert re.search(r"^allreduce 1MiB fp32\s+ftcomm\s.*\(bw ratio \d+\.\d+x\)$", out, re.M), out
-    for impl in ("subproc", "baby"):
+    for impl in ("subproc", "baby", "stats-off"):
         assert re.search(rf"^allreduce 1xfp32\s+{impl}\s+[\d.]+\s+[\d.]+\s+\d+\.\d+x$", out, re.M)
     assert re.search(r"^dead worker noticed\s+\d+\.\d+\s+\d+\.\d+$", out, re.M), out
     assert re.search(r"^subproc, spare worker\s+\d+\.\d+", out, re.M), out
     assert "torchft rows skipped: --no-torchft" in out, out
+    assert f"json: {out_json}" in out, out
+    assert f"plot: {out_png}" in out, out
+
+    # --json: every row of the table, the same figures, the plan, the versions.
+    doc = json.loads(out_json.read_text())
+    assert (doc["ftcomm"], doc["torch"]) == (ftcomm.__version__, torch.__version__)
+    assert doc["plan"]["rounds"] == 2
+    assert [w["iters"] for w in doc["plan"]["workloads"]] == [50, 2]
+    rows = {(r["workload"], r["case"]): r for r in doc["rows"]}
+    cases = ("raw", "ftcomm", "stats-off", "verify", "facade", "subproc", "sub+move", "baby")
+    assert set(rows) == {(w, c) for w in ("allreduce 1xfp32", "allreduce 1MiB fp32") for c in cases}
+    for (_, case), row in rows.items():
+        p50_in_table = re.search(
+            rf"^{re.escape(row['workload'])}\s+{re.escape(case)}\s+(\d+\.\d)\s", out, re.M
+        )
+        assert p50_in_table, (case, out)
+        assert float(p50_in_table[1]) == pytest.approx(row["p50_us"], abs=0.051)
+        assert row["p50_us"] <= row["p90_us"] <= row["p99_us"]
+        raw_p50 = rows[(row["workload"], "raw")]["p50_us"]
+        assert row["ratio_p50_vs_raw"] == pytest.approx(row["p50_us"] / raw_p50, rel=1e-3)
+    assert rows[("allreduce 1MiB fp32", "ftcomm")]["gb_per_s"] > 0
+    assert rows[("allreduce 1xfp32", "ftcomm")]["gb_per_s"] is None
+    assert "dead worker noticed" in {r["what"] for r in doc["recovery"]}
+    assert doc["failures"] == []
+
+    # --plot: a PNG of a plausible size (two panels of 7 cases).
+    png = out_png.read_bytes()
+    assert png[:8] == PNG_SIGNATURE
+    width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
+    assert width >= 800, width
+    assert height >= 600, height
+    assert len(png) > 30_000, len(png)
+
+
+def test_plot_without_matplotlib_exits_2_before_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+
+    def must_not_run(*_: object) -> _bench.Report:
+        raise AssertionError("the bench ran although --plot cannot be drawn")
+
+    monkeypatch.setattr(_bench, "_run_children", must_not_run)
+    assert _bench.main(["--plot", str(tmp_path / "b.png")]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'ftcomm[plot]'" in err, err
+    assert not (tmp_path / "b.png").exists()
+
+
+def test_json_to_stdout_alone_and_a_failure_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fake_run(plan: _bench.Plan, timeout: float) -> _bench.Report:
+        lat = {(w.label, c): [1e-4, 2e-4, 4e-4] for w in plan.workloads for c in plan.cases}
+        return _bench.Report(lat, failures=["rank 1, baby: close failed: boom"])
+
+    monkeypatch.setattr(_bench, "_run_children", fake_run)
+    code = _bench.main(["--json", "-", "--recovery-samples", "0", "--no-torchft"])
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)  # stdout holds the JSON alone
+    assert code == 1
+    assert doc["failures"] == ["rank 1, baby: close failed: boom"]
+    assert "FAILED: rank 1, baby: close failed: boom" in captured.err
+    assert doc["rows"][0]["case"] == "raw"
+    assert doc["rows"][1]["ratio_p50_vs_raw"] == 1.0
+    assert doc["recovery"] is None
+
+
+class _FakeProc:
+    def __init__(self, exitcode: int | None) -> None:
+        self.exitcode, self.pid, self.killed = exitcode, 4242, False
+
+    def kill(self) -> None:
+        self.killed = True
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+class _FakePipe:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _FakeBaby:
+    """torchft 0.2's ProcessGroupBaby, as far as the bench's shutdown reads it."""
+
+    def __init__(self, exitcode: int | None) -> None:
+        self._p, self._future_pipe = _FakeProc(exitcode), _FakePipe()
+        self.order: list[str] = []
+
+    def shutdown(self) -> None:
+        self.order.append(f"shutdown (killed={self._p.killed})")
+
+
+def test_torchft_worker_killed_before_its_pipes_close_and_a_dead_one_reported() -> None:
+    live: Any = _FakeBaby(exitcode=None)
+    _bench.close_torchft_baby(live)
+    assert live._future_pipe.closed
+    assert live.order == ["shutdown (killed=True)"]  # killed first: it never reads an EOF
+
+    dead: Any = _FakeBaby(exitcode=1)
+    with pytest.raises(RuntimeError, match=r"exited on its own, code 1"):
+        _bench.close_torchft_baby(dead)
+    assert dead.order == ["shutdown (killed=False)"]
 
 
 def test_no_command_prints_usage_and_exits_2() -> None:

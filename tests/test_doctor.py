@@ -5,6 +5,7 @@ to fail, one CLI process."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -98,17 +99,38 @@ def test_store_nobody_listens_on(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
 def test_store_answers(capsys: pytest.CaptureFixture[str], host: str) -> None:
     server = StoreServer(host)
+    stderr_before = os.fstat(2)
     try:
         shown = f"[{host}]" if ":" in host else host
         code, report = _json_run(capsys, "--no-live", "--store", f"{shown}:{server.port}/a/b")
     finally:
         server.close()
+    stderr_after = os.fstat(2)  # the handshake's quiet stderr is put back
+    assert (stderr_after.st_dev, stderr_after.st_ino) == (
+        stderr_before.st_dev,
+        stderr_before.st_ino,
+    )
     assert code == 0, report["problems"]
     store = report["store"]
     assert store["reachable"] is True, store
     assert store["host_port"] == f"{shown}:{server.port}"
     assert store["prefix"] == "a/b"
     assert report["live_check"] == {"ran": False, "reason": "--no-live"}
+
+
+def test_store_from_the_environment(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = StoreServer("127.0.0.1")
+    try:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(server.port))
+        code, report = _json_run(capsys, "--no-live", "--store", "env://run")
+    finally:
+        server.close()
+    assert code == 0, report["problems"]
+    assert report["store"]["reachable"] is True
+    assert report["store"]["host_port"] == f"127.0.0.1:{server.port}"
 
 
 def test_a_bad_store_address_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

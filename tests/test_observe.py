@@ -43,6 +43,32 @@ def test_histogram_percentiles_are_within_a_sixteenth() -> None:
         assert h.max == values[-1]
         assert h.count == len(values)
     assert Histogram().quantile(0.5) is None
+    long = Histogram()
+    long.add(300.0)  # past the top bucket: the largest value, not 128 s
+    assert long.quantile(0.5) == 300.0
+
+
+def test_the_event_queue_runs_in_order_drops_past_its_bound_and_never_raises(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from ftcomm._runtime.threads import EventQueue
+
+    events = EventQueue("ftcomm-events-test", bound=2)
+    release, ran = threading.Event(), []
+    events.post(release.wait)  # holds the thread
+    events.post(lambda: ran.append(1))
+    events.post(lambda: ran.append(2))  # the third waiting: dropped
+    assert events.dropped == 1
+    release.set()
+    assert events.wait_idle(5)
+    assert ran == [1]
+    events.post(lambda: ran.append(3))
+    assert events.wait_idle(5)
+    assert ran == [1, 3]
+    assert any("1 events dropped" in r.getMessage() for r in caplog.records)
+    events.close()
+    events.post(lambda: ran.append(4))  # closed (interpreter exit): dropped, no error
+    assert ran == [1, 3]
 
 
 @pytest_asyncio.fixture
@@ -143,6 +169,7 @@ async def test_abort_reconfigure_and_shutdown_are_events_and_stats_can_be_off(
             await group.configure(server.addr("q0"), 0, 1)
             await group.allreduce(torch.ones(2))
             await group.abort()
+            await group.shutdown()  # an errored configuration shut down: a shutdown too
             await group.configure(server.addr("q1"), 0, 1)
             await group.shutdown()
 
@@ -153,7 +180,10 @@ async def test_abort_reconfigure_and_shutdown_are_events_and_stats_can_be_off(
             await group.configure(server.addr("q2"), 0, 1)  # logged, not raised
             await group.shutdown()
             delivered()
-    assert kinds == ["configured", "issued", "ended", "aborted", "configured", "shutdown"]
+    assert kinds == [
+        *("configured", "issued", "ended", "aborted", "shutdown"),
+        *("configured", "shutdown"),
+    ]
     stats = group.stats()
     assert stats.ops == {}  # stats=False: no per-op records
     assert stats.aborts == {"CommAborted": 1}
@@ -201,3 +231,20 @@ def test_the_facades_groups_show_their_stats_and_events() -> None:
             wrapper.shutdown()
         delivered()
         assert kinds == ["configured", "issued", "ended", "shutdown"]
+
+
+@pytest.mark.asyncio
+async def test_an_op_found_ended_after_other_work_is_counted_untimed(
+    pair: tuple[ftcomm.Group, ftcomm.Group, str],
+) -> None:
+    """Its end was not seen as it happened: its latency would be the caller's
+    compute time, so it is counted, and kept out of the percentiles."""
+    a, b, _ = pair
+    await asyncio.gather(a.allreduce(torch.ones(1)), b.allreduce(torch.ones(1)))  # watched
+    work_a, work_b = a.allreduce(torch.ones(1)), b.allreduce(torch.ones(1))
+    await asyncio.sleep(0.3)  # "compute": nobody looks at the ops meanwhile
+    await asyncio.gather(work_a, work_b)
+    stats = a.stats().ops["allreduce"]
+    assert (stats.count, stats.untimed) == (2, 1)
+    assert stats.max is not None
+    assert stats.max < 0.3  # the watched one only

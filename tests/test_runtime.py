@@ -195,7 +195,7 @@ def test_watchdog_excuses_time_the_owner_thread_queued_for_a_cpu() -> None:
         rt.set_debug(0.05)
         watchdog = rt.watchdog
         assert watchdog is not None
-        watchdog._clock.read = lambda: (0.0, time.monotonic())  # type: ignore[method-assign]
+        watchdog._watched[rt.thread_id or -1].clock.read = lambda: (0.0, time.monotonic())  # type: ignore[method-assign]
         done = threading.Event()
         rt.call_soon(lambda: (time.sleep(0.3), done.set()))
         assert done.wait(5)
@@ -243,7 +243,7 @@ def test_watchdog_reports_a_callback_that_holds_the_gil_on_a_cpu() -> None:
         rt.set_debug(0.1)
         watchdog = rt.watchdog
         assert watchdog is not None
-        if watchdog._clock.read() == (0.0, 0.0):
+        if watchdog._watched[rt.thread_id or -1].clock.read() == (0.0, 0.0):
             pytest.skip("no /proc/self/task/<tid>/schedstat: GIL holders are excused")
         done = threading.Event()
         rt.call_soon(lambda: (sum(range(30_000_000)), time.sleep(0.05), done.set()))
@@ -251,6 +251,33 @@ def test_watchdog_reports_a_callback_that_holds_the_gil_on_a_cpu() -> None:
         assert watchdog.stalls, "a callback on a CPU for ~0.3 s went unnoticed"
         assert watchdog.stalls[0].seconds > 0.1
     finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_watchdog_reports_a_callers_loop_held_by_a_blocking_call(kind: str) -> None:
+    """A trainer's own loop that awaits ftcomm is watched too (debug mode):
+    a blocking call there delays every op it awaits. Reported with its stack
+    (not as an owner-loop stall); an idle wait is not reported."""
+    rt = Runtime("asyncio")
+    loop = loop_mod.new_event_loop(kind)
+    try:
+        rt.set_debug(0.1)
+        watchdog = rt.watchdog
+        assert watchdog is not None
+
+        async def blocking_trainer_step() -> None:
+            rt.watch_caller()
+            await asyncio.sleep(0.3)  # idle: waiting for events
+            time.sleep(0.4)  # noqa: ASYNC251 (held: a blocking call on the loop)
+
+        loop.run_until_complete(blocking_trainer_step())
+        assert watchdog.stalls == []
+        assert len(watchdog.caller_stalls) == 1, watchdog.caller_stalls
+        assert "blocking_trainer_step" in watchdog.caller_stalls[0].stack
+        assert watchdog.caller_stalls[0].seconds > 0.1
+    finally:
+        loop.close()
         rt.close()
 
 

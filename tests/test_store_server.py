@@ -21,6 +21,7 @@ from torch.distributed import PrefixStore, TCPStore
 import ftcomm
 from ftcomm._store import parse_env_addr
 from ftcomm.backends._gloo_pairs import LISTENER_KEY, decode_addr
+from ftcomm.group import _store_and_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -61,6 +62,13 @@ def test_serve_store_rejects_bad_arguments_by_name() -> None:
         ftcomm.serve_store(port=server.port)  # in use
     with ftcomm.serve_store("::1") as v6:
         assert v6.address == f"[::1]:{v6.port}"
+    with pytest.raises(TypeError, match="timeout must be seconds"):
+        ftcomm.serve_store(timeout="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        ftcomm.serve_store(timeout=0)
+    with ftcomm.serve_store("::") as anywhere:  # every address, IPv4 ones too
+        for host in ("127.0.0.1", "::1"):
+            socket.create_connection((host, anywhere.port), timeout=2).close()
 
 
 def test_env_addresses_read_torchruns_variables(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -68,19 +76,26 @@ def test_env_addresses_read_torchruns_variables(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ValueError, match="needs MASTER_ADDR and MASTER_PORT"):
         parse_env_addr("env://")
-    monkeypatch.setenv("MASTER_ADDR", "::1")
+    monkeypatch.setenv("MASTER_ADDR", "[::1]")
     monkeypatch.setenv("MASTER_PORT", "nope")
     with pytest.raises(ValueError, match="MASTER_PORT='nope' is not an integer"):
         parse_env_addr("env://")
+    for port in ("0", "65536"):
+        monkeypatch.setenv("MASTER_PORT", port)
+        with pytest.raises(ValueError, match=r"MASTER_PORT must be in 1\.\.65535"):
+            parse_env_addr("env://")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    env = parse_env_addr("env://run/q1")
-    assert (str(env.addr), env.rank, env.world_size) == ("[::1]:29500/run/q1", None, None)
-    assert parse_env_addr("env://").addr.prefix == "ftcomm"  # not torch's own keys
-    with pytest.raises(ValueError, match="takes a prefix"):
-        parse_env_addr("env://?rank=0")
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert (parse_env_addr("env://").rank, parse_env_addr("env://").world_size) == (1, 2)
+    assert str(parse_env_addr("env://run/q1")) == "[::1]:29500/run/q1"  # brackets taken off
+    assert parse_env_addr("env://").prefix == "ftcomm"  # not torch's own keys
+    for bad in ("127.0.0.1:29500", "tcp://10.0.0.1", "a host", "host/x"):
+        monkeypatch.setenv("MASTER_ADDR", bad)
+        with pytest.raises(ValueError, match=r"MASTER_ADDR=.* is not a host name or an IP"):
+            parse_env_addr("env://")
+    monkeypatch.setenv("MASTER_ADDR", "fdaa::1")  # a bare IPv6 address is one
+    assert parse_env_addr("env://").host == "fdaa::1"
+    for query in ("env://?rank=0", "env://run/q0?rank=1"):
+        with pytest.raises(ValueError, match="takes a prefix"):
+            parse_env_addr(query)
 
 
 @pytest.mark.asyncio
@@ -102,6 +117,11 @@ async def test_configure_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
             await group.configure("env://q0", 0)
         assert group.state is ftcomm.State.UNCONFIGURED  # refused before anything
         monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "2")
+        with pytest.raises(ValueError, match="RANK=2 is not a rank of a world of 2"):
+            await group.configure("env://q0")
+        monkeypatch.setenv("RANK", "x")  # not read where the rank is given
+        assert _store_and_ranks("env://q0", 1, None)[1:] == (1, 2)
         monkeypatch.setenv("RANK", "0")
         other = ftcomm.Group("gloo", timeout=10)
         async with group, other:
@@ -131,12 +151,12 @@ def test_the_multi_host_recipe_on_two_loopback_hosts() -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
+    ranks: list[subprocess.Popen[str]] = []
     try:
         assert store.stdout is not None
         first = store.stdout.readline()
         assert first.startswith("ftcomm store serving on 127.0.0.2:"), first
         port = int(first.rsplit(":", 1)[1])
-        ranks = []
         for rank in (0, 1):
             env = dict(os.environ, FTCOMM_GLOO_HOST=f"127.0.0.{rank + 2}", MASTER_ADDR="127.0.0.2")
             env.update(MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
@@ -159,6 +179,10 @@ def test_the_multi_host_recipe_on_two_loopback_hosts() -> None:
         assert [_listener_host(port, "mh/q0", r) for r in (0, 1)] == ["127.0.0.2", "127.0.0.3"]
         assert _refused("127.0.0.1", port)  # the store: on 127.0.0.2 only
     finally:
+        for p in ranks:  # on a failure above: nothing left behind to hide it
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
         store.send_signal(signal.SIGTERM)
         out, err = store.communicate(timeout=10)
     assert store.returncode == 0, err
@@ -172,7 +196,8 @@ def test_torchrun_drives_the_async_loop_and_the_facades_ddp() -> None:
     allreduces sum both ranks, and DDP over ProcessGroupGloo ends with the
     same weights on both ranks."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    assert torchrun is not None
+    if torchrun is None:
+        pytest.skip("no torchrun next to this interpreter (torch installed elsewhere)")
     proc = subprocess.run(
         [
             *(torchrun, "--standalone", "--nproc-per-node", "2", "--no-python"),
@@ -194,3 +219,38 @@ def test_torchrun_drives_the_async_loop_and_the_facades_ddp() -> None:
     assert all(r["allreduce"] == [1.0, 3.0, 5.0] for r in reports)  # (0+s)+(1+s)
     assert reports[0]["ddp_weights"] == reports[1]["ddp_weights"]
     assert "Traceback" not in proc.stderr
+
+
+def test_the_anyio_loop_recovers_from_a_stalled_peer() -> None:
+    """examples/anyio_training_loop.py: collectives at once from a task
+    group under a deadline scope; rank 1 stalls at step 2, rank 0's deadline
+    aborts the group, both configure again and end with the same weights;
+    each one's stats() counts the failed ops and the abort."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "anyio_training_loop.py"),
+            "--steps",
+            "4",
+            "--hang-at",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = sorted(
+        (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+        key=lambda r: r["rank"],
+    )
+    assert [r["recovered_at"] for r in reports] == [[2], [2]]
+    assert reports[0]["weights"] == reports[1]["weights"]
+    stats = reports[0]["stats"]
+    assert stats["configures"] == 2
+    assert stats["aborts"] == {"CommAborted": 1}  # rank 0's deadline: a cancel
+    assert stats["ops"]["allreduce"]["count"] == 4 * 4  # 4 parameters, 4 steps
+    assert sum(stats["ops"]["allreduce"]["failed"].values()) == 4  # step 2's
+    assert "rank 0:\nop " in proc.stderr  # the stats table is printed

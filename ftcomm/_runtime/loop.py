@@ -25,11 +25,12 @@ import threading
 import time
 import traceback
 import types
+import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .threads import Reaper, WorkerPool
+from .threads import EventQueue, Reaper, WorkerPool
 
 T = TypeVar("T")
 
@@ -146,17 +147,55 @@ _IDLE_FRAMES = frozenset({"run_forever", "_run_once", "select", "poll"})
 
 
 def _idle(frame: types.FrameType) -> bool:
-    # uvloop waits in C: its innermost Python frame is Runtime._run itself.
-    return frame.f_code.co_name in _IDLE_FRAMES or frame.f_code is Runtime._run.__code__
+    # uvloop waits in C: its innermost Python frame is Runtime._run itself, or,
+    # on a caller's thread, whatever called run_until_complete (asyncio.run's
+    # Runner, anyio's, pytest-asyncio's).
+    code = frame.f_code
+    return (
+        code.co_name in _IDLE_FRAMES
+        or code is Runtime._run.__code__
+        or (code.co_name in ("run", "run_until_complete") and "asyncio" in code.co_filename)
+    )
+
+
+class _Watched:
+    """One event loop the watchdog watches: its thread and its heartbeat."""
+
+    __slots__ = (
+        "beat",
+        "clock",
+        "loop",
+        "owner",
+        "previous",
+        "queued_at",
+        "reported",
+        "thread_id",
+        "window",
+    )
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, thread_id: int, native_id: int | None, owner: bool
+    ) -> None:
+        self.loop = weakref.ref(loop)  # a caller's loop dropped unclosed is not kept
+        self.thread_id = thread_id
+        self.owner = owner
+        self.clock = CpuClock(native_id)  # read by the watchdog thread only
+        self.beat = self.window = time.monotonic()
+        self.reported = 0.0
+        self.queued_at = self.previous = self.clock.read()[1]
 
 
 class Watchdog:
-    """Debug mode: notices when a callback holds the owner loop too long.
+    """Debug mode: notices when a callback holds an event loop too long.
 
-    The loop beats every ``threshold / 4``; a daemon thread checks the beat and,
-    when it is older than ``threshold`` while the owner thread is inside a
-    callback (not waiting for events), records a :class:`Stall` with the
-    owner thread's stack and logs it at ERROR. Tests fail on any stall.
+    It watches the owner loop, and every loop that configures a group or
+    sleeps awaiting an op (:meth:`watch`): a trainer's own loop held by a
+    blocking call delays every op it awaits. Each loop beats every
+    ``threshold / 4``; a daemon thread checks the beats and, when one is
+    older than ``threshold`` while its thread is inside a callback (not
+    waiting for events), records a :class:`Stall` with that thread's stack:
+    for the owner loop in ``stalls``, logged at ERROR (tests fail on any);
+    for a caller's loop in ``caller_stalls``, logged at WARNING.
 
     Time the owner thread spent runnable but off the CPU (the kernel's run
     queue wait, from :class:`CpuClock`) is not counted: on an oversubscribed
@@ -169,62 +208,117 @@ class Watchdog:
     def __init__(self, runtime: Runtime, threshold: float) -> None:
         self.threshold = threshold
         self.stalls: list[Stall] = []
+        """The owner loop's."""
+        self.caller_stalls: list[Stall] = []
+        """Those of loops that await ftcomm (:meth:`watch`)."""
         self._runtime = runtime
-        # Read by the watchdog thread only, which closes it when it ends.
-        self._clock = CpuClock(runtime.native_id)
-        self._beat = time.monotonic()
         self._stop = threading.Event()
         self._period = threshold / 4
+        self._lock = threading.Lock()
+        # thread id -> its watched loop; the owner's first. Replaced whole.
+        owner = _Watched(runtime.loop, runtime.thread_id or -1, runtime.native_id, owner=True)
+        self._watched: dict[int, _Watched] = {owner.thread_id: owner}
         self._thread = threading.Thread(target=self._watch, name="ftcomm-watchdog", daemon=True)
         try:
             self._thread.start()
         except BaseException:
-            self._clock.close()
+            owner.clock.close()
             raise
         try:
-            runtime.call_soon(self._tick)
+            runtime.call_soon(self._tick, owner)
         except BaseException:  # the loop is closed: stop the thread (it closes the clock)
             self.stop()
             raise
 
-    def _tick(self) -> None:
-        self._beat = time.monotonic()
-        if not self._stop.is_set():
-            self._runtime.loop.call_later(self._period, self._tick)
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Watch ``loop``, the running loop of the calling thread, from now
+        on, until it closes (a dict lookup when it is watched already)."""
+        thread_id = threading.get_ident()
+        watched = self._watched.get(thread_id)
+        if (watched is not None and watched.loop() is loop) or self._stop.is_set():
+            return  # watched already (the owner loop, too), or stopping
+        # No run-queue clock (its fd would outlive the loop until the next
+        # check, and leak checks count fds): a caller's stall is not excused
+        # for time queued for a CPU, and is only logged.
+        new = _Watched(loop, thread_id, None, owner=False)
+        with self._lock:
+            old = self._watched.get(thread_id)
+            self._watched = {**self._watched, thread_id: new}
+        if old is not None:
+            old.clock.close()  # that thread's earlier loop: not run any more
+        loop.call_soon(self._tick, new)
+
+    def _tick(self, watched: _Watched) -> None:
+        watched.beat = time.monotonic()
+        loop = watched.loop()
+        current = self._watched.get(watched.thread_id) is watched
+        if loop is not None and current and not self._stop.is_set():
+            loop.call_later(self._period, self._tick, watched)
 
     def _watch(self) -> None:
         try:
-            self._check()
+            while not self._stop.wait(self._period):
+                frames = sys._current_frames()
+                for watched in list(self._watched.values()):
+                    if watched.owner:
+                        self._check(watched, frames)
+                        continue
+                    loop = watched.loop()
+                    if loop is None or loop.is_closed() or watched.thread_id not in frames:
+                        self._forget(watched)  # closed, dropped, or its thread is gone
+                    elif not loop.is_running():
+                        watched.beat = time.monotonic()  # between runs: nothing to hold
+                    else:
+                        self._check(watched, frames)
+                    del loop
+                # Frames keep their locals alive (a caller's groups, say):
+                # never past this round.
+                del frames
         finally:
-            self._clock.close()
+            for watched in self._watched.values():
+                watched.clock.close()
 
-    def _check(self) -> None:
-        reported = 0.0
-        window = self._beat
-        # The owner's run-queue wait at the last wake before this beat was
-        # seen: a period at most before the beat, so the excuse may come out a
-        # little long (by what the thread queued in that period).
-        queued_at = previous = self._clock.read()[1]
-        while not self._stop.wait(self._period):
-            queued_now = self._clock.read()[1]
-            beat = self._beat
-            if beat != window:
-                window, queued_at = beat, previous
-            previous = queued_now
-            late = time.monotonic() - beat
-            if late <= self.threshold or beat == reported:
-                continue
-            frame = sys._current_frames().get(self._runtime.thread_id or -1)
-            if frame is None or _idle(frame):
-                continue  # a late beat, not a callback holding the loop
-            queued = max(0.0, queued_now - queued_at)
-            if late - queued <= self.threshold:
-                continue
-            reported = beat
-            stack = "".join(traceback.format_stack(frame))
+    def _forget(self, watched: _Watched) -> None:
+        with self._lock:
+            if self._watched.get(watched.thread_id) is watched:
+                self._watched = {k: w for k, w in self._watched.items() if w is not watched}
+        watched.clock.close()
+
+    def _check(self, w: _Watched, frames: dict[int, types.FrameType]) -> None:
+        queued_now = w.clock.read()[1]
+        beat = w.beat
+        if beat != w.window:
+            # The thread's run-queue wait at the last wake before this beat
+            # was seen: a period at most before the beat, so the excuse may
+            # come out a little long (by what the thread queued in that period).
+            w.window, w.queued_at = beat, w.previous
+        w.previous = queued_now
+        late = time.monotonic() - beat
+        if late <= self.threshold or beat == w.reported:
+            return
+        thread_id = (self._runtime.thread_id or -1) if w.owner else w.thread_id
+        frame = frames.get(thread_id)
+        if frame is None or _idle(frame):
+            return  # a late beat, not a callback holding the loop
+        queued = max(0.0, queued_now - w.queued_at)
+        if late - queued <= self.threshold:
+            return
+        w.reported = beat
+        stack = "".join(traceback.format_stack(frame))
+        if w.owner:
             self.stalls.append(Stall(late - queued, stack, queued))
             log.error(
                 "ftcomm owner loop held for %.3f s (and %.3f s queued for a CPU) by:\n%s",
+                late - queued,
+                queued,
+                stack,
+            )
+        else:
+            self.caller_stalls.append(Stall(late - queued, stack, queued))
+            log.warning(
+                "ftcomm: an event loop awaiting ftcomm (thread %d) was held for %.3f s "
+                "(and %.3f s queued for a CPU); its ops' awaits and deadlines wait for it. By:\n%s",
+                thread_id,
                 late - queued,
                 queued,
                 stack,
@@ -253,7 +347,7 @@ class Runtime:
         self.callbacks = WorkerPool("ftcomm-callback", max_workers=4)
         # Groups' events and log lines (observe.py): one thread, in order,
         # never a native library's thread.
-        self.events = WorkerPool("ftcomm-events", max_workers=1)
+        self.events = EventQueue("ftcomm-events")
         self.reaper = Reaper()
         self.watchdog: Watchdog | None = None
         started = threading.Event()
@@ -341,6 +435,13 @@ class Runtime:
         self.reaper.dispose(*objs, until=until)
 
     # -- debug -------------------------------------------------------------
+    def watch_caller(self) -> None:
+        """Debug mode: have the watchdog watch the calling thread's running
+        loop too (nothing otherwise, or on the owner loop)."""
+        watchdog = self.watchdog
+        if watchdog is not None and not self.in_loop_thread():
+            watchdog.watch(asyncio.get_running_loop())
+
     def set_debug(self, threshold: float | None) -> None:
         """Turn the stall watchdog on (``threshold`` seconds) or off (``None``)."""
         if self.watchdog is not None:
@@ -362,7 +463,7 @@ class Runtime:
         if exit_grace is None:
             exit_grace = float(os.environ.get("FTCOMM_EXIT_GRACE", "5"))
         end = time.monotonic() + exit_grace
-        for pending in (self.control, self.workers, self.callbacks, self.events, self.reaper):
+        for pending in (self.control, self.workers, self.callbacks, self.reaper):
             pending.wait_short(max(0.0, end - time.monotonic()))
         if self.watchdog is not None:
             self.watchdog.stop()
@@ -372,7 +473,7 @@ class Runtime:
         self.workers.close(timeout / 4)
         self.control.close(timeout / 4)
         self.callbacks.close(timeout / 4)
-        self.events.close(timeout / 4)
+        self.events.close(min(1.0, exit_grace))
         self.reaper.close(0.1)
 
 

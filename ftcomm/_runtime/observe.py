@@ -6,8 +6,13 @@ end, every configure and every break, and keeps:
 - **statistics** (``Group.stats()``): per op kind, how many ended, how many
   failed by error type, and the latency of those that succeeded in a
   fixed-size histogram (:class:`Histogram`: 8 buckets per doubling from 1 µs
-  to 128 s, so a percentile is off by at most 1/16 of its value, in
-  constant memory); configures and their durations; aborts by cause.
+  to 128 s, so a percentile below 128 s is off by at most 1/16 of its
+  value, in constant memory); configures and their durations; aborts by
+  cause. An op's latency runs from its issue to its end as seen when it
+  happened, to within 1 ms or 1/16 of the latency (an await or ``wait()``
+  watching it, its completion callback, a look right after the issue); an
+  op found ended later (issued, then awaited after other work) has no known
+  end, and is counted as ``untimed`` instead.
 - **events** for subscribers (``Group.subscribe()``): each op issued and
   ended, each configure, abort and worker death, with rank, op, seq, store
   and duration.
@@ -28,6 +33,8 @@ before its end. With no subscriber, no op event is built or queued.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import threading
@@ -62,7 +69,7 @@ def _middle(index: int) -> float:
     if index == 0:
         return 2.0**_LOW
     if index == _BUCKETS - 1:
-        return 2.0**_HIGH
+        return math.inf  # past the top: the caller answers with the max
     octave, step = divmod(index - 1, _SUB)
     low = 2.0 ** (_LOW + octave) * (1 + step / _SUB)
     high = 2.0 ** (_LOW + octave) * (1 + (step + 1) / _SUB)
@@ -88,7 +95,8 @@ class Histogram:
             self.max = seconds
 
     def quantile(self, q: float) -> float | None:
-        """The ``q``-quantile (0..1), within 1/16 of its value; ``None`` if empty."""
+        """The ``q``-quantile (0..1), within 1/16 of its value below 128 s
+        (above, the largest value); ``None`` if empty."""
         if self.count == 0:
             return None
         rank = max(1, math.ceil(q * self.count))
@@ -122,6 +130,9 @@ class OpStats:
     p99: float | None
     mean: float | None
     max: float | None
+    untimed: int = 0
+    """Succeeded ones whose end was not seen as it happened (found ended
+    after other work): in ``count``, not in the latencies."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +162,7 @@ class GroupStats:
         def one(s: OpStats) -> dict[str, Any]:
             return {
                 "count": s.count,
+                "untimed": s.untimed,
                 "failed": dict(s.failed),
                 "p50": s.p50,
                 "p99": s.p99,
@@ -220,7 +232,9 @@ class Event:
     op: str | None = None
     seq: int | None = None
     duration: float | None = None
-    """Seconds: an op's from issue to end, a configure's."""
+    """Seconds: an op's from its issue to its end as seen (by an await, a
+    wait, its completion callback: for an op awaited after other work, that
+    later moment), a configure's."""
     error: BaseException | None = None
     time: float = field(default_factory=time.time)
     """When, as ``time.time()``."""
@@ -262,7 +276,8 @@ def _deliver(subscribers: tuple[Subscriber, ...], event: Event) -> None:
         try:
             callback(event)
         except Exception:
-            log.exception("ftcomm: an event subscriber raised on %s", event.kind)
+            with contextlib.suppress(Exception):  # a broken log handler: still the next one
+                log.exception("ftcomm: an event subscriber raised on %s", event.kind)
 
 
 def _safely(fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
@@ -277,10 +292,11 @@ def _name(error: BaseException) -> str:
 
 
 class _OpCounters:
-    __slots__ = ("count", "failed", "hist")
+    __slots__ = ("count", "failed", "hist", "untimed")
 
     def __init__(self) -> None:
         self.count = 0
+        self.untimed = 0
         self.failed: dict[str, int] = {}
         self.hist = Histogram()
 
@@ -294,6 +310,7 @@ class _OpCounters:
             h.quantile(0.99),
             mean,
             h.max if h.count else None,
+            self.untimed,
         )
 
 
@@ -359,16 +376,22 @@ class Observer:
             table = work._table
             self.emit(Event("issued", table.rank, table.store, work.op, work.seq))
 
-    def op_ended_locked(self, work: Work[Any], seconds: float, error: BaseException | None) -> None:
-        """Under the group's lock: record an op's end; queue its event (after
-        its ``"issued"``) if anyone subscribed."""
+    def op_ended_locked(
+        self, work: Work[Any], seconds: float, timed: bool, error: BaseException | None
+    ) -> None:
+        """Under the group's lock: record an op's end (``seconds`` from its
+        issue to its end as seen; ``timed``: seen as it happened, see the
+        module); queue its event (after its ``"issued"``) if anyone subscribed."""
         if self.stats_on:
             counters = self._ops.get(work.op)
             if counters is None:
                 counters = self._ops[work.op] = _OpCounters()
             counters.count += 1
             if error is None:
-                counters.hist.add(seconds)
+                if timed:
+                    counters.hist.add(seconds)
+                else:
+                    counters.untimed += 1
             else:
                 name = _name(error)
                 counters.failed[name] = counters.failed.get(name, 0) + 1
@@ -398,15 +421,17 @@ class Observer:
         with self._lock:
             name = _name(error)
             self._configures.failed[name] = self._configures.failed.get(name, 0) + 1
-        superseded = isinstance(error, CommAborted)
+        by_caller = isinstance(
+            error, (CommAborted, asyncio.CancelledError)
+        )  # superseded, cancelled
         self._log(
-            logging.INFO if superseded else logging.WARNING,
+            logging.INFO if by_caller else logging.WARNING,
             "ftcomm: configure of rank %d at %s failed after %.1f ms: %s: %s",
             rank,
             store,
             seconds * 1e3,
             _name(error),
-            error,
+            str(error),
             extra=_extra("configure_failed", rank, store, duration=seconds, error=error),
         )
         self.emit(Event("configure_failed", rank, store, "configure", None, seconds, error))
@@ -433,7 +458,7 @@ class Observer:
             self._aborts[what] = self._aborts.get(what, 0) + 1
             self._last_abort = f"{what}: {cause}"
         died = isinstance(cause, WorkerDied)
-        by_call = isinstance(cause, CommAborted) and cause.op is None
+        by_call = isinstance(cause, CommAborted)  # abort(), a cancel: the caller's own doing
         kind = "timeout" if isinstance(cause, CommTimeout) else "worker died" if died else what
         self._log(
             logging.INFO if by_call else logging.WARNING,
@@ -442,7 +467,7 @@ class Observer:
             store,
             kind,
             in_flight,
-            cause,
+            str(cause),  # not the error: its traceback may hold the native group
             extra=_extra("aborted", rank, store, op=cause.op, seq=cause.seq, error=cause),
         )
         if died:
@@ -481,6 +506,7 @@ def _extra(
     """The structured fields of a log record (``record.ftcomm_event`` ...)."""
     return {
         "ftcomm_event": event,
+        "ftcomm_time": time.time(),  # when it happened; the record's is when it was written
         "ftcomm_rank": rank,
         "ftcomm_store": store,
         "ftcomm_op": op,

@@ -10,6 +10,7 @@ and how each one ends, are in ``work.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -191,12 +192,13 @@ class OpTable:
             except BaseException as exc:  # KeyboardInterrupt: end the others all the same
                 interrupted = interrupted or exc
         if broken.first:
-            self.runtime.call_soon(self._disarm)
+            with contextlib.suppress(RuntimeError):  # the owner loop is closed (exit)
+                self.runtime.call_soon(self._disarm)
             self._on_break(broken.cause, max([until, *(w.deadline for w in broken.pending)]))
-            if self.observer is not None:
-                self.observer.broke(
-                    broken.cause, broken.why, self.store, self.rank, len(broken.pending)
-                )
+        observer = self.observer
+        if observer is not None and (broken.first or broken.why == "shutdown"):
+            # an errored configuration shut down is a shutdown too
+            observer.broke(broken.cause, broken.why, self.store, self.rank, len(broken.pending))
         if interrupted is not None:
             _wake_all(wakeups)
             raise interrupted

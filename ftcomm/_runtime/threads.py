@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -337,3 +338,83 @@ class Reaper:
     def close(self, timeout: float = 1.0) -> None:
         self._queue.put(_STOP)
         self._thread.join(timeout)
+
+
+class EventQueue:
+    """One daemon thread that runs posted calls one at a time, in order.
+
+    For groups' events and log lines (``observe.py``): :meth:`post` is a
+    lock-free ``SimpleQueue.put`` (safe under any lock, from any thread,
+    native ones included) and never raises. The thread starts on the first
+    post. At most ``bound`` calls wait; past that, posts are dropped and
+    counted (a subscriber that never returns must not grow memory without
+    end), and the drop is logged once the queue has room again.
+    """
+
+    def __init__(self, name: str, bound: int = 100_000) -> None:
+        self._name = name
+        self._bound = bound
+        self._queue: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self._cond = threading.Condition(threading.Lock())  # guards the counts below
+        self._posted = 0
+        self._done = 0
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.dropped = 0
+        """Calls dropped because ``bound`` were waiting."""
+
+    def post(self, call: Callable[[], object]) -> None:
+        """Run ``call()`` on the thread, after every call posted before it."""
+        with self._cond:
+            if self._closed or self._posted - self._done >= self._bound:
+                self.dropped += not self._closed
+                return
+            self._posted += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        self._queue.put(call)
+
+    def _run(self) -> None:
+        reported = 0
+        while True:
+            call = self._queue.get()
+            if call is None:
+                return
+            try:
+                call()
+            except BaseException:  # a call's own error: the next still runs
+                logging.getLogger("ftcomm").exception(
+                    "ftcomm: %s: a posted call raised", self._name
+                )
+            # Not kept while waiting for the next: it may hold an error whose
+            # traceback holds a native group that must go now.
+            del call
+            with self._cond:
+                self._done += 1
+                self._cond.notify_all()
+                dropped = self.dropped
+            if dropped != reported and self._posted - self._done < self._bound // 2:
+                reported = dropped
+                logging.getLogger("ftcomm").warning(
+                    "ftcomm: %d events dropped: %d were waiting for a subscriber",
+                    dropped,
+                    self._bound,
+                )
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until every call posted so far has run; False on timeout."""
+        with self._cond:
+            target = self._posted
+            return self._cond.wait_for(lambda: self._done >= target, timeout)
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Run what is queued (at most ``timeout`` s), then stop; later posts are dropped."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)

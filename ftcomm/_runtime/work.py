@@ -76,6 +76,10 @@ _EARLY = 0.005
 
 _sched_yield = getattr(os, "sched_yield", lambda: None)
 
+_SEEN_WITHIN = 0.001
+"""An op's end seen this soon after it was last seen running (or issued)
+counts as seen as it happened: its latency goes into the statistics."""
+
 
 class Outcome:
     """How an op ended: ``error`` is ``None`` on success. Published once."""
@@ -132,12 +136,14 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
     __slots__ = (
         "__weakref__",
         "_announced",
+        "_arming",
         "_cb_armed",
         "_claimed",
         "_drivers",
         "_end",
         "_issued",
         "_native",
+        "_pending_at",
         "_result",
         "_table",
         "_waiters",
@@ -157,9 +163,14 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         issued: float | None = None,
     ) -> None:
         self._table = table
-        # time.monotonic() when it was issued: its latency, for the statistics
-        self._issued = time.monotonic() if issued is None else issued
+        # Its latency, for the statistics (observe.py), in time.perf_counter():
+        # when it was issued, and the last time it was seen not ended yet (a
+        # poll, a wait slice) or seen end (its native completion callback).
+        # Its end is timed only if seen as it happened: see _end_locked.
+        self._issued = time.perf_counter() if issued is None else issued
+        self._pending_at = self._issued
         self._announced = False  # its "issued" event is out (observe.py; under the lock)
+        self._arming = False  # on_done being registered: a call now is not "as it happened"
         self.op = op
         self.seq = seq
         self.deadline = deadline
@@ -180,8 +191,11 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
     def done(self) -> bool:
         """Whether the op has ended (it may have failed)."""
         native = self._native  # read once: a settler clears it once the end is out
-        if self._end is None and native is not None and native.poll():
-            self._complete(native.outcome())
+        if self._end is None and native is not None:
+            if native.poll():
+                self._complete(native.outcome())
+            else:
+                self._pending_at = time.perf_counter()
         return self._end is not None
 
     def cancel(self) -> bool:
@@ -262,7 +276,8 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             if native.poll():
                 self._complete(native.outcome())
                 break  # ended, or being settled by another thread: see below
-            if time.perf_counter() >= spin_until:
+            self._pending_at = now = time.perf_counter()
+            if now >= spin_until:
                 break
             # Give this core to a runnable thread first (the backend's own
             # worker, usually): on 2 cores a spin that only yields to the event
@@ -274,6 +289,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
 
     async def _sleep_until_ended(self, native: NativeOp) -> None:
         loop = asyncio.get_running_loop()
+        self._table.runtime.watch_caller()  # debug mode: a held loop delays this op
         fut: asyncio.Future[None] = loop.create_future()
         if self._add_waiter(native, lambda: wake_threadsafe(loop, fut)):
             await fut
@@ -290,8 +306,18 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             self._cb_armed = self._cb_armed or arm
         if arm:
             assert native is not None  # for mypy: checked under the lock above
-            native.on_done(self._complete)
+            self._arming = True  # an op ended already is ended at once, on this thread
+            try:
+                native.on_done(self._native_done)
+            finally:
+                self._arming = False
         return True
+
+    def _native_done(self, native_error: BaseException | None) -> None:
+        """The native op's completion callback (any thread): it ends now."""
+        if not self._arming:
+            self._pending_at = time.perf_counter()
+        self._complete(native_error)
 
     def wait(
         self, timeout: float | timedelta | None = None, *, abort_on_timeout: bool = False
@@ -365,7 +391,8 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             if native.poll():
                 natively_done = True
                 break
-            if time.perf_counter() >= spin_until:
+            self._pending_at = now = time.perf_counter()
+            if now >= spin_until:
                 break
             _sched_yield()
         wait = getattr(native, "wait", None)
@@ -374,9 +401,11 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
                 budget = WAIT_SLICE if end is None else min(WAIT_SLICE, end - time.perf_counter())
                 if budget <= 0:
                     return False
-                if wait(budget):
+                if wait(budget):  # c10d's wait returns as the op ends: its end is now
+                    self._pending_at = time.perf_counter()
                     natively_done = True
                     break
+                self._pending_at = time.perf_counter()
         if natively_done:
             self._complete(native.outcome())  # a no-op if another settler claimed it
         if self._end is not None:
@@ -509,7 +538,14 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         self._native = None
         observer = self._table.observer
         if observer is not None:
-            observer.op_ended_locked(self, time.monotonic() - self._issued, end.error)
+            # Timed only if its end was seen as it happened, to within 1 ms or
+            # 1/16 of its latency (an await or wait watching it, its completion
+            # callback, a look right after the issue): an op issued, left while
+            # the caller computed, and found ended later has no known end.
+            now = time.perf_counter()
+            latency = now - self._issued
+            timed = now - self._pending_at <= max(latency / 16, _SEEN_WITHIN)
+            observer.op_ended_locked(self, latency, timed, end.error)
         return waiters or []
 
     def _publish_by(self, seconds: float, error: BaseException) -> None:

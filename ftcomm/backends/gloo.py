@@ -106,7 +106,12 @@ def _device(addr: StoreAddr) -> tuple[object, tuple[str, int] | None]:
     pg_gloo: Any = dist.ProcessGroupGloo
     own = os.environ.get(HOST_ENV, "").strip()
     if own:
-        return make_device(lambda: pg_gloo.create_device(hostname=own))
+        try:
+            return make_device(lambda: pg_gloo.create_device(hostname=own))
+        except RuntimeError as exc:  # Gloo's own words name neither the variable nor why
+            raise RuntimeError(
+                f"{HOST_ENV}={own!r} is not an address of this machine to listen on: {exc}"
+            ) from exc
     if addr.is_loopback:
         host = "127.0.0.1" if addr.host == "localhost" else addr.host
         return make_device(lambda: pg_gloo.create_device(hostname=host))

@@ -11,6 +11,7 @@ default result and how to issue it; wrappers override that.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -43,6 +44,9 @@ class _Facade(ProcessGroup):
         self._group: Group | None = None
         self._ops: GroupOps | None = None
         self._inner: ProcessGroup | None = None
+        # First use makes the Group: configure(), or stats()/subscribe() from
+        # a metrics thread meanwhile, must make one, not two.
+        self._group_lock = threading.Lock()
 
     # -- what it did --------------------------------------------------------
     def stats(self) -> GroupStats:
@@ -401,11 +405,12 @@ class ProcessGroupWrapper(_Facade):
 
     def _own_group(self) -> Group:
         """The :class:`~ftcomm.Group` this process group runs on, made on first use."""
-        group = self._group
-        if group is None:
-            group = self._new_group()
-            self._group, self._ops = group, GroupOps(group)
-        return group
+        with self._group_lock:
+            group = self._group
+            if group is None:
+                group = self._new_group()
+                self._group, self._ops = group, GroupOps(group)
+            return group
 
     def _ftcomm_group(self) -> Group:
         inner = self._inner

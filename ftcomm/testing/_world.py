@@ -16,6 +16,7 @@ import multiprocessing.connection as mp_connection
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -133,16 +134,50 @@ def _stat(pid: object) -> list[str]:
         return []
 
 
-def _children(zombies: bool = False) -> set[int]:
+def _children(zombies: bool = False, *, descendants: bool = False) -> set[int]:
     """Child processes of this process, from /proc: live ones, or also
-    zombies (exited, never reaped)."""
-    me, found = str(os.getpid()), set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat(entry)
-            if fields[1:2] == [me] and (zombies or fields[0] != "Z"):
-                found.add(int(entry))
-    return found
+    zombies (exited, never reaped); with ``descendants``, their children
+    too, and so on (ranks are the forkserver's children, not ours)."""
+    parents, found = {str(os.getpid())}, set[int]()
+    stats = [(entry, _stat(entry)) for entry in os.listdir("/proc") if entry.isdigit()]
+    while True:
+        new = {
+            entry
+            for entry, fields in stats
+            if fields[1:2] and fields[1] in parents and (zombies or fields[0] != "Z")
+        } - {str(pid) for pid in found}
+        found |= {int(entry) for entry in new}
+        if not descendants or not new:
+            return found
+        parents = new
+
+
+# Ranks start from a fork server that has imported torch (about 1.7 s of CPU
+# per process otherwise, most of a small world's run time on 2 cores). A
+# forked rank has the environment the server started with, and what torch,
+# ftcomm or a test's module read from it at import (OMP_NUM_THREADS,
+# FTCOMM_SPIN_US, ...) is read then: so the server is used only while the
+# environment is the one it started with, but for the variables below (read
+# at run time, once _rank_main has put the harness's environment in place);
+# after any other change, ranks are spawned, as before.
+_PRELOAD = ["torch", "torch.distributed"]
+_LATE_ENV = frozenset({"FTCOMM_LOOP", "FTCOMM_DEBUG", "PYTEST_CURRENT_TEST"})
+_server_env: dict[str, str] | None = None
+
+
+def _mp_context() -> Any:
+    """Where ranks start: the fork server (Linux) while the environment is
+    the one it started with, else a fresh interpreter (spawn)."""
+    global _server_env
+    if sys.platform != "linux":  # elsewhere, forking after torch is imported is not safe
+        return mp.get_context("spawn")
+    env = {k: v for k, v in os.environ.items() if k not in _LATE_ENV}
+    if _server_env is None:
+        _server_env = env  # the server starts now, with this environment
+        mp.set_forkserver_preload(_PRELOAD)
+    elif env != _server_env:
+        return mp.get_context("spawn")
+    return mp.get_context("forkserver")
 
 
 def _segments() -> set[str]:
@@ -199,7 +234,12 @@ def _rank_main(
     plan: FaultPlan | None,
     conn: Any,
     control: Any,
+    env: dict[str, str],
 ) -> None:
+    # A rank forked from the fork server has the server's environment: take
+    # the harness's (FTCOMM_LOOP, FTCOMM_DEBUG, the test's own variables).
+    os.environ.clear()
+    os.environ.update(env)
     try:
         from .._runtime.loop import get_runtime
 
@@ -342,7 +382,7 @@ def run_world(
         if outside:
             raise ValueError(f"the plan has faults on ranks {outside} of a world of {world_size}")
     doomed = plan.ranks_that(Kind.KILL, Kind.STOP) if plan is not None else set()
-    ctx_mp = mp.get_context("spawn")
+    ctx_mp = _mp_context()
     store = _StoreServer()
     world_id = uuid.uuid4().hex[:12]
     procs: list[Any] = []
@@ -360,7 +400,7 @@ def run_world(
             ctx = RankContext(rank, world_size, store.port, world_id, loop, backend)
             proc = ctx_mp.Process(
                 target=_rank_main,
-                args=(fn, ctx, args, plan, child, rank_control),
+                args=(fn, ctx, args, plan, child, rank_control, dict(os.environ)),
                 name=f"rank{rank}",
             )
             try:
