@@ -38,11 +38,17 @@ TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
-    """Every async test runs on both event loops."""
-    return {
+    """Every async test runs on both event loops, but those marked
+    ``one_loop`` (asyncio only): what they check runs on ftcomm's owner loop
+    and in worker processes, and the caller's loop only awaits, which the
+    other tests check on both."""
+    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
         "asyncio": lambda: new_event_loop("asyncio"),
         "uvloop": lambda: new_event_loop("uvloop"),
     }
+    if item.get_closest_marker("one_loop") is not None:
+        del factories["uvloop"]
+    return factories
 
 
 @pytest.fixture

@@ -32,6 +32,9 @@ from ftcomm.backends.subprocess._shm import Pool
 from ftcomm.testing import Fault, FaultPlan, Kind, RankContext, run_world
 from ftcomm.testing._world import _segments
 
+# What these check runs on ftcomm's owner loop and in the worker: asyncio only.
+pytestmark = pytest.mark.one_loop
+
 
 def _alive(pid: int) -> bool:
     try:

@@ -46,6 +46,9 @@ from ftcomm.backends.subprocess._device import (
 from ftcomm.backends.subprocess._shm import Pool
 from ftcomm.backends.subprocess._worker import Worker
 
+# What these check runs on ftcomm's owner loop and in the worker: asyncio only.
+pytestmark = pytest.mark.one_loop
+
 
 class FakeStream:
     def __init__(self, name: str, sid: int) -> None:

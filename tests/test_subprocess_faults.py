@@ -46,6 +46,9 @@ from ftcomm.backends.subprocess._channel import Channel
 from ftcomm.backends.subprocess._client import Call, WorkerProcess
 from ftcomm.backends.subprocess._device import DeviceStorages
 
+# What these check runs on ftcomm's owner loop and in the worker: asyncio only.
+pytestmark = pytest.mark.one_loop
+
 
 @pytest_asyncio.fixture
 async def group(store: StoreServer) -> AsyncIterator[ftcomm.Group]:

@@ -36,6 +36,9 @@ import ftcomm
 from ftcomm import CommAborted, WorkerDied
 from ftcomm.backends.subprocess._client import WorkerProcess
 
+# What these check runs on ftcomm's owner loop and in the worker: asyncio only.
+pytestmark = pytest.mark.one_loop
+
 
 @pytest_asyncio.fixture
 async def group(store: StoreServer) -> AsyncIterator[ftcomm.Group]:

@@ -184,16 +184,20 @@ class GroupStats:
         def ms(value: float | None) -> str:
             return "-" if value is None else f"{value * 1e3:.3g}"
 
-        lines = [f"{'op':<34}{'count':>8}{'failed':>8}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}"]
+        lines = [
+            f"{'op':<34}{'count':>8}{'failed':>8}{'untimed':>9}"
+            f"{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}"
+        ]
         for name, s in sorted(self.ops.items()):
             failed = sum(s.failed.values())
             lines.append(
-                f"{name:<34}{s.count:>8}{failed:>8}{ms(s.p50):>10}{ms(s.p99):>10}{ms(s.max):>10}"
+                f"{name:<34}{s.count:>8}{failed:>8}{s.untimed:>9}"
+                f"{ms(s.p50):>10}{ms(s.p99):>10}{ms(s.max):>10}"
             )
         c = self.configure_seconds
         failures = sum(self.configure_failures.values())
         lines.append(
-            f"{'configure':<34}{self.configures:>8}{failures:>8}"
+            f"{'configure':<34}{self.configures:>8}{failures:>8}{'':>9}"
             f"{ms(c.p50 if c else None):>10}{ms(c.p99 if c else None):>10}"
             f"{ms(c.max if c else None):>10}"
         )
