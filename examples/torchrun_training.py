@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -67,7 +68,9 @@ def main() -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     seen["ddp_weights"] = ddp_part(rank, world_size)
     if args.json:
-        print(json.dumps(seen), flush=True)
+        # One write: the ranks share torchrun's stdout, and a line written in
+        # one call (under 4 KiB) is never interleaved with another rank's.
+        os.write(sys.stdout.fileno(), (json.dumps(seen) + "\n").encode())
     else:
         print(f"rank {rank}: allreduce sums {seen['allreduce']}, weights {seen['ddp_weights']}")
 

@@ -1070,10 +1070,13 @@ def _unwritable(path: str) -> str | None:
 
 def _unplottable(path: str) -> str | None:
     """Why matplotlib cannot write ``path``'s format (checked before the run)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
 
-    formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
+        formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    except Exception as exc:  # installed, but broken
+        return f"--plot: matplotlib does not work here ({type(exc).__name__}: {exc})"
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     if ext not in formats:
         known = ", ".join(sorted(formats))

@@ -136,15 +136,16 @@ def serve_store(host: str = DEFAULT_HOST, port: int = 0, *, timeout: float = 300
     if not 0 <= port < 65536:
         raise ValueError(f"port must be in 0..65535, got {port}")
     seconds = to_seconds(timeout, "timeout")
-    if seconds <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {seconds:g}")
+    if seconds < 0.001:  # c10d keeps milliseconds: less is no timeout at all
+        raise ValueError(f"timeout must be at least 1 ms, got {seconds:g} seconds")
     family, ip = _address(host)
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
+        v6 = ipaddress.ip_address(ip) if family == socket.AF_INET6 else None
+        if isinstance(v6, ipaddress.IPv6Address) and (v6.is_unspecified or v6.ipv4_mapped):
             # '::' is every address, IPv4 ones included (as the docs say), and
-            # '::ffff:a.b.c.d' is an IPv4 one: never IPv6-only.
+            # '::ffff:a.b.c.d' is an IPv4 one: not IPv6-only.
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.bind((ip, port))
         sock.listen(_BACKLOG)
@@ -216,4 +217,6 @@ def _say(line: str) -> None:
         print(line, flush=True)
     except (BrokenPipeError, ValueError):
         with contextlib.suppress(OSError):  # later lines, and the exit's flush, go nowhere
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)

@@ -238,7 +238,8 @@ class GroupCore:
             self._config = config
             self._go("ready")
             if on_ready is not None:
-                on_ready()
+                with contextlib.suppress(Exception):  # a record, never the configure's outcome
+                    on_ready()
             return True
 
     def fail(self, attempt: Attempt) -> None:

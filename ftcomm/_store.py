@@ -148,6 +148,9 @@ def parse_env_addr(value: str, name: str = "store_addr") -> StoreAddr:
     host = text.removeprefix("[").removesuffix("]")
     if (
         not host
+        or text.startswith("[") != text.endswith("]")
+        or "[" in host
+        or "]" in host
         or "/" in host
         or "".join(host.split()) != host
         or (":" in host and not _is_ipv6(host))

@@ -601,13 +601,16 @@ class Group(Collectives):
 
     def stats(self) -> GroupStats:
         """What this group did since it was made: per op kind, the ops that
-        ended, their failures by error type and latency percentiles (from a
-        fixed-size histogram, within 1/16); configures and their durations;
-        aborts by cause; ops in flight now. ``print(group.stats())`` shows a
-        table; ``.as_dict()`` gives plain values. With ``Group(stats=False)``,
-        ``ops`` stays empty. Any thread; raises nothing."""
+        ended, their failures by error type, and latency percentiles of those
+        whose end was seen as it happened (from a fixed-size histogram: within
+        1/16 of the value, plus up to 1 ms where the end was seen late;
+        ``untimed`` counts the others: ops found ended after other work);
+        configures and their durations; aborts by cause; ops in flight now.
+        ``print(group.stats())`` shows a table; ``.as_dict()`` gives plain
+        values. With ``Group(stats=False)``, ``ops`` stays empty. Any thread;
+        raises nothing."""
         cfg = self._core.config
-        return self._observer.snapshot(len(cfg.table) if cfg is not None else 0)
+        return self._observer.snapshot(cfg.table.active() if cfg is not None else 0)
 
     def subscribe(self, callback: Callable[[Event], object]) -> Subscription:
         """Call ``callback(event)`` for every :class:`ftcomm.Event` of this
@@ -787,6 +790,8 @@ def _store_and_ranks(
                     )
         world = found.get("world_size", world_size)
         env_rank = found.get("rank")
+        if "world_size" in found and isinstance(world, int) and world < 1:
+            raise ValueError(f"the environment's WORLD_SIZE={world} is not a world size")
         if env_rank is not None and isinstance(world, int) and not 0 <= env_rank < world:
             raise ValueError(
                 f"the environment's RANK={env_rank} is not a rank of a world of {world}"

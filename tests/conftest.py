@@ -4,7 +4,7 @@ import asyncio
 import os
 import threading
 from collections.abc import Callable, Iterator
-from multiprocessing import forkserver, resource_tracker
+from multiprocessing import resource_tracker
 
 import pytest
 from helpers import StoreServer
@@ -29,8 +29,7 @@ os.environ.setdefault("FTCOMM_STALL_MS", "500")
 # to the baseline of every leak check.
 resource_tracker.ensure_running()
 # And the fork server the worlds' ranks start from (torch imported once).
-if _mp_context().get_start_method() == "forkserver":
-    forkserver.ensure_running()
+_mp_context()
 # torch keeps a process-wide pipe pair once the first TCPStore server has run.
 TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 

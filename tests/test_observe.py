@@ -65,7 +65,7 @@ def test_the_event_queue_runs_in_order_drops_past_its_bound_and_never_raises(
     events.post(lambda: ran.append(3))
     assert events.wait_idle(5)
     assert ran == [1, 3]
-    assert any("1 events dropped" in r.getMessage() for r in caplog.records)
+    assert any("1 events and log lines dropped" in r.getMessage() for r in caplog.records)
     events.close()
     events.post(lambda: ran.append(4))  # closed (interpreter exit): dropped, no error
     assert ran == [1, 3]
@@ -248,3 +248,53 @@ async def test_an_op_found_ended_after_other_work_is_counted_untimed(
     assert (stats.count, stats.untimed) == (2, 1)
     assert stats.max is not None
     assert stats.max < 0.3  # the watched one only
+
+
+def test_a_broken_log_filter_does_not_stop_the_events_thread() -> None:
+    """A filter on the ``ftcomm`` logger that raises (its error escapes
+    logging's handleError) costs that line only: the thread runs on."""
+    from ftcomm._runtime.observe import Observer
+    from ftcomm._runtime.threads import EventQueue
+
+    class Broken(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            raise RuntimeError("a broken filter")
+
+    events = EventQueue("ftcomm-events-test")
+    observer = Observer(threading.Lock(), events.post)
+    logger = logging.getLogger("ftcomm")
+    broken = Broken()
+    logger.addFilter(broken)
+    try:
+        observer.configure_failed(0, "store", 0.1, ftcomm.CommTimeout("x"))
+        assert events.wait_idle(5)
+    finally:
+        logger.removeFilter(broken)
+    ran: list[int] = []
+    events.post(lambda: ran.append(1))
+    assert events.wait_idle(5)
+    assert ran == [1]
+    events.close()
+
+
+def test_an_event_queue_that_cannot_start_its_thread_drops_and_never_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At interpreter exit (3.12+) or at the thread limit, a thread cannot
+    start: the post is dropped, and the op that posted it ends all the same."""
+    from ftcomm._runtime.threads import EventQueue
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    events = EventQueue("ftcomm-events-test")
+    with monkeypatch.context() as patch:
+        patch.setattr(threading.Thread, "start", refuse)
+        events.post(lambda: None)
+    assert events.dropped == 1
+    assert events.wait_idle(0.1)  # nothing was queued that could never run
+    ran: list[int] = []
+    events.post(lambda: ran.append(1))  # a later post starts the thread
+    assert events.wait_idle(5)
+    assert ran == [1]
+    events.close()

@@ -828,3 +828,20 @@ async def test_the_worker_unmaps_shared_storages_that_died(group: ftcomm.Group) 
     assert worker.pool.shared.take_dead() == ()  # every death was passed on
     # Each mapping holds an fd in the worker: released ones are closed.
     assert _fd_count(worker.pid) <= before + 2
+
+
+@pytest.mark.asyncio
+async def test_ops_awaited_after_other_work_are_timed_by_their_replies(
+    group: ftcomm.Group,
+) -> None:
+    """A worker's reply says when its op ended: ops issued together and
+    awaited later (after other work) are timed to their replies, not to the
+    await, and none is counted untimed."""
+    works = [group.allreduce(torch.ones(4)) for _ in range(3)]
+    await asyncio.sleep(0.3)  # "compute": nobody looks at the ops meanwhile
+    for work in works:
+        await work
+    stats = group.stats().ops["allreduce"]
+    assert (stats.count, stats.untimed) == (3, 0)
+    assert stats.max is not None
+    assert stats.max < 0.25  # their replies came long before the await

@@ -343,12 +343,14 @@ class Reaper:
 class EventQueue:
     """One daemon thread that runs posted calls one at a time, in order.
 
-    For groups' events and log lines (``observe.py``): :meth:`post` is a
-    lock-free ``SimpleQueue.put`` (safe under any lock, from any thread,
-    native ones included) and never raises. The thread starts on the first
-    post. At most ``bound`` calls wait; past that, posts are dropped and
-    counted (a subscriber that never returns must not grow memory without
-    end), and the drop is logged once the queue has room again.
+    For groups' events and log lines (``observe.py``): :meth:`post` takes a
+    short lock of its own, then ``SimpleQueue.put`` (safe under any lock of
+    ftcomm, from any thread, native ones included) and never raises. The
+    thread starts on the first post; if it cannot (at interpreter exit, at
+    the thread limit), posts are dropped. At most ``bound`` calls wait;
+    past that, posts are dropped and counted (a subscriber that never
+    returns must not grow memory without end), and the drop is logged once
+    the queue has room again.
     """
 
     def __init__(self, name: str, bound: int = 100_000) -> None:
@@ -369,10 +371,15 @@ class EventQueue:
             if self._closed or self._posted - self._done >= self._bound:
                 self.dropped += not self._closed
                 return
-            self._posted += 1
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:  # interpreter exit, the thread limit: nobody runs it
+                    self.dropped += 1
+                    return
+                self._thread = thread
+            self._posted += 1
         self._queue.put(call)
 
     def _run(self) -> None:
@@ -383,10 +390,11 @@ class EventQueue:
                 return
             try:
                 call()
-            except BaseException:  # a call's own error: the next still runs
-                logging.getLogger("ftcomm").exception(
-                    "ftcomm: %s: a posted call raised", self._name
-                )
+            except BaseException:  # a call's own error (a log filter's): the next still runs
+                with contextlib.suppress(BaseException):
+                    logging.getLogger("ftcomm").exception(
+                        "ftcomm: %s: a posted call raised", self._name
+                    )
             # Not kept while waiting for the next: it may hold an error whose
             # traceback holds a native group that must go now.
             del call
@@ -396,11 +404,12 @@ class EventQueue:
                 dropped = self.dropped
             if dropped != reported and self._posted - self._done < self._bound // 2:
                 reported = dropped
-                logging.getLogger("ftcomm").warning(
-                    "ftcomm: %d events dropped: %d were waiting for a subscriber",
-                    dropped,
-                    self._bound,
-                )
+                with contextlib.suppress(BaseException):  # this thread must live on
+                    logging.getLogger("ftcomm").warning(
+                        "ftcomm: %d events and log lines dropped: %d were waiting",
+                        dropped,
+                        self._bound,
+                    )
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until every call posted so far has run; False on timeout."""

@@ -314,8 +314,10 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         return True
 
     def _native_done(self, native_error: BaseException | None) -> None:
-        """The native op's completion callback (any thread): it ends now."""
-        if not self._arming:
+        """The native op's completion callback (any thread): it ends now,
+        unless the backend calls back when a poll of its own saw the end
+        (``polled_end``: an accelerator's event watcher, up to 2 ms late)."""
+        if not self._arming and not getattr(self._native, "polled_end", False):
             self._pending_at = time.perf_counter()
         self._complete(native_error)
 
@@ -535,16 +537,22 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         once, with its native op let go); the waiters to wake."""
         self._end = end
         waiters, self._waiters = self._waiters, None
-        self._native = None
+        native, self._native = self._native, None
         observer = self._table.observer
-        if observer is not None:
-            # Timed only if its end was seen as it happened, to within 1 ms or
-            # 1/16 of its latency (an await or wait watching it, its completion
-            # callback, a look right after the issue): an op issued, left while
-            # the caller computed, and found ended later has no known end.
-            now = time.perf_counter()
-            latency = now - self._issued
-            timed = now - self._pending_at <= max(latency / 16, _SEEN_WITHIN)
+        if observer is not None and (observer.stats_on or observer.subscribers):
+            # A native op that knows when it ended says so (a worker's reply);
+            # else an end is timed only if it was seen as it happened, to
+            # within 1 ms or 1/16 of its latency (an await or wait watching it,
+            # its completion callback, a look right after the issue): an op
+            # issued, left while the caller computed, and found ended later has
+            # no known end.
+            ended_at = getattr(native, "ended_at", None)
+            if ended_at is not None:
+                latency, timed = ended_at - self._issued, True
+            else:
+                now = time.perf_counter()
+                latency = now - self._issued
+                timed = now - self._pending_at <= max(latency / 16, _SEEN_WITHIN)
             observer.op_ended_locked(self, latency, timed, end.error)
         return waiters or []
 

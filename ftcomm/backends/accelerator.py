@@ -94,6 +94,9 @@ class EventOp:
 
     stream_ordered: ClassVar[bool] = True
     """c10d's ``Work.wait()`` on it orders the caller's stream, not the CPU."""
+    polled_end: ClassVar[bool] = True
+    """Its ``on_done`` callback comes when the watcher's poll sees the event
+    complete (up to ``POLL_MAX`` late), not at the end itself."""
 
     def __init__(
         self, backend: AcceleratorBackend, work: Any, event: Any, device: torch.device

@@ -163,19 +163,29 @@ def _children(zombies: bool = False, *, descendants: bool = False) -> set[int]:
 _PRELOAD = ["torch", "torch.distributed"]
 _LATE_ENV = frozenset({"FTCOMM_LOOP", "FTCOMM_DEBUG", "PYTEST_CURRENT_TEST"})
 _server_env: dict[str, str] | None = None
+_FOREIGN: dict[str, str] = {}  # the fork server was started by someone else
 
 
 def _mp_context() -> Any:
-    """Where ranks start: the fork server (Linux) while the environment is
-    the one it started with, else a fresh interpreter (spawn)."""
+    """Where ranks start: the fork server (Linux) that this module started,
+    while the environment is the one it started with; else a fresh
+    interpreter (spawn)."""
     global _server_env
     if sys.platform != "linux":  # elsewhere, forking after torch is imported is not safe
         return mp.get_context("spawn")
     env = {k: v for k, v in os.environ.items() if k not in _LATE_ENV}
     if _server_env is None:
-        _server_env = env  # the server starts now, with this environment
-        mp.set_forkserver_preload(_PRELOAD)
-    elif env != _server_env:
+        from multiprocessing import forkserver
+
+        server: Any = getattr(forkserver, "_forkserver", None)
+        if server is None or getattr(server, "_forkserver_address", None) is not None:
+            _server_env = _FOREIGN  # not ours: what it imported, and with what, is unknown
+        else:
+            preload = list(getattr(server, "_preload_modules", []))
+            forkserver.set_forkserver_preload(preload + [m for m in _PRELOAD if m not in preload])
+            forkserver.ensure_running()  # now, with the environment recorded
+            _server_env = env
+    if _server_env is _FOREIGN or env != _server_env:
         return mp.get_context("spawn")
     return mp.get_context("forkserver")
 

@@ -129,6 +129,7 @@ class Call:
         "_done",
         "_error",
         "_worker",
+        "ended_at",
         "op_id",
         "staged",
     )
@@ -143,6 +144,9 @@ class Call:
         self._callbacks: list[Callable[[BaseException | None], None]] = []
         self._copy_lock = threading.Lock()
         self._abandoned = False  # the op ended with an error: copy nothing back
+        self.ended_at: float | None = None
+        """``time.perf_counter()`` when it ended (its reply, its copy-back):
+        the end its latency is measured to (``Work``, observe.py)."""
 
     spin = 0.0
     """How long a waiter polls before it sleeps (``Work`` reads it): not at
@@ -197,6 +201,7 @@ class Call:
                 return
             unpin = not self._copying and not copied  # else the copy-back unpins
             self._error = error
+            self.ended_at = time.perf_counter()
             self._done = True
             callbacks, self._callbacks = self._callbacks, []
         if unpin:
