@@ -603,7 +603,7 @@ class Group(Collectives):
         """What this group did since it was made: per op kind, the ops that
         ended, their failures by error type, and latency percentiles of those
         whose end was seen as it happened (from a fixed-size histogram: within
-        1/16 of the value, plus up to 1 ms where the end was seen late;
+        1/16 of the value, plus up to 1 ms or 1/16 where the end was seen late;
         ``untimed`` counts the others: ops found ended after other work);
         configures and their durations; aborts by cause; ops in flight now.
         ``print(group.stats())`` shows a table; ``.as_dict()`` gives plain

@@ -217,6 +217,28 @@ async def test_await_returns_once_the_event_completes_not_at_enqueue(
         assert g.errored() is None
 
 
+@pytest.mark.asyncio
+async def test_an_awaited_event_is_timed_by_the_poll_that_saw_it_complete(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    """stats(): an accelerator op's end is the watcher's poll that saw its
+    event complete, a poll (of at most POLL_MAX) after one that saw it
+    running: timed, though the callback comes from that poll."""
+    async with ftcomm.Group("nccl", timeout=10.0) as g:
+        await g.configure(_addr(store), 0, 1)
+        fake.hold()
+        task = asyncio.ensure_future(g.allreduce(torch.ones(2)))
+        event = fake.group.events[-1]
+        await _until(lambda: event.queries >= 3)  # the watcher polls it
+        await asyncio.sleep(0.05)
+        event.complete()
+        await asyncio.wait_for(task, 5.0)
+        stats = g.stats().ops["allreduce"]
+        assert (stats.count, stats.untimed) == (1, 0)
+        assert stats.p50 is not None
+        assert stats.p50 >= 0.05  # held that long
+
+
 # -- deadlines ------------------------------------------------------------------------------
 
 

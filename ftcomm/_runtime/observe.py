@@ -120,7 +120,8 @@ class OpStats:
 
     Latencies are of the ops that succeeded and whose end was seen as it
     happened, from issue to end, in seconds (``None`` before any did):
-    within 1/16 of the value, plus up to 1 ms where the end was seen late.
+    within 1/16 of the value, plus up to 1 ms or 1/16 of the latency where
+    the end was seen late.
     """
 
     count: int
@@ -237,9 +238,10 @@ class Event:
     op: str | None = None
     seq: int | None = None
     duration: float | None = None
-    """Seconds: an op's from its issue to its end as seen (by an await, a
-    wait, its completion callback: for an op awaited after other work, that
-    later moment), a configure's."""
+    """Seconds: an op's from its issue to its end: as the backend saw it
+    (a subprocess worker's reply, an accelerator event's poll), else as
+    seen here (an await, a wait, its completion callback: for an op awaited
+    after other work, that later moment); a configure's."""
     error: BaseException | None = None
     time: float = field(default_factory=time.time)
     """When, as ``time.time()``."""

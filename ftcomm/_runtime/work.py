@@ -547,8 +547,10 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             # issued, left while the caller computed, and found ended later has
             # no known end.
             ended_at = getattr(native, "ended_at", None)
-            if ended_at is not None:
-                latency, timed = ended_at - self._issued, True
+            if ended_at is not None:  # to within end_window (an event's poll), or exact
+                latency = ended_at - self._issued
+                window = getattr(native, "end_window", None)
+                timed = window is None or window <= max(latency / 16, _SEEN_WITHIN)
             else:
                 now = time.perf_counter()
                 latency = now - self._issued

@@ -90,13 +90,23 @@ class EventOp:
     kernels stop as the abort takes effect (docs/errors.md).
     """
 
-    __slots__ = ("_backend", "_device", "_end", "_event", "_work")
+    __slots__ = (
+        "_backend",
+        "_device",
+        "_end",
+        "_event",
+        "_polled_at",
+        "_work",
+        "end_window",
+        "ended_at",
+    )
 
     stream_ordered: ClassVar[bool] = True
     """c10d's ``Work.wait()`` on it orders the caller's stream, not the CPU."""
     polled_end: ClassVar[bool] = True
     """Its ``on_done`` callback comes when the watcher's poll sees the event
-    complete (up to ``POLL_MAX`` late), not at the end itself."""
+    complete (up to ``POLL_MAX`` late), not at the end itself: the end is
+    ``ended_at``, known to within ``end_window`` (``Work``, observe.py)."""
 
     def __init__(
         self, backend: AcceleratorBackend, work: Any, event: Any, device: torch.device
@@ -106,6 +116,11 @@ class EventOp:
         self._event = event
         self._device = device
         self._end: list[BaseException | None] | None = None  # set once, by _seen
+        # time.perf_counter() of the poll that saw its event complete, and how
+        # long before that a poll (any thread's) still saw it running
+        self.ended_at: float | None = None
+        self.end_window: float | None = None
+        self._polled_at = time.perf_counter()
 
     def poll(self) -> bool:
         if self._end is not None:
@@ -133,7 +148,12 @@ class EventOp:
             self._seen(error)
             return True
         if completed:
+            now = time.perf_counter()
+            if self.ended_at is None:
+                self.ended_at, self.end_window = now, now - self._polled_at
             self._seen(None)
+        else:
+            self._polled_at = time.perf_counter()
         return completed
 
     def peek(self) -> bool:
