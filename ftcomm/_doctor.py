@@ -398,10 +398,9 @@ def store_check(text: str) -> JSON:
     from ._store import connect_store, resolve_store_addr, why_unreachable
 
     addr = resolve_store_addr(text, "--store")  # env:// too: torchrun's store
-    host = f"[{addr.host}]" if ":" in addr.host else addr.host
     result: JSON = {
         "addr": text,
-        "host_port": f"{host}:{addr.port}",
+        "host_port": addr.host_port,
         "prefix": addr.prefix,
         "reachable": False,
         "detail": "",

@@ -57,7 +57,7 @@ class StoreServer:
     @property
     def address(self) -> str:
         """``host:port`` (``[v6]:port`` for IPv6): a store address without its prefix."""
-        return str(StoreAddr(self.host, self.port, "")).removesuffix("/")
+        return StoreAddr(self.host, self.port, "").host_port
 
     def addr(self, prefix: str) -> str:
         """The ``host:port/prefix`` to ``configure()`` a group with.

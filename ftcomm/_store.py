@@ -30,8 +30,13 @@ class StoreAddr:
     prefix: str
 
     def __str__(self) -> str:
+        return f"{self.host_port}/{self.prefix}"
+
+    @property
+    def host_port(self) -> str:
+        """``host:port``, an IPv6 host in brackets."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}/{self.prefix}"
+        return f"{host}:{self.port}"
 
     @property
     def is_loopback(self) -> bool:

@@ -296,7 +296,7 @@ class Watchdog:
         late = time.monotonic() - beat
         if late <= self.threshold or beat == w.reported:
             return
-        thread_id = (self._runtime.thread_id or -1) if w.owner else w.thread_id
+        thread_id = w.thread_id
         frame = frames.get(thread_id)
         if frame is None or _idle(frame):
             return  # a late beat, not a callback holding the loop

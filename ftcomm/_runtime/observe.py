@@ -39,6 +39,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -106,12 +107,6 @@ class Histogram:
             if seen >= rank:
                 return min(_middle(index), self.max)
         return self.max
-
-    def copy(self) -> Histogram:
-        other = Histogram()
-        other.counts = list(self.counts)
-        other.count, other.total, other.max = self.count, self.total, self.max
-        return other
 
 
 @dataclass(frozen=True)
@@ -305,7 +300,7 @@ class _OpCounters:
     def __init__(self) -> None:
         self.count = 0
         self.untimed = 0
-        self.failed: dict[str, int] = {}
+        self.failed: Counter[str] = Counter()
         self.hist = Histogram()
 
     def snapshot(self) -> OpStats:
@@ -345,7 +340,7 @@ class Observer:
         self.subscribers: tuple[Subscriber, ...] = ()
         """Read without a lock on the hot path (replaced whole, never mutated)."""
         self._configures = _OpCounters()
-        self._aborts: dict[str, int] = {}
+        self._aborts: Counter[str] = Counter()
         self._last_abort: str | None = None
 
     # -- subscribers -------------------------------------------------------
@@ -401,8 +396,7 @@ class Observer:
                 else:
                     counters.untimed += 1
             else:
-                name = _name(error)
-                counters.failed[name] = counters.failed.get(name, 0) + 1
+                counters.failed[_name(error)] += 1
         if self.subscribers:
             self.issued_locked(work)
             table = work._table
@@ -427,8 +421,7 @@ class Observer:
 
     def configure_failed(self, rank: int, store: str, seconds: float, error: BaseException) -> None:
         with self._lock:
-            name = _name(error)
-            self._configures.failed[name] = self._configures.failed.get(name, 0) + 1
+            self._configures.failed[_name(error)] += 1
         by_caller = isinstance(
             error, (CommAborted, asyncio.CancelledError)
         )  # superseded, cancelled
@@ -463,7 +456,7 @@ class Observer:
             return
         what = _name(cause)
         with self._lock:
-            self._aborts[what] = self._aborts.get(what, 0) + 1
+            self._aborts[what] += 1
             self._last_abort = f"{what}: {cause}"
         died = isinstance(cause, WorkerDied)
         by_call = isinstance(cause, CommAborted)  # abort(), a cancel: the caller's own doing

@@ -403,11 +403,11 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
                 budget = WAIT_SLICE if end is None else min(WAIT_SLICE, end - time.perf_counter())
                 if budget <= 0:
                     return False
-                if wait(budget):  # c10d's wait returns as the op ends: its end is now
-                    self._pending_at = time.perf_counter()
+                ended = wait(budget)  # c10d's wait returns as the op ends
+                self._pending_at = time.perf_counter()  # its end, or a moment it still ran
+                if ended:
                     natively_done = True
                     break
-                self._pending_at = time.perf_counter()
         if natively_done:
             self._complete(native.outcome())  # a no-op if another settler claimed it
         if self._end is not None:
@@ -547,14 +547,13 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             # issued, left while the caller computed, and found ended later has
             # no known end.
             ended_at = getattr(native, "ended_at", None)
-            if ended_at is not None:  # to within end_window (an event's poll), or exact
-                latency = ended_at - self._issued
-                window = getattr(native, "end_window", None)
-                timed = window is None or window <= max(latency / 16, _SEEN_WITHIN)
-            else:
-                now = time.perf_counter()
-                latency = now - self._issued
-                timed = now - self._pending_at <= max(latency / 16, _SEEN_WITHIN)
+            if ended_at is None:  # seen here: now, to within the last look at it running
+                ended_at = time.perf_counter()
+                window = ended_at - self._pending_at
+            else:  # the backend's: exact (a worker's reply), or to within an event's poll
+                window = getattr(native, "end_window", None) or 0.0
+            latency = ended_at - self._issued
+            timed = window <= max(latency / 16, _SEEN_WITHIN)
             observer.op_ended_locked(self, latency, timed, end.error)
         return waiters or []
 

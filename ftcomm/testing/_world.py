@@ -138,18 +138,18 @@ def _children(zombies: bool = False, *, descendants: bool = False) -> set[int]:
     """Child processes of this process, from /proc: live ones, or also
     zombies (exited, never reaped); with ``descendants``, their children
     too, and so on (ranks are the forkserver's children, not ours)."""
-    parents, found = {str(os.getpid())}, set[int]()
+    parents, found = {str(os.getpid())}, set[str]()
     stats = [(entry, _stat(entry)) for entry in os.listdir("/proc") if entry.isdigit()]
-    while True:
-        new = {
+    while parents:
+        parents = {
             entry
             for entry, fields in stats
             if fields[1:2] and fields[1] in parents and (zombies or fields[0] != "Z")
-        } - {str(pid) for pid in found}
-        found |= {int(entry) for entry in new}
-        if not descendants or not new:
-            return found
-        parents = new
+        } - found
+        found |= parents
+        if not descendants:
+            break
+    return {int(entry) for entry in found}
 
 
 # Ranks start from a fork server that has imported torch (about 1.7 s of CPU
