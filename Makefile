@@ -44,9 +44,12 @@ bench: install
 SOAK_TRIALS ?= 2000
 SOAK_SUB_TRIALS ?= 200
 SOAK_COPY_TRIALS ?= 50
+SOAK_FUSE_SEEDS ?= 2000
 soak: install
 	FTCOMM_DEBUG=1 FTCOMM_DRILL_TRIALS=$(SOAK_TRIALS) FTCOMM_DRILL_SUB_TRIALS=$(SOAK_SUB_TRIALS) \
 	FTCOMM_DRILL_COPY_TRIALS=$(SOAK_COPY_TRIALS) $(PY) -m pytest -q -o timeout=0 tests/test_abort_drill.py
+	FTCOMM_DEBUG=1 FTCOMM_FUSE_SEEDS=$(SOAK_FUSE_SEEDS) $(PY) -m pytest -q -o timeout=0 \
+		tests/test_fuse.py -k every_rank_fuses_alike
 
 # On a GPU machine: NCCL checks and a bench against raw c10d NCCL, with that
 # machine's own python3 and torch (nothing installed: it may have no

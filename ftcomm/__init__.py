@@ -23,12 +23,14 @@ from .errors import CommTimeout as CommTimeout
 from .errors import NotConfigured as NotConfigured
 from .errors import ProtocolError as ProtocolError
 from .errors import WorkerDied as WorkerDied
+from .group import BatchScope as BatchScope
 from .group import Closing as Closing
 from .group import Group as Group
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchScope",
     "Closing",
     "CommAborted",
     "CommError",

@@ -68,6 +68,9 @@ class Workload:
     iters: int
     warmup: int
     bandwidth: bool = False
+    burst: int = 0
+    """``> 0``: one timed sample is ``burst`` one-element ops on views of the
+    tensor (the ``"allreduce_burst"`` op); its ratio is a speed-up over raw."""
 
     @property
     def nbytes(self) -> int:
@@ -97,6 +100,8 @@ class Report:
 # -- runners: how one implementation issues and times ops ------------------------------
 class Runner:
     """An implementation, set up on this rank, ready to time ops."""
+
+    ops: Mapping[str, Any]
 
     async def time_ops(self, op: str, tensor: torch.Tensor, iters: int) -> Seconds:
         """Issue ``op`` on ``tensor`` ``iters`` times, one after another; each op's seconds."""
@@ -192,16 +197,33 @@ async def _open_raw(env: ChildEnv) -> Runner:
     def allreduce(t: torch.Tensor) -> None:
         pg.allreduce([t]).wait()
 
-    return BlockingRunner("raw", {"allreduce": allreduce})
+    def allreduce_burst(t: torch.Tensor) -> None:
+        views: Sequence[torch.Tensor] = t.split(1)  # type: ignore[no-untyped-call]
+        for view in views:  # one after another: what raw c10d can do
+            pg.allreduce([view]).wait()
+
+    return BlockingRunner("raw", {"allreduce": allreduce, "allreduce_burst": allreduce_burst})
 
 
-async def _group_runner(env: ChildEnv, impl: str, prefix: str, **kwargs: Any) -> Runner:
-    """An ftcomm.Group on Gloo (``kwargs``: its options), awaited op by op."""
+async def _group_runner(
+    env: ChildEnv, impl: str, prefix: str, burst: bool = False, **kwargs: Any
+) -> Runner:
+    """An ftcomm.Group on Gloo (``kwargs``: its options), awaited op by op;
+    ``burst``: it also runs the burst row."""
     import ftcomm
 
     group = ftcomm.Group("gloo", timeout=_OP_TIMEOUT, **kwargs)
     await group.configure(env.store_addr(prefix), env.rank, WORLD_SIZE)
-    return AwaitingRunner(impl, {"allreduce": group.allreduce}, group.shutdown)
+
+    async def allreduce_burst(t: torch.Tensor) -> None:
+        # every op issued before any is awaited (fused with fuse=True)
+        views: Sequence[torch.Tensor] = t.split(1)  # type: ignore[no-untyped-call]
+        await asyncio.gather(*[group.allreduce(view) for view in views])
+
+    ops: dict[str, Callable[[torch.Tensor], Awaitable[object]]] = {"allreduce": group.allreduce}
+    if burst:
+        ops["allreduce_burst"] = allreduce_burst
+    return AwaitingRunner(impl, ops, group.shutdown)
 
 
 def _c10d_runner(
@@ -224,7 +246,12 @@ def _c10d_runner(
 
 
 async def _open_ftcomm(env: ChildEnv) -> Runner:
-    return await _group_runner(env, "ftcomm", "ftcomm-bench")
+    return await _group_runner(env, "ftcomm", "ftcomm-bench", burst=True)
+
+
+async def _open_fused(env: ChildEnv) -> Runner:
+    """``fuse=True``: concurrent small allreduces sent as one op."""
+    return await _group_runner(env, "fused", "fused-bench", burst=True, fuse=True)
 
 
 async def _open_stats_off(env: ChildEnv) -> Runner:
@@ -345,6 +372,7 @@ BASELINE = "raw"
 CASES: list[Case] = [
     Case(BASELINE, _open_raw),
     Case("ftcomm", _open_ftcomm),
+    Case("fused", _open_fused),
     Case("stats-off", _open_stats_off, opt_in=True),  # what Group.stats() costs
     Case("verify", _open_verified),
     Case("facade", _open_facade),
@@ -366,8 +394,17 @@ def workloads(args: argparse.Namespace) -> tuple[Workload, ...]:
 
     big_mib: int = args.big_mib
     big = big_mib * (1 << 20) // 4
+    burst: int = args.burst
     return (
         Workload("allreduce 1xfp32", "allreduce", 1, per_round(args.iters), args.warmup),
+        Workload(
+            f"{burst} x allreduce 1xfp32",
+            "allreduce_burst",
+            burst,
+            per_round(args.burst_iters),
+            1,
+            burst=burst,
+        ),
         Workload(
             f"allreduce {big_mib}MiB fp32",
             "allreduce",
@@ -425,8 +462,10 @@ async def _measure(rank: int, port: int, plan: Plan, store: Store) -> Report:
             order = list(plan.cases) if rnd % 2 == 0 else list(reversed(plan.cases))
             for w in plan.workloads:
                 for impl in order:
-                    barrier()
                     runner = runners[impl]
+                    if w.op not in runner.ops:  # a workload only some cases run
+                        continue
+                    barrier()
                     tensor = tensors[(w.label, impl)]
                     if w.warmup:
                         await runner.time_ops(w.op, tensor, w.warmup)
@@ -590,7 +629,12 @@ def format_table(plan: Plan, report: Report, notes: Sequence[str]) -> str:
         gbs = f"{w.nbytes / p50 / 1e9:7.2f}" if w.bandwidth else ""
         ratio = ""
         if impl != BASELINE and base_p50 is not None:
-            ratio = f"(bw ratio {base_p50 / p50:.2f}x)" if w.bandwidth else f"{p50 / base_p50:.2f}x"
+            if w.bandwidth:
+                ratio = f"(bw ratio {base_p50 / p50:.2f}x)"
+            elif w.burst:
+                ratio = f"{p50 / base_p50:.3f}x ({base_p50 / p50:.1f}x faster than raw, one by one)"
+            else:
+                ratio = f"{p50 / base_p50:.2f}x"
         row = f"{w.label:<24} {impl:<{width}} {p50 * 1e6:9.1f} {p99 * 1e6:9.1f} {gbs:>7}   {ratio}"
         lines.append(row.rstrip())
     lines.append(
@@ -1007,6 +1051,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=_positive, default=4000, help="1-float ops per case (4000)")
     p.add_argument("--big-iters", type=_positive, default=32, help="big ops per case (32)")
     p.add_argument("--big-mib", type=_positive, default=16, help="big tensor size in MiB (16)")
+    p.add_argument(
+        "--burst",
+        type=_positive,
+        default=1000,
+        help="1-float allreduces issued at once in the burst row: raw issues them one by one, "
+        "ftcomm awaits them with gather(), fused with fuse=True (1000)",
+    )
+    p.add_argument("--burst-iters", type=_positive, default=16, help="bursts per case (16)")
     p.add_argument("--rounds", type=_positive, default=8, help="interleaved rounds (8)")
     p.add_argument(
         "--warmup", type=_non_negative, default=100, help="1-float warm-up ops per round (100)"

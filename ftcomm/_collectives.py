@@ -34,6 +34,16 @@ class Collectives:
     def _configured(self, op: str) -> Config:
         raise NotImplementedError
 
+    def _fusing(self, tensor: torch.Tensor) -> bool:
+        """Whether an allreduce of ``tensor`` joins the open batch."""
+        return False
+
+    def _enqueue(
+        self, cfg: Config, tensor: torch.Tensor, rop: ReduceOp.RedOpType, timeout: Timeout | None
+    ) -> Work[torch.Tensor]:
+        """Add an allreduce to the open batch (``fuse=True``)."""
+        raise NotImplementedError
+
     def _issue(
         self,
         cfg: Config,
@@ -76,6 +86,8 @@ class Collectives:
         else:
             rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
             v.check_reduce_dtype(rop, tensor, "tensor")
+        if self._fusing(tensor):
+            return self._enqueue(cfg, tensor, rop, timeout)
         return self._issue(
             cfg,
             "allreduce",

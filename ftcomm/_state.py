@@ -46,6 +46,7 @@ from ._runtime.native import countdown
 from .errors import CommAborted, CommError
 
 if TYPE_CHECKING:
+    from ._runtime.fuse import AloneMark, Batch
     from ._runtime.table import Broken, OpTable
     from ._verify import Chain
     from .backends import Backend
@@ -94,6 +95,14 @@ class Config:
     """Whether the backend takes ``ReduceOp.SUM`` (every one does so far)."""
     chain: Chain | None = None
     """With ``verify=True``: issues each collective after a descriptor check."""
+    batch: Batch | None = None
+    """The open batch of fused allreduces (``Group(fuse=True)``): under the
+    group's issue lock."""
+    fuse_alone: bool = True
+    """Whether the next fusible op goes at once, on its own: no cut point
+    came since the last one did (fuse.py; under the issue lock)."""
+    alone_mark: AloneMark | None = None
+    """What an op that went on its own holds: its first look is a cut point."""
 
 
 class Attempt:

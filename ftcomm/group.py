@@ -15,6 +15,7 @@ import asyncio
 import collections.abc
 import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import threading
 import time
@@ -31,6 +32,7 @@ from ._collectives import Collectives
 from ._runtime import faults
 from ._runtime.deadline import Timeout, resolve, to_seconds
 from ._runtime.driven import TaskDriven
+from ._runtime.fuse import MAX_OP_FRACTION, AloneMark, Batch, MemberOp, copy_back_cpu
 from ._runtime.loop import get_runtime, require_asyncio, wake_threadsafe
 from ._runtime.native import NativeOp
 from ._runtime.observe import Event, GroupStats, Observer, Subscription
@@ -38,7 +40,7 @@ from ._runtime.table import Broken, OpTable
 from ._runtime.work import Work
 from ._state import Attempt, Config, GroupCore, State, Teardown, all_of
 from ._store import ENV_SCHEME, StoreAddr, env_int, parse_env_addr, parse_store_addr
-from ._verify import Chain, VerifiedOp, describe
+from ._verify import Chain, VerifiedOp, describe, reduce_code
 from .backends import Backend, ConnectSpec, backend_class
 
 if TYPE_CHECKING:
@@ -47,6 +49,11 @@ from .errors import CommAborted, CommError, CommFailed, CommTimeout, NotConfigur
 
 R = TypeVar("R")
 _SUM = ReduceOp.SUM
+
+_BATCH_SCOPES: contextvars.ContextVar[tuple[Group, ...]] = contextvars.ContextVar(
+    "ftcomm_batch_scopes", default=()
+)
+"""The groups whose :meth:`Group.batch` block the current context is in."""
 
 
 # A configure that fails with one of these ran out of time: TimeoutError
@@ -168,6 +175,39 @@ class Closing(TaskDriven, collections.abc.Coroutine[Any, Any, None]):
         await asyncio.wait({fut}, timeout=self._timeout)
 
 
+class BatchScope:
+    """What :meth:`Group.batch` returns: a block (``async with`` or ``with``)
+    in which the group's small allreduces are fused; leaving it flushes.
+
+    Raises:
+        RuntimeError: entered again while entered.
+    """
+
+    __slots__ = ("_group", "_token")
+
+    def __init__(self, group: Group) -> None:
+        self._group = group
+        self._token: contextvars.Token[tuple[Group, ...]] | None = None
+
+    def __enter__(self) -> BatchScope:
+        if self._token is not None:
+            raise RuntimeError("this group.batch() block is already entered: make another")
+        self._token = _BATCH_SCOPES.set((*_BATCH_SCOPES.get(), self._group))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        token, self._token = self._token, None
+        if token is not None:
+            _BATCH_SCOPES.reset(token)
+        self._group.flush()
+
+    async def __aenter__(self) -> BatchScope:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.__exit__(*exc)
+
+
 class Group(Collectives):
     """A fault-tolerant process group whose collectives are awaitable.
 
@@ -215,6 +255,18 @@ class Group(Collectives):
         stats: keep per-op statistics (:meth:`stats`): on by default; an
             op's end then costs one histogram increment (docs/design.md,
             "What a group did"). Events and log lines come either way.
+        fuse: fuse small allreduces: one of at most ``fuse_bytes / 16``
+            bytes is not issued at once but joins the group's open batch,
+            sent as one native allreduce when the program looks at one of
+            its ops (``await``, ``wait()``, ``done()``, a callback), issues
+            an op that cannot join it, fills it, or calls :meth:`flush`
+            (:meth:`batch` fuses within a block on a group without it).
+            1000 concurrent one-float allreduces then cost about one.
+            Every rank must make the same calls in the same order, the
+            looks included (docs/design.md, "Fusing small collectives").
+            Off by default: an op then goes on the wire when it is issued.
+        fuse_bytes: a batch's byte cap (default 1 MiB): reaching it sends
+            the batch; larger allreduces than 1/16 of it are never fused.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -237,6 +289,8 @@ class Group(Collectives):
         share_min_bytes: int | None = None,
         verify: bool = False,
         stats: bool = True,
+        fuse: bool = False,
+        fuse_bytes: int = 1 << 20,
     ) -> None:
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
@@ -245,12 +299,17 @@ class Group(Collectives):
             ("spare_worker", spare_worker),
             ("verify", verify),
             ("stats", stats),
+            ("fuse", fuse),
         )
         for name, flag in flags:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         if share_min_bytes is not None:
             v.check_int(share_min_bytes, "share_min_bytes", minimum=0, maximum=None)
+        v.check_int(fuse_bytes, "fuse_bytes", minimum=MAX_OP_FRACTION, maximum=None)
+        self._fuse = fuse
+        self._fuse_bytes = fuse_bytes
+        self._fuse_op_bytes = fuse_bytes // MAX_OP_FRACTION
         self._verify = verify
         self._timeout = to_seconds(timeout, "timeout")
         self._configure_timeout = resolve(configure_timeout, self._timeout, "configure_timeout")
@@ -442,6 +501,7 @@ class Group(Collectives):
                 table.break_,
             )
         config = Config(backend, table, str(spec.store), _SUM in backend.reduce_ops, chain)
+        config.alone_mark = AloneMark(self._issue_lock, config)
 
         def on_ready() -> None:  # under the lock: its event comes before any of its ops'
             store = str(spec.store)
@@ -632,6 +692,44 @@ class Group(Collectives):
         """
         return self._observer.subscribe(callback)
 
+    def flush(self) -> None:
+        """Send the open batch of fused allreduces now (``fuse=True``, or in a
+        :meth:`batch` block), as one native op; a no-op without one. A point
+        of the program's order: call it at the same place on every rank.
+        Any thread.
+
+        Raises:
+            Nothing: a batch the group refuses fails its ops (their awaits
+            raise), as an op refused at issue would.
+        """
+        cfg = self._core.config
+        if cfg is None:
+            return
+        batch = cfg.batch
+        if batch is not None:
+            self._flush_batch(cfg, batch)
+        else:
+            with self._issue_lock:
+                cfg.fuse_alone = True  # a cut point, with nothing to send
+
+    def batch(self) -> BatchScope:
+        """A block whose small allreduces are fused, on a group made without
+        ``fuse=True`` (with it, a block that ends with a flush)::
+
+            async with group.batch():
+                works = [group.allreduce(t) for t in stats]
+            await asyncio.gather(*works)   # sent at the block's end, as one op
+
+        The block ends with :meth:`flush`; inside it, looking at an op sends
+        its batch as ``fuse=True`` does. It applies to the task (context)
+        that entered it: ops other tasks issue meanwhile cut the batch (an
+        op that cannot join it). ``with`` works too, from a thread.
+
+        Raises:
+            RuntimeError: the same block object entered twice.
+        """
+        return BatchScope(self)
+
     def set_timeout(self, timeout: Timeout) -> None:
         """Set the default deadline of ops issued from now on.
 
@@ -698,37 +796,41 @@ class Group(Collectives):
         start: Callable[[Backend, float], NativeOp],
         check: Sequence[torch.Tensor] | None = (),
         extra: int = 0,
+        cut: bool = True,
     ) -> Work[R]:
         seconds = self._timeout if timeout is None else to_seconds(timeout)
         table = cfg.table
         broken: Broken | None = None
-        with self._issue_lock:
-            error = table.error
-            if error is not None:
-                raise _refused(op, error, table.rank) from error
-            issued = time.perf_counter()  # for its latency
-            deadline = time.monotonic() + seconds
-            try:
-                if cfg.chain is not None and check is not None:
-                    start = self._verified(cfg.chain, op, check, extra, deadline, start)
-                inject = faults.injector
-                if inject is None:
-                    native = start(cfg.backend, seconds)
+        sent: Callable[[], object] | None = None
+        try:
+            with self._issue_lock:
+                if cfg.batch is not None:  # an op that cannot join it: the batch goes first
+                    sent = self._send_locked(cfg)
+                if cut:  # an op that cannot join a batch: the next fusible op goes at once
+                    cfg.fuse_alone = True
+                error = table.error
+                if error is not None:
+                    raise _refused(op, error, table.rank) from error
+                issued = time.perf_counter()  # for its latency
+                deadline = time.monotonic() + seconds
+                try:
+                    native = self._start_locked(cfg, op, start, check, extra, deadline, seconds)
+                except (CommError, RuntimeError) as exc:
+                    refused = self._refused(table, op, exc)
+                    if getattr(exc, "_by_abandon", False):
+                        # Another op's abandon() stopped the native group; its
+                        # settler is breaking the table with the real cause.
+                        raise refused from exc.__cause__
+                    # Marked under the locks; the ops it ends (and their callbacks,
+                    # which may issue ops) end with _issue_lock released.
+                    with table._lock:
+                        broken = table._break_locked(refused)
                 else:
-                    native = inject(op, lambda: start(cfg.backend, seconds), cfg.backend)
-            except (CommError, RuntimeError) as exc:
-                refused = self._refused(table, op, exc)
-                if getattr(exc, "_by_abandon", False):
-                    # Another op's abandon() stopped the native group; its
-                    # settler is breaking the table with the real cause.
-                    raise refused from exc.__cause__
-                # Marked under the locks; the ops it ends (and their callbacks,
-                # which may issue ops) end with _issue_lock released.
-                with table._lock:
-                    broken = table._break_locked(refused)
-            else:
-                work = Work(table, op, table.next_seq(), deadline, native, result, issued)
-                table.track(work, seconds)
+                    work = Work(table, op, table.next_seq(), deadline, native, result, issued)
+                    table.track(work, seconds)
+        finally:
+            if sent is not None:
+                sent()
         if broken is None:
             return work
         table._after_break(broken, time.monotonic())
@@ -740,6 +842,182 @@ class Group(Collectives):
             op=op,
         )
         raise aborted from broken.cause
+
+    def _start_locked(
+        self,
+        cfg: Config,
+        op: str,
+        start: Callable[[Backend, float], NativeOp],
+        check: Sequence[torch.Tensor] | None,
+        extra: int,
+        deadline: float,
+        seconds: float,
+    ) -> NativeOp:
+        """Issue one native op (under the issue lock): behind the descriptor
+        check with ``verify=True``, through the fault seam in tests."""
+        if cfg.chain is not None and check is not None:
+            start = self._verified(cfg.chain, op, check, extra, deadline, start)
+        inject = faults.injector
+        if inject is None:
+            return start(cfg.backend, seconds)
+        return inject(op, lambda: start(cfg.backend, seconds), cfg.backend)
+
+    # -- fusing (fuse.py; docs/design.md, "Fusing small collectives") ---------
+    def _fusing(self, tensor: torch.Tensor) -> bool:
+        """Whether an allreduce of ``tensor`` joins the open batch: a small
+        one in host memory (the copy back of device tensors would need its
+        stream ordered: not done yet)."""
+        return (
+            (self._fuse or self._in_block())
+            and tensor.is_cpu
+            and tensor.nelement() * tensor.element_size() <= self._fuse_op_bytes
+        )
+
+    def _in_block(self) -> bool:
+        """Whether the calling context is in a :meth:`batch` block of this group."""
+        return self in _BATCH_SCOPES.get()
+
+    def _enqueue(
+        self, cfg: Config, tensor: torch.Tensor, rop: ReduceOp.RedOpType, timeout: Timeout | None
+    ) -> Work[torch.Tensor]:
+        """An allreduce joins the open batch (one of its key: dtype, device,
+        reduce op, else the open one is sent first); a batch that reaches
+        ``fuse_bytes`` is sent."""
+        seconds = self._timeout if timeout is None else to_seconds(timeout)
+        table = cfg.table
+        key = (tensor.dtype, None if tensor.is_cpu else tensor.device, rop)
+        nbytes = tensor.nelement() * tensor.element_size()
+        sent: list[Callable[[], object]] = []
+        alone = False
+        try:
+            with self._issue_lock:
+                batch = cfg.batch
+                if batch is not None and (
+                    batch.key != key or batch.nbytes + nbytes > self._fuse_bytes
+                ):
+                    after = self._send_locked(cfg)
+                    if after is not None:
+                        sent.append(after)
+                    batch = None
+                error = table.error
+                if error is not None:
+                    raise _refused("allreduce", error, table.rank) from error
+                if batch is None and cfg.fuse_alone and self._fuse and not self._in_block():
+                    # The first fusible op since a cut point goes at once, on
+                    # its own: a lone op (awaited before the next is issued)
+                    # waits for nothing. Its first look is a cut point.
+                    cfg.fuse_alone = False
+                    alone = True
+            if alone:
+                work = self._issue(
+                    cfg,
+                    "allreduce",
+                    timeout,
+                    tensor,
+                    lambda b, s: b.allreduce([tensor], rop, s),
+                    (tensor,),
+                    reduce_code(rop),
+                    cut=False,
+                )
+                work._batch = cfg.alone_mark
+                return work
+            with self._issue_lock:
+                batch = cfg.batch
+                if batch is not None and (
+                    batch.key != key or batch.nbytes + nbytes > self._fuse_bytes
+                ):
+                    after = self._send_locked(cfg)
+                    if after is not None:
+                        sent.append(after)
+                    batch = None
+                error = table.error
+                if error is not None:
+                    raise _refused("allreduce", error, table.rank) from error
+                if batch is None:
+                    copy_back = getattr(cfg.backend, "copy_back", copy_back_cpu)
+                    batch = cfg.batch = Batch(
+                        table, key, rop, lambda b: self._flush_batch(cfg, b), copy_back
+                    )
+                member = MemberOp(batch)
+                work = Work(
+                    table,
+                    "allreduce",
+                    table.next_seq(),
+                    time.monotonic() + seconds,
+                    member,
+                    tensor,
+                    time.perf_counter(),
+                )
+                member.work = work
+                work._batch = batch
+                batch.add(work, tensor, nbytes)
+                table.track(work, seconds)
+                if batch.nbytes >= self._fuse_bytes:
+                    after = self._send_locked(cfg)
+                    if after is not None:
+                        sent.append(after)
+        finally:
+            for after in sent:
+                after()
+        return work
+
+    def _flush_batch(self, cfg: Config, batch: Batch) -> None:
+        """Send ``batch`` if it is still ``cfg``'s open one."""
+        after = None
+        with self._issue_lock:
+            if cfg.batch is batch:
+                after = self._send_locked(cfg)
+        if after is not None:
+            after()
+
+    def _send_locked(self, cfg: Config) -> Callable[[], object] | None:
+        """Send the open batch as one native allreduce (under the issue lock,
+        in program order); what to run once the lock is released (a refused
+        batch breaks the group: its ops end, and their callbacks run)."""
+        batch, cfg.batch = cfg.batch, None
+        table = cfg.table
+        cfg.fuse_alone = True  # a cut point
+        if batch is None:
+            return None
+        if table.error is not None:  # broken: its ops are ending (or end at track)
+            batch.abandon()
+            return None
+        if not batch.begin_send():  # a settler dropped it: the group is breaking
+            return None
+        rop = batch.op
+        deadline = batch.deadline  # its members' earliest
+        seconds = max(deadline - time.monotonic(), 0.001)
+        try:
+            flat = batch.pack()
+            native = self._start_locked(
+                cfg,
+                "allreduce",
+                lambda b, s: b.allreduce([flat], rop, s),
+                (flat,),
+                reduce_code(rop),
+                deadline,
+                seconds,
+            )
+        except Exception as exc:  # the peers sent it: the group is broken
+            # Whatever it was (a refusal, no room in /dev/shm, no memory for
+            # the flat buffer), the peers issued this op and we did not: the
+            # group is broken, and the ops fail; the call that made the cut
+            # (an await, an issue, a flush) does not raise it.
+            refused = self._refused(table, "allreduce", exc)
+            announce = batch.refuse(refused)
+            if getattr(exc, "_by_abandon", False):
+                return announce  # the settler that stopped the group breaks it
+            with table._lock:
+                broken = table._break_locked(refused)
+
+            def after() -> None:
+                try:
+                    table._after_break(broken, time.monotonic())
+                finally:
+                    announce()
+
+            return after
+        return batch.sent(native)
 
     @staticmethod
     def _verified(

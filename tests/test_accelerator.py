@@ -240,7 +240,8 @@ async def test_an_awaited_event_is_timed_by_the_poll_that_saw_it_complete(
         stats = g.stats().ops["allreduce"]
         assert (stats.count, stats.untimed) == (1, 0)
         assert stats.p50 is not None
-        assert stats.max is not None and stats.max >= 0.4  # held that long
+        assert stats.max is not None
+        assert stats.max >= 0.4
         assert stats.p50 >= 0.4 * 15 / 16  # a bucket's lower edge
 
 

@@ -23,6 +23,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 @pytest.mark.timeout(120)
 def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     tiny = ["--iters", "50", "--big-iters", "2", "--big-mib", "1", "--rounds", "2", "--warmup", "5"]
+    tiny += ["--burst", "20", "--burst-iters", "2"]
     tiny += ["--recovery-samples", "1", "--no-torchft"]  # torchft's rows: make bench
     tiny += ["--with", "stats-off"]
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
@@ -42,6 +43,8 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     assert re.search(r"^allreduce 1xfp32\s+ftcomm\s+[\d.]+\s+[\d.]+\s+\d+\.\d+x$", out, re.M), out
     assert re.search(r"^allreduce 1xfp32\s+facade\s+[\d.]+\s+[\d.]+\s+\d+\.\d+x$", out, re.M), out
     assert re.search(r"^allreduce 1MiB fp32\s+ftcomm\s.*\(bw ratio \d+\.\d+x\)$", out, re.M), out
+    burst = r"^20 x allreduce 1xfp32\s+fused\s+[\d.]+\s+[\d.]+\s+[\d.]+x \([\d.]+x faster than raw"
+    assert re.search(burst, out, re.M), out
     for impl in ("subproc", "baby", "stats-off"):
         assert re.search(rf"^allreduce 1xfp32\s+{impl}\s+[\d.]+\s+[\d.]+\s+\d+\.\d+x$", out, re.M)
     assert re.search(r"^dead worker noticed\s+\d+\.\d+\s+\d+\.\d+$", out, re.M), out
@@ -54,10 +57,13 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     doc = json.loads(out_json.read_text())
     assert (doc["ftcomm"], doc["torch"]) == (ftcomm.__version__, torch.__version__)
     assert doc["plan"]["rounds"] == 2
-    assert [w["iters"] for w in doc["plan"]["workloads"]] == [50, 2]
+    assert [w["iters"] for w in doc["plan"]["workloads"]] == [50, 2, 2]
     rows = {(r["workload"], r["case"]): r for r in doc["rows"]}
-    cases = ("raw", "ftcomm", "stats-off", "verify", "facade", "subproc", "sub+move", "baby")
-    assert set(rows) == {(w, c) for w in ("allreduce 1xfp32", "allreduce 1MiB fp32") for c in cases}
+    cases = ("raw", "ftcomm", "fused", "stats-off", "verify", "facade", "subproc", "sub+move")
+    cases += ("baby",)
+    burst = {("20 x allreduce 1xfp32", c) for c in ("raw", "ftcomm", "fused")}  # only these
+    singles = {(w, c) for w in ("allreduce 1xfp32", "allreduce 1MiB fp32") for c in cases}
+    assert set(rows) == singles | burst
     for (_, case), row in rows.items():
         p50_in_table = re.search(
             rf"^{re.escape(row['workload'])}\s+{re.escape(case)}\s+(\d+\.\d)\s", out, re.M

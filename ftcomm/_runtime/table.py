@@ -112,7 +112,7 @@ class OpTable:
 
     def active(self) -> int:
         """Ops not ended yet (ends the completed ones nobody has awaited)."""
-        return sum(1 for work in list(self._inflight.values()) if not work.done())
+        return sum(1 for work in list(self._inflight.values()) if not work._done())
 
     @property
     def timer_armed(self) -> bool:

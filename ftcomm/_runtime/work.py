@@ -49,14 +49,18 @@ import time
 import weakref
 from collections.abc import Callable, Generator
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import CommAborted, CommError, CommFailed, CommTimeout
 from .deadline import to_seconds
 from .driven import TaskDriven
+from .fuse import AloneMark, MemberOp
 from .loop import require_asyncio, wake_threadsafe
 from .native import NativeOp
 from .table import Broken, OpTable, _peek, _wake_all, log
+
+if TYPE_CHECKING:
+    from .fuse import Batch
 
 R = TypeVar("R")
 
@@ -137,6 +141,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         "__weakref__",
         "_announced",
         "_arming",
+        "_batch",
         "_cb_armed",
         "_claimed",
         "_drivers",
@@ -182,6 +187,11 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         self._waiters: list[Callable[[], object]] | None = None  # wake-ups, any thread
         self._cb_armed = False
         self._drivers: dict[object, Generator[Any, None, R]] | None = None
+        # The batch it is in (``Group(fuse=True)``, fuse.py): the first look
+        # at the op sends it, if it is still open; or the mark of a fusible
+        # op that went on its own, whose first look is a cut point. None once
+        # looked at, and for ops of a group that does not fuse.
+        self._batch: Batch | AloneMark | None = None
 
     def __repr__(self) -> str:
         end = self._end
@@ -189,7 +199,22 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
 
     # -- public ------------------------------------------------------------
     def done(self) -> bool:
-        """Whether the op has ended (it may have failed)."""
+        """Whether the op has ended (it may have failed). An op waiting in an
+        open batch (``Group(fuse=True)``) is sent first."""
+        if self._batch is not None:
+            self._flush()
+        return self._done()
+
+    def _flush(self) -> None:
+        """Send the open batch this op waits in: someone looks at the op (a
+        point of the program's own order; docs/design.md, "Fusing")."""
+        batch = self._batch
+        if batch is not None:
+            self._batch = None
+            batch.flush()
+
+    def _done(self) -> bool:
+        """:meth:`done` without sending its batch (ftcomm's own looks)."""
         native = self._native  # read once: a settler clears it once the end is out
         if self._end is None and native is not None:
             if native.poll():
@@ -236,6 +261,8 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         # A plain generator, not a coroutine chain: the spin below resumes
         # once per loop iteration, and every layer it passes costs time
         # measured in the small-op bench.
+        if self._batch is not None:  # a look, ended or not: a cut point either way
+            self._flush()
         if self._end is None:
             require_asyncio("awaiting", self.op)  # the op goes on; its deadline holds
             try:
@@ -271,6 +298,21 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         native = self._native
         if native is None:
             return
+        if type(native) is MemberOp and not native.batch.take_spin():
+            # Another await polls this op's batch: one look, then sleep until
+            # it is over (one future per await, woken together), rather than
+            # 1000 tasks polling it.
+            if native.poll():
+                self._complete(native.outcome())
+            else:
+                fut = native.batch.sleep(asyncio.get_running_loop())
+                # _end_locked sets _end before it wakes the sleepers (under the
+                # batch's lock): an end that came before we slept is seen here.
+                if fut is not None and self._end is None:
+                    yield from fut
+            native = self._native
+            if native is None:
+                return
         spin_until = time.perf_counter() + getattr(native, "spin", SPIN_SECONDS)
         while self._end is None:
             if native.poll():
@@ -351,6 +393,8 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
     def _wait(self, timeout: float | timedelta | None, *, abort_on_timeout: bool) -> R:
         """:meth:`wait` for a caller that may block a running loop (the c10d
         facade: c10d's ``wait()`` blocks whatever thread calls it)."""
+        if self._batch is not None:
+            self._flush()
         if timeout is not None:
             timeout = to_seconds(timeout, "timeout")
         if not self._block(timeout):
@@ -431,6 +475,8 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
     def _when_done(self, callback: Callable[[], object]) -> None:
         """Call ``callback()`` once the op's end is published: at once if it
         is, else on the thread that publishes it."""
+        if self._batch is not None:
+            self._flush()
         if self._end is not None or not self._add_waiter(self._native, callback):
             callback()
 
@@ -536,8 +582,12 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         """Under the table's lock: the op is ENDED with ``end`` (published
         once, with its native op let go); the waiters to wake."""
         self._end = end
+        if type(self._batch) is not AloneMark:  # its first look is still a cut point
+            self._batch = None  # its batch was sent (or dropped): let go of it
         waiters, self._waiters = self._waiters, None
         native, self._native = self._native, None
+        if end.error is not None and type(native) is MemberOp:
+            native.batch.wake_sleepers()  # its batch-mates look at their own ends
         observer = self._table.observer
         if observer is not None and (observer.stats_on or observer.subscribers):
             # A native op that knows when it ended says so (a worker's reply);
@@ -667,3 +717,17 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             )
             error.__cause__ = cause
         return self._settle_quietly(error, False) or []
+
+
+def end_all(table: OpTable, works: list[Work[Any]]) -> None:
+    """End every op of ``works`` that has not ended with success, under one
+    hold of the table's lock (a fused batch that succeeded and was copied
+    back: fuse.py), then wake their waiters."""
+    wakeups: list[Callable[[], object]] = []
+    with table._lock:
+        for work in works:
+            if not work._claimed:
+                work._claimed = True
+                table._inflight.pop(work.seq, None)
+                wakeups += work._end_locked(_SUCCESS)
+    _wake_all(wakeups)

@@ -1,0 +1,443 @@
+"""Fusing small allreduces (``Group(fuse=True)``, ``group.batch()``): where a
+batch is cut, what each member keeps, and that every rank cuts alike.
+
+The cut rules are checked on the dummy backend (world size 1), whose native
+calls are recorded; sums, failures and the determinism drill run on real
+Gloo worlds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import StoreServer
+from torch.distributed import ReduceOp
+
+import ftcomm
+from ftcomm import CommAborted, CommTimeout
+from ftcomm._runtime import faults
+from ftcomm.backends import dummy
+from ftcomm.testing import Fault, FaultPlan, RankContext, run_world
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, list[int]]]]:
+    """Every native call of the dummy backend: (op, numel of each tensor)."""
+    seen: list[tuple[str, list[int]]] = []
+    cls = dummy.DummyBackend
+
+    def recording(name: str) -> Any:
+        real = getattr(cls, name)
+
+        def call(self: Any, *args: Any) -> Any:
+            first = args[0]
+            sizes = [t.numel() for t in first] if isinstance(first, list) else []
+            seen.append((name, sizes))
+            return real(self, *args)
+
+        return call
+
+    for name in ("allreduce", "broadcast", "barrier"):
+        monkeypatch.setattr(cls, name, recording(name))
+    return seen
+
+
+async def _dummy(store: StoreServer, **kwargs: Any) -> ftcomm.Group:
+    g = ftcomm.Group("dummy", timeout=10.0, **kwargs)
+    await g.configure(f"127.0.0.1:{store.port}/fuse", 0, 1)
+    return g
+
+
+# -- where a batch is cut --------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_ops_issued_together_go_as_one_op_when_one_is_awaited(
+    store: StoreServer, calls: list[tuple[str, list[int]]]
+) -> None:
+    async with await _dummy(store, fuse=True) as g:
+        ts = [torch.ones(3) for _ in range(5)]
+        works = [g.allreduce(t) for t in ts]
+        # The first goes at once, on its own; the rest wait for a look
+        assert calls == [("allreduce", [3])]
+        assert await works[2] is ts[2]
+        assert calls == [("allreduce", [3]), ("allreduce", [12])]
+        for w, t in zip(works, ts, strict=True):
+            assert w.done()
+            assert await w is t
+        assert g.stats().ops["allreduce"].count == 5  # each op is counted as itself
+
+
+@pytest.mark.asyncio
+async def test_each_cut_point_sends_the_batch(
+    store: StoreServer, calls: list[tuple[str, list[int]]]
+) -> None:
+    async with await _dummy(store, fuse=True, fuse_bytes=1024) as g, g.batch():
+        # in a batch() block: no op goes on its own, every cut shows
+        f32 = [torch.ones(2) for _ in range(4)]
+        g.allreduce(f32[0])
+        g.allreduce(f32[1])
+        g.broadcast(torch.ones(2))  # an op that cannot join: the batch goes first
+        g.allreduce(f32[2])
+        g.allreduce(torch.ones(2, dtype=torch.float64))  # another dtype
+        g.allreduce(f32[3], ReduceOp.MAX)  # another reduce op
+        g.allreduce(torch.ones(64))  # 256 bytes > 1024/16: never fused
+        g.allreduce(torch.ones(4))
+        g.flush()
+        g.flush()  # nothing open: a no-op
+        w = g.allreduce(torch.ones(1))
+        assert w.done()  # done() looks at it
+        g.allreduce(torch.ones(1))
+        g.barrier()
+        assert calls == [
+            ("allreduce", [4]),
+            ("broadcast", []),
+            ("allreduce", [2]),
+            ("allreduce", [2]),
+            ("allreduce", [2]),
+            ("allreduce", [64]),
+            ("allreduce", [4]),
+            ("allreduce", [1]),
+            ("allreduce", [1]),
+            ("barrier", []),
+        ]
+
+
+@pytest.mark.asyncio
+async def test_a_full_batch_is_sent_at_its_cap(
+    store: StoreServer, calls: list[tuple[str, list[int]]]
+) -> None:
+    g = await _dummy(store, fuse=True, fuse_bytes=256)  # ops of <= 16 bytes
+    async with g, g.batch():
+        works = [g.allreduce(torch.ones(4)) for _ in range(40)]  # 16 bytes each
+        assert calls == [("allreduce", [64])] * 2  # 16 ops, 256 bytes: sent as it fills
+        await asyncio.gather(*works)
+        assert calls == [("allreduce", [64])] * 2 + [("allreduce", [32])]
+
+
+@pytest.mark.asyncio
+async def test_a_batch_block_fuses_on_a_group_without_fuse(
+    store: StoreServer, calls: list[tuple[str, list[int]]]
+) -> None:
+    async with await _dummy(store) as g:
+        g.allreduce(torch.ones(1))  # fuse=False: on the wire at once
+        async with g.batch():
+            works = [g.allreduce(torch.ones(2)) for _ in range(3)]
+            assert calls == [("allreduce", [1])]
+        assert calls == [("allreduce", [1]), ("allreduce", [6])]  # the block's end sent it
+        await asyncio.gather(*works)
+        with g.batch():  # from a thread too
+            g.allreduce(torch.ones(1))
+            g.allreduce(torch.ones(1))
+        assert calls[-1] == ("allreduce", [2])
+        g.allreduce(torch.ones(1))
+        assert calls[-1] == ("allreduce", [1])  # outside the block: unfused again
+
+
+@pytest.mark.asyncio
+async def test_a_batch_block_applies_to_its_own_task_only(
+    store: StoreServer, calls: list[tuple[str, list[int]]]
+) -> None:
+    async with await _dummy(store) as g:
+        inside = asyncio.Event()
+        done = asyncio.Event()
+
+        async def other() -> None:
+            await inside.wait()
+            g.allreduce(torch.ones(5))  # not in a block: cuts the batch, goes alone
+            done.set()
+
+        task = asyncio.ensure_future(other())
+        async with g.batch():
+            g.allreduce(torch.ones(1))
+            inside.set()
+            await done.wait()
+            g.allreduce(torch.ones(1))
+        await task
+        assert calls == [("allreduce", [1]), ("allreduce", [5]), ("allreduce", [1])]
+
+
+def test_a_thread_waiting_on_an_op_sends_its_batch(
+    store: StoreServer, calls: list[tuple[str, list[int]]]
+) -> None:
+    async def main() -> None:
+        async with await _dummy(store, fuse=True) as g:
+            works = [g.allreduce(torch.ones(1)) for _ in range(3)]  # one alone, two wait
+            seen: list[object] = []
+            works[1].add_done_callback(seen.append)  # a callback looks at it too
+            assert calls == [("allreduce", [1]), ("allreduce", [2])]
+            assert seen == [works[1]]
+            more = [g.allreduce(torch.ones(1)) for _ in range(3)]  # after a cut: the same
+            result: list[object] = []
+            thread = threading.Thread(target=lambda: result.append(more[2].wait(5.0)))
+            thread.start()
+            await asyncio.get_running_loop().run_in_executor(None, thread.join)
+            assert calls[-2:] == [("allreduce", [1]), ("allreduce", [2])]
+            assert result[0] is more_tensors(more)[2]
+
+    def more_tensors(works: list[ftcomm.Work[torch.Tensor]]) -> list[torch.Tensor]:
+        return [w._result for w in works]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("bad", [0, 15, -1])
+def test_fuse_arguments_are_checked(bad: int) -> None:
+    with pytest.raises(ValueError, match="fuse_bytes"):
+        ftcomm.Group("dummy", fuse_bytes=bad)
+    with pytest.raises(TypeError, match="fuse"):
+        ftcomm.Group("dummy", fuse=1)  # type: ignore[arg-type]
+
+
+# -- what each member keeps --------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_an_unsent_op_past_its_deadline_times_out_and_aborts_its_batch(
+    store: StoreServer, calls: list[tuple[str, list[int]]]
+) -> None:
+    async with await _dummy(store, fuse=True) as g:
+        failed = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        sub = g.subscribe(
+            lambda e: loop.call_soon_threadsafe(failed.set) if e.kind == "aborted" else None
+        )
+        g.allreduce(torch.ones(1))  # goes on its own; the next two wait in a batch
+        ts = [torch.full((2,), 7.0) for _ in range(2)]
+        late = g.allreduce(ts[0], timeout=0.2)  # issued, never looked at before its deadline
+        other = g.allreduce(ts[1], timeout=30)
+        await asyncio.wait_for(failed.wait(), 5.0)
+        sub.close()
+        with pytest.raises(CommTimeout) as timeout:
+            await late
+        assert timeout.value.seq == late.seq
+        with pytest.raises(CommAborted):
+            await other
+        assert isinstance(g.errored(), CommTimeout)
+        assert calls == [("allreduce", [1])]  # the batch was never sent
+        assert all(torch.equal(t, torch.full((2,), 7.0)) for t in ts)
+
+
+@pytest.mark.asyncio
+async def test_abort_ends_the_open_batch_and_leaves_its_tensors(
+    store: StoreServer, calls: list[tuple[str, list[int]]]
+) -> None:
+    async with await _dummy(store, fuse=True) as g:
+        ts = [torch.full((2,), 3.0) for _ in range(3)]
+        works = [g.allreduce(t) for t in ts]  # the first on its own (and done), two wait
+        await g.abort()
+        assert await works[0] is ts[0]
+        for w in works[1:]:
+            with pytest.raises(CommAborted):
+                await w
+        assert calls == [("allreduce", [2])]
+        assert all(torch.equal(t, torch.full((2,), 3.0)) for t in ts[1:])
+        with pytest.raises(CommAborted):
+            g.allreduce(torch.ones(1))
+        await g.configure(f"127.0.0.1:{store.port}/fuse2", 0, 1)  # a fresh batch after it
+        assert torch.equal(await g.allreduce(torch.ones(2)), torch.ones(2))
+
+
+@pytest.mark.asyncio
+async def test_cancelling_one_member_aborts_the_group(store: StoreServer) -> None:
+    async with await _dummy(store, fuse=True) as g:
+        old = faults.set_injector(lambda op, issue, backend: _Never())
+        try:  # the batch's native op never ends
+            works = [g.allreduce(torch.ones(1)) for _ in range(3)]
+            tasks = [asyncio.ensure_future(w) for w in works]
+            await asyncio.sleep(0)  # every task awaits (one polls, the others sleep)
+        finally:
+            faults.set_injector(old)
+        tasks[1].cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert isinstance(results[1], asyncio.CancelledError)
+        assert all(isinstance(r, CommAborted) for r in (results[0], results[2]))
+        assert isinstance(g.errored(), CommAborted)
+
+
+class _Never:
+    def poll(self) -> bool:
+        return False
+
+    def outcome(self) -> BaseException | None:
+        return None
+
+    def on_done(self, callback: object) -> None:
+        pass
+
+
+# -- real worlds ---------------------------------------------------------------------------
+async def _sums(ctx: RankContext, n: int, subprocess: bool) -> dict[str, Any]:
+    async with ftcomm.Group("gloo", fuse=True, timeout=20, subprocess=subprocess) as g:
+        await g.configure(ctx.addr(), ctx.rank, ctx.world_size)
+        ts = [torch.full((1 + i % 3,), float(i + ctx.rank)) for i in range(n)]
+        sent = _count_native(g)
+        await asyncio.gather(*[g.allreduce(t) for t in ts])
+        ints = [torch.tensor([i * 10 + ctx.rank]) for i in range(4)]
+        maxed = await asyncio.gather(*[g.allreduce(t, ReduceOp.MAX) for t in ints])
+        return {
+            "ok": all(
+                torch.equal(t, torch.full((1 + i % 3,), float(2 * i + 1))) for i, t in enumerate(ts)
+            ),
+            "max": [int(t.item()) for t in maxed],
+            "native": sent(),
+        }
+
+
+def _count_native(g: ftcomm.Group) -> Any:
+    backend = g._config.backend  # type: ignore[union-attr]
+    real = backend.allreduce
+    count = [0]
+
+    def counting(*args: Any) -> Any:
+        count[0] += 1
+        return real(*args)
+
+    backend.allreduce = counting  # type: ignore[method-assign]
+    return lambda: count[0]
+
+
+def test_fused_sums_are_right_on_gloo() -> None:
+    results = run_world(_sums, 2, mode="thread", args=(300, False), timeout=60)
+    for r in results:
+        assert r == {"ok": True, "max": [1, 11, 21, 31], "native": 4}  # 2 per gather
+
+
+def test_a_subprocess_group_sends_one_frame_per_batch() -> None:
+    results = run_world(_sums, 2, args=(100, True), timeout=60)
+    for r in results:
+        assert r == {"ok": True, "max": [1, 11, 21, 31], "native": 4}  # 2 frames per gather
+
+
+async def _failing_batch(ctx: RankContext) -> dict[str, Any]:
+    async with ftcomm.Group("gloo", fuse=True, timeout=20) as g:
+        await g.configure(ctx.addr(), ctx.rank, ctx.world_size)
+        ts = [torch.full((2,), 5.0) for _ in range(4)]
+        works = [g.allreduce(t) for t in ts]
+        results = await asyncio.gather(*works, return_exceptions=True)
+        return {
+            "errors": [(type(e).__name__, getattr(e, "seq", None)) for e in results],
+            "seqs": [w.seq for w in works],
+            "untouched": all(torch.equal(t, torch.full((2,), 5.0)) for t in ts[1:]),
+        }
+
+
+def test_a_failed_batch_fails_every_member_with_its_own_seq() -> None:
+    plan = FaultPlan.of(Fault.error(0, 1, "injected"))  # rank 0's batch (op 0 went alone)
+    results = run_world(_failing_batch, 2, mode="thread", plan=plan, timeout=60)
+    r = results[0]
+    assert r["errors"][0] == ("Tensor", None)  # the first went on its own, before
+    assert r["errors"][1:] == [("CommFailed", seq) for seq in r["seqs"][1:]]
+    assert r["untouched"]  # no copy back: a failed member's tensor is not written
+
+
+# -- the determinism drill -----------------------------------------------------------------
+DRILL_SEEDS = int(os.environ.get("FTCOMM_FUSE_SEEDS", "100"))
+_DTYPES = (torch.float32, torch.float64, torch.int64)
+
+
+async def _drill(ctx: RankContext, seeds: range) -> dict[str, int]:
+    """Each seed: the same random program on every rank (fusible allreduces of
+    three dtypes and two reduce ops, ops that cannot join, awaits of random
+    ops, gathers, flushes, batch blocks); every result is checked."""
+    checked = 0
+    async with ftcomm.Group("gloo", fuse=True, fuse_bytes=4096, timeout=20) as g:
+        await g.configure(ctx.addr(), ctx.rank, ctx.world_size)
+        ranks = range(ctx.world_size)
+        for seed in seeds:
+            rng = random.Random(seed)
+            pending: list[tuple[ftcomm.Work[Any], torch.Tensor]] = []
+            block: Any = None
+            for step in range(rng.randint(10, 40)):
+                pick = rng.random()
+                base = (seed * 31 + step) % 50
+                if pick < 0.5:  # fusible
+                    dtype = rng.choice(_DTYPES)
+                    op = rng.choice((ReduceOp.SUM, ReduceOp.MAX))
+                    shape = (rng.randint(1, 4),)
+                    t = torch.full(shape, base + ctx.rank, dtype=dtype)
+                    vals = [base + r for r in ranks]
+                    want = sum(vals) if op == ReduceOp.SUM else max(vals)
+                    pending.append((g.allreduce(t, op), torch.full(shape, want, dtype=dtype)))
+                elif pick < 0.6:  # cannot join
+                    kind = rng.randrange(3)
+                    if kind == 0:
+                        t = torch.full((3,), float(base + ctx.rank))
+                        root = rng.randrange(ctx.world_size)
+                        want_t = torch.full((3,), float(base + root))
+                        pending.append((g.broadcast(t, root), want_t))
+                    elif kind == 1:
+                        t = torch.full((100,), float(base + ctx.rank))  # > 4096/16 bytes
+                        want_t = torch.full((100,), float(sum(base + r for r in ranks)))
+                        pending.append((g.allreduce(t), want_t))
+                    else:
+                        await g.barrier()
+                elif pick < 0.75 and pending:
+                    work, want_t = pending.pop(rng.randrange(len(pending)))
+                    got = await work
+                    assert torch.equal(got, want_t), (seed, step, got, want_t)
+                    checked += 1
+                elif pick < 0.82 and pending:
+                    k = rng.randint(1, len(pending))
+                    chosen, pending = pending[:k], pending[k:]
+                    gots = await asyncio.gather(*[w for w, _ in chosen])
+                    for got, (_, want_t) in zip(gots, chosen, strict=True):
+                        assert torch.equal(got, want_t), (seed, step)
+                        checked += 1
+                elif pick < 0.88:
+                    g.flush()
+                elif block is None:
+                    block = g.batch()
+                    await block.__aenter__()
+                else:
+                    await block.__aexit__(None, None, None)
+                    block = None
+            if block is not None:
+                await block.__aexit__(None, None, None)
+            for work, want_t in pending:
+                got = await work
+                assert torch.equal(got, want_t), (seed, "end")
+                checked += 1
+    return {"checked": checked}
+
+
+def test_every_rank_fuses_alike_under_delays() -> None:
+    """3 ranks, the same seeded mix, rank-specific delays of native ops (which
+    change timing, never order): every result right, no hang."""
+    rng = random.Random(15)
+    faults = [
+        Fault.delay(rank, rng.randrange(DRILL_SEEDS * 12), rng.uniform(0.001, 0.02))
+        for rank in range(3)
+        for _ in range(max(3, DRILL_SEEDS // 10))
+    ]
+    plan = FaultPlan.of(*{(f.rank, f.op): f for f in faults}.values())
+    results = run_world(_drill, 3, args=(range(DRILL_SEEDS),), plan=plan, timeout=240)
+    checked = [r["checked"] for r in results]
+    assert checked[0] == checked[1] == checked[2]
+    assert checked[0] > DRILL_SEEDS * 5
+
+
+def test_the_fused_statistics_example_runs() -> None:
+    """examples/fused_statistics.py: 200 concurrent one-float allreduces per
+    step, unfused and fused; every sum is checked by both ranks."""
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "fused_statistics.py"), "--steps", "3", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    times = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(times) == {"unfused_ms", "fused_ms"}
+    assert times["fused_ms"] > 0
+    assert times["unfused_ms"] > 0
