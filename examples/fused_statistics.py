@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ import time
 import torch
 
 import ftcomm
+from ftcomm.testing import RankContext, run_world
 
 WORLD = 2
 
@@ -51,39 +51,21 @@ async def timed(addr: str, rank: int, params: int, steps: int, fuse: bool) -> fl
         return statistics.median(times)
 
 
-def rank_main(store: str, rank: int, params: int, steps: int, out: multiprocessing.Queue) -> None:
-    async def both() -> dict[str, float]:
-        unfused = await timed(f"{store}/unfused", rank, params, steps, fuse=False)
-        fused = await timed(f"{store}/fused", rank, params, steps, fuse=True)
-        return {"unfused_ms": unfused * 1e3, "fused_ms": fused * 1e3}
-
-    out.put((rank, asyncio.run(both())))
+async def rank_main(ctx: RankContext, params: int, steps: int) -> dict[str, float]:
+    """One rank: the same steps unfused, then fused; its median times in ms."""
+    unfused = await timed(ctx.addr("unfused"), ctx.rank, params, steps, fuse=False)
+    fused = await timed(ctx.addr("fused"), ctx.rank, params, steps, fuse=True)
+    return {"unfused_ms": unfused * 1e3, "fused_ms": fused * 1e3}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=int, default=200)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", action="store_true", help="print rank 0's times as JSON")
-    args = p.parse_args()
-    ctx = multiprocessing.get_context("spawn")
-    out: multiprocessing.Queue = ctx.Queue()
-    with ftcomm.serve_store() as server:
-        procs = [
-            ctx.Process(target=rank_main, args=(server.address, r, args.params, args.steps, out))
-            for r in range(WORLD)
-        ]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(120)
-            if proc.exitcode != 0:
-                print(f"a rank failed (exit code {proc.exitcode})", file=sys.stderr)
-                for other in procs:
-                    other.kill()
-                return 1
-    results = dict(out.get(timeout=5) for _ in procs)
-    times = results[0]
+    args = p.parse_args(argv)
+    # Two ranks on this machine, with a store of their own (ftcomm.testing)
+    times = run_world(rank_main, WORLD, args=(args.params, args.steps), timeout=120)[0]
     if args.json:
         print(json.dumps(times))
     else:

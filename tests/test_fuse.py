@@ -192,6 +192,22 @@ def test_a_thread_waiting_on_an_op_sends_its_batch(
     asyncio.run(main())
 
 
+@pytest.mark.asyncio
+async def test_the_first_look_at_a_lone_op_is_a_cut_even_once_it_ended(
+    store: StoreServer, calls: list[tuple[str, list[int]]]
+) -> None:
+    """stats() (any thread, any time) may end an op nobody looked at yet; the
+    program's first look at it must still be a cut point, or whether the
+    next op goes alone would depend on when stats() ran."""
+    async with await _dummy(store, fuse=True) as g:
+        a = g.allreduce(torch.ones(1))  # goes alone
+        g.stats()  # finds it ended, and ends it
+        assert not a._table._inflight
+        await a  # the first look: a cut point all the same
+        g.allreduce(torch.ones(2))  # so this one goes alone too
+        assert calls == [("allreduce", [1]), ("allreduce", [2])]
+
+
 @pytest.mark.parametrize("bad", [0, 15, -1])
 def test_fuse_arguments_are_checked(bad: int) -> None:
     with pytest.raises(ValueError, match="fuse_bytes"):

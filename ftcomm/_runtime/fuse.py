@@ -250,7 +250,7 @@ class Batch:
             else:
                 arm, now = False, True
         if now:
-            callback(self.outcome_for(member))
+            callback(self.outcome_for(member.work))
         elif arm:
             assert native is not None  # for mypy: checked under the lock
             native.on_done(self._native_done)
@@ -382,17 +382,25 @@ class Batch:
             self._announced = True
             callbacks, self._callbacks = self._callbacks, []
             succeeded = self.state is DONE and self._error is None and not self._abandoned
+            failed = self.state is DONE and self._error is not None and not self._abandoned
         if succeeded:
             from .work import end_all
 
             end_all(self.table, self.members)
+        elif failed and self.members:
+            # The batch's own failure breaks the group now, through the member
+            # whose deadline is the batch's (a timeout: its CommTimeout), not
+            # whenever someone looks at it: its batch-mates then end with the
+            # same typed error, each naming its own op and seq.
+            first = min(self.members, key=lambda w: w.deadline)
+            first._complete(self.outcome_for(first))
         for member, callback in callbacks:
-            callback(self.outcome_for(member))
+            callback(self.outcome_for(member.work))
         # The members' tensors are theirs again: a member kept by its caller
         # must not keep the whole batch's.
         self.tensors = []
 
-    def outcome_for(self, member: MemberOp) -> BaseException | None:
+    def outcome_for(self, work: Work[Any]) -> BaseException | None:
         """A member's outcome (DONE or DROPPED): ``None`` only if the batch
         succeeded, was copied back, and nobody abandoned it."""
         state = self.state
@@ -400,7 +408,6 @@ class Batch:
             return None
         cause = self.table.error
         why = f" ({cause.message})" if cause is not None else ""
-        work = member.work
         ctx = work._ctx()
         if state is DROPPED:
             aborted = CommAborted(f"{work.op} was aborted before its batch was sent{why}", **ctx)
@@ -483,7 +490,7 @@ class MemberOp:
         return self.batch.peek()
 
     def outcome(self) -> BaseException | None:
-        return self.batch.outcome_for(self)
+        return self.batch.outcome_for(self.work)
 
     def on_done(self, callback: Done) -> None:
         self.batch.on_done(self, callback)
