@@ -880,86 +880,73 @@ class Group(Collectives):
     def _enqueue(
         self, cfg: Config, tensor: torch.Tensor, rop: ReduceOp.RedOpType, timeout: Timeout | None
     ) -> Work[torch.Tensor]:
-        """An allreduce joins the open batch (one of its key: dtype, device,
-        reduce op, else the open one is sent first); a batch that reaches
-        ``fuse_bytes`` is sent."""
+        """A small allreduce, fused: it joins the open batch (one of its key:
+        dtype and reduce op; else the open one is sent first, a cut point);
+        a batch that reaches ``fuse_bytes`` is sent. With ``fuse=True``, the
+        first one after a cut point goes at once, on its own (docs/design.md,
+        "Fusing small collectives")."""
         seconds = self._timeout if timeout is None else to_seconds(timeout)
         table = cfg.table
-        key = (tensor.dtype, None if tensor.is_cpu else tensor.device, rop)
+        dtype = tensor.dtype
         nbytes = tensor.nelement() * tensor.element_size()
-        sent: list[Callable[[], object]] = []
-        alone = False
+        after: Callable[[], object] | None = None
+        work: Work[torch.Tensor] | None = None
         try:
             with self._issue_lock:
                 batch = cfg.batch
                 if batch is not None and (
-                    batch.key != key or batch.nbytes + nbytes > self._fuse_bytes
+                    batch.dtype is not dtype
+                    or batch.op != rop
+                    or batch.nbytes + nbytes > self._fuse_bytes
                 ):
-                    after = self._send_locked(cfg)
-                    if after is not None:
-                        sent.append(after)
+                    after = self._send_locked(cfg)  # a cut point: the open one goes first
                     batch = None
                 error = table.error
                 if error is not None:
                     raise _refused("allreduce", error, table.rank) from error
                 if batch is None and cfg.fuse_alone and self._fuse and not self._in_block():
-                    # The first fusible op since a cut point goes at once, on
-                    # its own: a lone op (awaited before the next is issued)
-                    # waits for nothing. Its first look is a cut point.
+                    # The first fusible op since a cut point goes on its own,
+                    # below (a lone op awaited before the next is issued waits
+                    # for nothing); its first look is a cut point.
                     cfg.fuse_alone = False
-                    alone = True
-            if alone:
-                work = self._issue(
-                    cfg,
-                    "allreduce",
-                    timeout,
-                    tensor,
-                    lambda b, s: b.allreduce([tensor], rop, s),
-                    (tensor,),
-                    reduce_code(rop),
-                    cut=False,
-                )
-                work._batch = cfg.alone_mark
-                return work
-            with self._issue_lock:
-                batch = cfg.batch
-                if batch is not None and (
-                    batch.key != key or batch.nbytes + nbytes > self._fuse_bytes
-                ):
-                    after = self._send_locked(cfg)
-                    if after is not None:
-                        sent.append(after)
-                    batch = None
-                error = table.error
-                if error is not None:
-                    raise _refused("allreduce", error, table.rank) from error
-                if batch is None:
-                    copy_back = getattr(cfg.backend, "copy_back", copy_back_cpu)
-                    batch = cfg.batch = Batch(
-                        table, key, rop, lambda b: self._flush_batch(cfg, b), copy_back
+                else:
+                    if batch is None:
+                        batch = cfg.batch = Batch(
+                            table, dtype, rop, lambda b: self._flush_batch(cfg, b), copy_back_cpu
+                        )
+                    member = MemberOp(batch)
+                    work = Work(
+                        table,
+                        "allreduce",
+                        table.next_seq(),
+                        time.monotonic() + seconds,
+                        member,
+                        tensor,
+                        time.perf_counter(),
                     )
-                member = MemberOp(batch)
-                work = Work(
-                    table,
-                    "allreduce",
-                    table.next_seq(),
-                    time.monotonic() + seconds,
-                    member,
-                    tensor,
-                    time.perf_counter(),
-                )
-                member.work = work
-                work._batch = batch
-                batch.add(work, tensor, nbytes)
-                table.track(work, seconds)
-                if batch.nbytes >= self._fuse_bytes:
-                    after = self._send_locked(cfg)
-                    if after is not None:
-                        sent.append(after)
+                    member.work = work
+                    work._batch = batch
+                    batch.add(work, tensor, nbytes)
+                    table.track(work, seconds)
+                    if batch.nbytes >= self._fuse_bytes and after is None:
+                        after = self._send_locked(cfg)  # full (a new batch never is)
         finally:
-            for after in sent:
+            if after is not None:
                 after()
-        return work
+        if work is not None:
+            return work
+        alone = self._issue(
+            cfg,
+            "allreduce",
+            timeout,
+            tensor,
+            lambda b, s: b.allreduce([tensor], rop, s),
+            (tensor,),
+            reduce_code(rop),
+            cut=False,
+        )
+        alone._batch = cfg.alone_mark
+        return alone
 
     def _flush_batch(self, cfg: Config, batch: Batch) -> None:
         """Send ``batch`` if it is still ``cfg``'s open one."""

@@ -25,7 +25,7 @@ from helpers import StoreServer
 from torch.distributed import ReduceOp
 
 import ftcomm
-from ftcomm import CommAborted, CommTimeout
+from ftcomm import CommAborted, CommFailed, CommTimeout
 from ftcomm._runtime import faults
 from ftcomm.backends import dummy
 from ftcomm.testing import Fault, FaultPlan, RankContext, run_world
@@ -291,6 +291,73 @@ class _Never:
         pass
 
 
+@pytest.mark.asyncio
+async def test_a_batch_that_cannot_be_sent_fails_its_ops_not_the_look(
+    store: StoreServer, calls: list[tuple[str, list[int]]]
+) -> None:
+    """Any failure to send a batch (here: no room for it, an OSError) breaks
+    the group, as the peers sent the op; its ops fail with CommFailed, each
+    its own seq; the await that cut the batch raises its op's error, not
+    the OSError."""
+    async with await _dummy(store, fuse=True) as g:
+        g.allreduce(torch.ones(1))  # goes on its own
+        works = [g.allreduce(torch.ones(1)) for _ in range(3)]
+
+        def no_room(op: str, issue: Any, backend: object) -> Any:
+            raise OSError(28, "no room in /dev/shm")
+
+        old = faults.set_injector(no_room)
+        try:
+            with pytest.raises(CommFailed, match="no room") as failed:
+                await works[1]
+        finally:
+            faults.set_injector(old)
+        assert failed.value.seq == works[1].seq
+        for w in (works[0], works[2]):
+            with pytest.raises(CommFailed) as other:
+                await w
+            assert other.value.seq == w.seq
+        assert isinstance(g.errored(), CommFailed)
+        g.flush()  # nothing open, a broken group: raises nothing
+
+
+@pytest.mark.asyncio
+async def test_callbacks_armed_at_a_send_run_once_the_issue_lock_is_free(
+    store: StoreServer, calls: list[tuple[str, list[int]]]
+) -> None:
+    """Forced interleaving: a callback added to a member while its batch is
+    being sent (here: from inside the native issue, under the group's issue
+    lock) is armed after the lock is released; it may issue ops itself. Run
+    on a thread, so that a regression fails (a deadlock) instead of hanging."""
+    async with await _dummy(store, fuse=True) as g:
+        g.allreduce(torch.ones(1))  # goes on its own
+        works = [g.allreduce(torch.ones(1)) for _ in range(2)]
+        from_callback: list[object] = []
+
+        def callback(work: object) -> None:
+            from_callback.append(g.allreduce(torch.ones(3)))  # takes the issue lock
+
+        def inject(op: str, issue: Any, backend: object) -> Any:
+            if not injected:  # the batch's send only, not the callback's own op
+                injected.append(op)
+                works[1].add_done_callback(callback)  # a look while the batch is being sent
+            return issue()
+
+        injected: list[str] = []
+
+        old = faults.set_injector(inject)
+        sent = threading.Event()
+        try:
+            looker = threading.Thread(target=lambda: (works[0].done(), sent.set()), daemon=True)
+            looker.start()
+            finished = await asyncio.get_running_loop().run_in_executor(None, sent.wait, 5.0)
+        finally:
+            faults.set_injector(old)
+        assert finished, "the send deadlocked: a callback ran under the issue lock"
+        assert len(from_callback) == 1
+        assert calls[:2] == [("allreduce", [1]), ("allreduce", [2])]
+
+
 # -- real worlds ---------------------------------------------------------------------------
 async def _sums(ctx: RankContext, n: int, subprocess: bool) -> dict[str, Any]:
     async with ftcomm.Group("gloo", fuse=True, timeout=20, subprocess=subprocess) as g:
@@ -351,7 +418,9 @@ def test_a_failed_batch_fails_every_member_with_its_own_seq() -> None:
     plan = FaultPlan.of(Fault.error(0, 1, "injected"))  # rank 0's batch (op 0 went alone)
     results = run_world(_failing_batch, 2, mode="thread", plan=plan, timeout=60)
     r = results[0]
-    assert r["errors"][0] == ("Tensor", None)  # the first went on its own, before
+    # the first went on its own, before; aborted by the batch's failure if
+    # Gloo (two threads per group) had not finished it yet
+    assert r["errors"][0] in {("Tensor", None), ("CommAborted", r["seqs"][0])}
     assert r["errors"][1:] == [("CommFailed", seq) for seq in r["seqs"][1:]]
     assert r["untouched"]  # no copy back: a failed member's tensor is not written
 

@@ -67,17 +67,16 @@ CopyBack = Callable[[list[torch.Tensor], torch.Tensor], None]
 
 
 def copy_back_cpu(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """The default :data:`CopyBack`: slice by slice, on this thread."""
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.view(-1).copy_(flat[offset : offset + n])
-        offset += n
+    """The default :data:`CopyBack`: every slice in one ``_foreach_copy_``,
+    on this thread."""
+    views = flat.split([t.numel() for t in tensors])  # type: ignore[no-untyped-call]
+    dests = tensors if all(t.dim() == 1 for t in tensors) else [t.view(-1) for t in tensors]
+    torch._foreach_copy_(dests, views)
 
 
 class Batch:
-    """An open run of fusible allreduces (one key: dtype, device, reduce op),
-    and then the one native op they share."""
+    """An open run of fusible allreduces of one key (dtype and reduce op; host
+    tensors only), and then the one native op they share."""
 
     __slots__ = (
         "_abandoned",
@@ -95,9 +94,9 @@ class Batch:
         "_spinner",
         "_timed_out",
         "deadline",
+        "dtype",
         "end_window",
         "ended_at",
-        "key",
         "members",
         "nbytes",
         "op",
@@ -110,13 +109,13 @@ class Batch:
     def __init__(
         self,
         table: OpTable,
-        key: tuple[Any, ...],
+        dtype: torch.dtype,
         op: Any,
         sender: Callable[[Batch], None],
         copy_back: CopyBack = copy_back_cpu,
     ) -> None:
         self.table = table
-        self.key = key
+        self.dtype = dtype
         self.op = op  # the reduce op
         self.sender = sender  # sends this batch in program order (the group's issue lock)
         self._copy_back = copy_back
@@ -174,7 +173,12 @@ class Batch:
         """The flat buffer the native op reduces in place: a private copy, so
         only the copy back writes into the members' tensors."""
         ts = self.tensors
-        flat = ts[0].reshape(-1).clone() if len(ts) == 1 else torch.cat([t.view(-1) for t in ts])
+        if len(ts) == 1:
+            flat = ts[0].reshape(-1).clone()
+        elif all(t.dim() == 1 for t in ts):  # one call, no view per tensor
+            flat = torch.cat(ts)
+        else:
+            flat = torch.cat([t.view(-1) for t in ts])
         self._flat = flat
         return flat
 
@@ -267,7 +271,8 @@ class Batch:
                 # callbacks (a race with an observer) are not needed for that.
                 self._go("drop")
                 self.sender = _sent
-                self.tensors = []  # the group keeps it until the next send: not them
+                # the group keeps it until the next send: not its ops and tensors
+                self.tensors, self.members = [], []
                 self._announced, self._callbacks = True, []
                 self._ended.set()
                 sleepers, self._sleepers = self._sleepers, []
