@@ -40,7 +40,8 @@ bench: install
 
 # The abort drills at full size (tests/test_abort_drill.py): 2000 seeded
 # in-process trials, 200 subprocess ones, 50 copy-back kills (about an hour
-# on 2 cores; the default suite runs 60, 6 and 3).
+# on 2 cores; the default suite runs 60, 6 and 3); and the fusion drill at
+# 2000 seeds (the default suite: 100).
 SOAK_TRIALS ?= 2000
 SOAK_SUB_TRIALS ?= 200
 SOAK_COPY_TRIALS ?= 50

@@ -149,7 +149,7 @@ class Teardown:
         futures = []
         for work in [] if broken is None else broken.pending:
             ended: concurrent.futures.Future[None] = concurrent.futures.Future()
-            work._when_done(functools.partial(ended.set_result, None))
+            work._on_end(functools.partial(ended.set_result, None))
             futures.append(ended)
         return all_of(futures)
 

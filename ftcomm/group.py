@@ -50,10 +50,11 @@ from .errors import CommAborted, CommError, CommFailed, CommTimeout, NotConfigur
 R = TypeVar("R")
 _SUM = ReduceOp.SUM
 
-_BATCH_SCOPES: contextvars.ContextVar[tuple[Group, ...]] = contextvars.ContextVar(
+_BATCH_SCOPES: contextvars.ContextVar[tuple[BatchScope, ...]] = contextvars.ContextVar(
     "ftcomm_batch_scopes", default=()
 )
-"""The groups whose :meth:`Group.batch` block the current context is in."""
+"""The :meth:`Group.batch` blocks the current context is in (a task started
+inside one copies it, and is in the block while the block lasts)."""
 
 
 # A configure that fails with one of these ran out of time: TimeoutError
@@ -183,23 +184,31 @@ class BatchScope:
         RuntimeError: entered again while entered.
     """
 
-    __slots__ = ("_group", "_token")
+    __slots__ = ("_token", "active", "group")
 
     def __init__(self, group: Group) -> None:
-        self._group = group
-        self._token: contextvars.Token[tuple[Group, ...]] | None = None
+        self.group = group
+        self.active = False  # cleared at the block's end: tasks started in it see it
+        self._token: contextvars.Token[tuple[BatchScope, ...]] | None = None
 
     def __enter__(self) -> BatchScope:
-        if self._token is not None:
+        if self._token is not None or self.active:
             raise RuntimeError("this group.batch() block is already entered: make another")
-        self._token = _BATCH_SCOPES.set((*_BATCH_SCOPES.get(), self._group))
+        self._token = _BATCH_SCOPES.set((*_BATCH_SCOPES.get(), self))
+        self.active = True
         return self
 
     def __exit__(self, *exc: object) -> None:
         token, self._token = self._token, None
-        if token is not None:
-            _BATCH_SCOPES.reset(token)
-        self._group.flush()
+        self.active = False
+        try:
+            self.group.flush()
+        finally:
+            if token is not None:
+                # An exit in another context (an async generator finalised
+                # by the loop) cannot reset it: the block is over all the same.
+                with contextlib.suppress(ValueError):
+                    _BATCH_SCOPES.reset(token)
 
     async def __aenter__(self) -> BatchScope:
         return self.__enter__()
@@ -255,8 +264,10 @@ class Group(Collectives):
         stats: keep per-op statistics (:meth:`stats`): on by default; an
             op's end then costs one histogram increment (docs/design.md,
             "What a group did"). Events and log lines come either way.
-        fuse: fuse small allreduces: one of at most ``fuse_bytes / 16``
-            bytes is not issued at once but joins the group's open batch,
+        fuse: fuse small allreduces: one of a host tensor of at most
+            ``fuse_bytes / 16`` bytes is not issued at once (but for the
+            first after a cut point, which goes on its own) and joins the
+            group's open batch,
             sent as one native allreduce when the program looks at one of
             its ops (``await``, ``wait()``, ``done()``, a callback), issues
             an op that cannot join it, fills it, or calls :meth:`flush`
@@ -722,8 +733,9 @@ class Group(Collectives):
 
         The block ends with :meth:`flush`; inside it, looking at an op sends
         its batch as ``fuse=True`` does. It applies to the task (context)
-        that entered it: ops other tasks issue meanwhile cut the batch (an
-        op that cannot join it). ``with`` works too, from a thread.
+        that entered it, and to tasks started inside it while it lasts:
+        ops other tasks issue meanwhile cut the batch (an op that cannot
+        join it). ``with`` works too, from a thread.
 
         Raises:
             RuntimeError: the same block object entered twice.
@@ -875,7 +887,8 @@ class Group(Collectives):
 
     def _in_block(self) -> bool:
         """Whether the calling context is in a :meth:`batch` block of this group."""
-        return self in _BATCH_SCOPES.get()
+        scopes = _BATCH_SCOPES.get()
+        return bool(scopes) and any(s.group is self and s.active for s in scopes)
 
     def _enqueue(
         self, cfg: Config, tensor: torch.Tensor, rop: ReduceOp.RedOpType, timeout: Timeout | None
@@ -985,12 +998,21 @@ class Group(Collectives):
                 deadline,
                 seconds,
             )
-        except Exception as exc:  # the peers sent it: the group is broken
+        except BaseException as exc:  # the peers sent it: the group is broken
             # Whatever it was (a refusal, no room in /dev/shm, no memory for
-            # the flat buffer), the peers issued this op and we did not: the
-            # group is broken, and the ops fail; the call that made the cut
-            # (an await, an issue, a flush) does not raise it.
-            refused = self._refused(table, "allreduce", exc)
+            # the flat buffer, an interrupt), the peers issued this op and we
+            # did not: the group is broken, and the ops fail. The call that
+            # made the cut (an await, an issue, a flush) does not raise it,
+            # but for an interrupt, raised again once the lock is released.
+            interrupt = None if isinstance(exc, Exception) else exc
+            if interrupt is None:
+                refused = self._refused(table, "allreduce", exc)  # type: ignore[arg-type]
+            else:
+                refused = CommFailed(
+                    f"allreduce was interrupted while its batch was sent ({type(exc).__name__})",
+                    rank=table.rank,
+                    op="allreduce",
+                )
             announce = batch.refuse(refused)
             if getattr(exc, "_by_abandon", False):
                 return announce  # the settler that stopped the group breaks it
@@ -1002,6 +1024,8 @@ class Group(Collectives):
                     table._after_break(broken, time.monotonic())
                 finally:
                     announce()
+                if interrupt is not None:
+                    raise interrupt
 
             return after
         return batch.sent(native)

@@ -86,11 +86,13 @@ class Batch:
         "_copy_back",
         "_ended",
         "_error",
+        "_first",
         "_flat",
         "_lock",
         "_native",
         "_polled_at",
         "_sleepers",
+        "_spin_loop",
         "_spinner",
         "_timed_out",
         "deadline",
@@ -127,6 +129,7 @@ class Batch:
         self._lock = threading.Lock()
         self._native: NativeOp | None = None
         self._flat: torch.Tensor | None = None
+        self._first: Work[Any] | None = None  # the earliest deadline's member, once asked
         self._error: BaseException | None = None  # the native op's, or its refusal
         self._abandoned = False  # a member's settler gave up on it while SENT
         self._timed_out = False  # its native op failed at the batch's deadline
@@ -135,6 +138,7 @@ class Batch:
         self._announced = False
         self._ended = threading.Event()  # DONE or DROPPED: blocked threads wake
         self._spinner = False  # a member's await polls it (the others sleep)
+        self._spin_loop: asyncio.AbstractEventLoop | None = None
         # awaits asleep until it is over (or a member failed): (loop, future)
         self._sleepers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._polled_at = 0.0
@@ -223,8 +227,9 @@ class Batch:
         if state is DONE or state is DROPPED:
             return True
         native = self._native
-        if native is None:  # OPEN, or being issued
-            return False
+        if native is None:  # OPEN, being issued, or concluded just now
+            state = self.state
+            return state is DONE or state is DROPPED
         if not native.poll():
             self._polled_at = time.perf_counter()
             return False
@@ -238,7 +243,10 @@ class Batch:
         if state is DONE or state is DROPPED:
             return True
         native = self._native
-        if native is None or not _peek(native):
+        if native is None:  # OPEN, being issued, or concluded just now
+            state = self.state
+            return state is DONE or state is DROPPED
+        if not _peek(native):
             return False
         self._conclude()  # the copy back, if it succeeded; callbacks come from its own
         return True
@@ -306,13 +314,19 @@ class Batch:
         return self.state is DONE or self.state is DROPPED
 
     # -- awaits of many members (fuse.py's answer to 1000 tasks spinning) -----
-    def take_spin(self) -> bool:
-        """Whether the calling await should poll the batch (the first one
-        does); the others :meth:`sleep` until it is over."""
+    def take_spin(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Whether the calling await (on ``loop``) should poll the batch (the
+        first one does); the others :meth:`sleep` until it is over."""
         if self._spinner:
             return False
-        self._spinner = True
+        self._spinner, self._spin_loop = True, loop
         return True
+
+    def spinner_left(self) -> None:
+        """The polling await ended without the batch (closed, cancelled):
+        the sleepers wake, and one of them polls it from now on."""
+        self._spinner = False
+        self.wake_sleepers()
 
     def sleep(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None] | None:
         """A future (on ``loop``, the caller's) completed once the batch is
@@ -325,6 +339,14 @@ class Batch:
             if self.state is DONE or self.state is DROPPED:
                 return None
             self._sleepers.append((loop, fut))
+            # On another loop than the polling await (which may be held up),
+            # the native completion callback ends it too.
+            native = self._native
+            arm = loop is not self._spin_loop and native is not None and not self._armed
+            self._armed = self._armed or arm
+        if arm:
+            assert native is not None  # for mypy
+            native.on_done(self._native_done)
         return fut
 
     def wake_sleepers(self) -> None:
@@ -377,6 +399,13 @@ class Batch:
         self.wake_sleepers()
         return True
 
+    def _earliest(self) -> Work[Any]:
+        """The member whose deadline is the batch's (the first such)."""
+        first = self._first
+        if first is None:
+            first = self._first = min(self.members, key=lambda w: w.deadline)
+        return first
+
     def _announce(self) -> None:
         """Once DONE or DROPPED (once): on a success, end every member that
         has not ended, under one hold of the group's lock; then call the
@@ -397,7 +426,7 @@ class Batch:
             # whose deadline is the batch's (a timeout: its CommTimeout), not
             # whenever someone looks at it: its batch-mates then end with the
             # same typed error, each naming its own op and seq.
-            first = min(self.members, key=lambda w: w.deadline)
+            first = self._earliest()
             first._complete(self.outcome_for(first))
         for member, callback in callbacks:
             callback(self.outcome_for(member.work))
@@ -418,8 +447,7 @@ class Batch:
             aborted = CommAborted(f"{work.op} was aborted before its batch was sent{why}", **ctx)
         elif self._abandoned:
             aborted = CommAborted(f"{work.op} was aborted: the group broke{why}", **ctx)
-        elif self._timed_out and work.deadline > (self.deadline + _EARLY):
-            first = min(self.members, key=lambda w: w.deadline)
+        elif self._timed_out and work is not (first := self._earliest()):
             aborted = CommAborted(
                 f"{work.op} was aborted: its batch's native op timed out at the deadline "
                 f"of {first.op} seq={first.seq}",

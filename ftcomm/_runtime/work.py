@@ -298,7 +298,10 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         native = self._native
         if native is None:
             return
-        if type(native) is MemberOp and not native.batch.take_spin():
+        spinner: Batch | None = None
+        if type(native) is MemberOp and native.batch.take_spin(asyncio.get_running_loop()):
+            spinner = native.batch  # this await polls it; the others sleep on it
+        elif type(native) is MemberOp:
             # Another await polls this op's batch: one look, then sleep until
             # it is over (one future per await, woken together), rather than
             # 1000 tasks polling it.
@@ -313,21 +316,26 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             native = self._native
             if native is None:
                 return
-        spin_until = time.perf_counter() + getattr(native, "spin", SPIN_SECONDS)
-        while self._end is None:
-            if native.poll():
-                self._complete(native.outcome())
-                break  # ended, or being settled by another thread: see below
-            self._pending_at = now = time.perf_counter()
-            if now >= spin_until:
-                break
-            # Give this core to a runnable thread first (the backend's own
-            # worker, usually): on 2 cores a spin that only yields to the event
-            # loop starves it and turns p90 from 0.2 ms into 4 ms.
-            _sched_yield()
-            yield  # what asyncio.sleep(0) does: run the loop once, then resume
-        if self._end is None:
-            yield from self._sleep_until_ended(native).__await__()
+        try:
+            spin_until = time.perf_counter() + getattr(native, "spin", SPIN_SECONDS)
+            while self._end is None:
+                if native.poll():
+                    self._complete(native.outcome())
+                    break  # ended, or being settled by another thread: see below
+                self._pending_at = now = time.perf_counter()
+                if now >= spin_until:
+                    break
+                # Give this core to a runnable thread first (the backend's own
+                # worker, usually): on 2 cores a spin that only yields to the event
+                # loop starves it and turns p90 from 0.2 ms into 4 ms.
+                _sched_yield()
+                yield  # what asyncio.sleep(0) does: run the loop once, then resume
+            if self._end is None:
+                yield from self._sleep_until_ended(native).__await__()
+        except BaseException:
+            if spinner is not None and self._end is None:
+                spinner.spinner_left()  # closed or cancelled: another await takes over
+            raise
 
     async def _sleep_until_ended(self, native: NativeOp) -> None:
         loop = asyncio.get_running_loop()
@@ -381,6 +389,8 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             TypeError, ValueError: a bad ``timeout`` (NaN, negative, ...).
             CommTimeout, CommFailed, CommAborted: as ``await work``.
         """
+        if self._batch is not None:  # a look, whether or not it may block here
+            self._flush()
         if self._end is None:
             try:
                 asyncio.get_running_loop()
@@ -474,9 +484,14 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
 
     def _when_done(self, callback: Callable[[], object]) -> None:
         """Call ``callback()`` once the op's end is published: at once if it
-        is, else on the thread that publishes it."""
+        is, else on the thread that publishes it. A look at the op (it sends
+        its batch): for the user's callbacks and futures."""
         if self._batch is not None:
             self._flush()
+        self._on_end(callback)
+
+    def _on_end(self, callback: Callable[[], object]) -> None:
+        """:meth:`_when_done` for ftcomm's own waits (a teardown): no look."""
         if self._end is not None or not self._add_waiter(self._native, callback):
             callback()
 
