@@ -866,3 +866,51 @@ def test_cancel_on_the_owner_loop_does_not_hold_it(
     assert took < 0.25  # returned at once, not after STOP_WAIT
     with pytest.raises(ftcomm.CommAborted):
         work.wait(5)  # then published by _overdue on the owner loop
+
+
+class _StopFailsOthers(ScriptedOp):
+    """``abandon()`` shuts the group's sockets: what that fails elsewhere
+    happens on this thread, before the settler goes on (forced), as Gloo's
+    threads may do it before the settler's next line."""
+
+    def __init__(self, stopped: Any) -> None:
+        super().__init__()
+        self.stopped = stopped
+
+    def abandon(self) -> bool:
+        self.stopped()
+        return False
+
+
+@pytest.mark.parametrize("how", ["a sibling op fails", "a verified op's check fails"])
+@pytest.mark.parametrize("cause", ["deadline", "cancel"])
+def test_a_failure_the_stop_causes_does_not_replace_the_stops_cause(
+    table: OpTable, how: str, cause: str
+) -> None:
+    """CI saw ``errored()`` say CommFailed ("the check before an op failed:
+    Connection closed by peer") after a cancel: the verified op's check
+    failed from the cancel's own socket shutdown, and broke the table before
+    the canceller did. The cause claimed first is the group's error."""
+    sibling_native = ScriptedOp()
+    sibling = issue(table, sibling_native, 60.0)
+    sibling._add_waiter(sibling_native, lambda: None)  # its native callback armed
+    closed = RuntimeError("Connection closed by peer [127.0.0.1]:4242")
+
+    def stopped() -> None:
+        if how == "a sibling op fails":
+            sibling_native.finish(closed)
+        else:  # what Chain._break's on_error does (ftcomm/_verify.py)
+            table.break_(ftcomm.CommFailed(f"the check before an op failed: {closed}"))
+
+    work = issue(table, _StopFailsOthers(stopped), 60.0)
+    if cause == "deadline":
+        work.deadline = 0.0
+        work._expire()
+        expected: type[ftcomm.CommError] = ftcomm.CommTimeout
+    else:
+        assert work.cancel() is True
+        expected = ftcomm.CommAborted
+    assert type(table.error) is expected, table.error
+    assert type(work.exception()) is expected
+    assert sibling.done()
+    assert isinstance(sibling.exception(), ftcomm.CommError)

@@ -93,6 +93,13 @@ class OpTable:
         self.reported: CommError | None = None
         """What ``errored()`` reports: ``error``, saying the group is aborted
         (its ``__cause__``); set with it, under the lock."""
+        self.stopping: CommError | None = None
+        """The cause of a break in the making: an op's settler claimed it to
+        break the table and is stopping its native op (``abandon()``) before
+        it publishes. A failure that the stop itself causes (another op's
+        sockets shut, a verified op's check) may break the table first: it
+        breaks it with this cause, so ``errored()`` names the deadline or the
+        cancel, never the stop. Under the lock; set once, before ``error``."""
         self._on_break = on_break
         # A group passes its own lock: the table's error is the group's
         # ERRORED state, under the one lock that guards all of it.
@@ -165,6 +172,7 @@ class OpTable:
         (``why``: the state event that breaks it, see :class:`Broken`)."""
         first = self.error is None
         if first:
+            error = self.stopping or error  # the first claimed cause wins
             # errored() first: no thread sees ops refused while it is None
             self.reported = error._group_aborted()
             self.error = error

@@ -20,7 +20,11 @@ Rules this module keeps:
    the other ops in flight the same way, and only then wakes the waiters of
    all of them. So no observer can see an op ended before its error is
    there, hold its error (or the group's) while the native op may still
-   write, or find a sibling ended but unpublished.
+   write, or find a sibling ended but unpublished. A settler that will break
+   the table names its error as the table's ``stopping`` cause when it
+   claims the op: a failure its own stop causes elsewhere (another op's
+   sockets shut, a verified op's check) that breaks the table first breaks
+   it with that cause, so ``errored()`` says why the group was stopped.
 2. An op that has not completed by its deadline ends with ``CommTimeout``,
    breaks its :class:`OpTable`, and every other op in flight ends with
    ``CommAborted``. A broken table refuses new ops at once.
@@ -528,6 +532,8 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
                 return None
             self._claimed = True  # PENDING -> SETTLING
             table._inflight.pop(self.seq, None)
+            if breaks and table.stopping is None and isinstance(error, CommError):
+                table.stopping = error  # what a failure the stop causes breaks with
         native = self._native
         interrupted: BaseException | None = None
         stopped = False

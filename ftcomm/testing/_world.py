@@ -198,6 +198,19 @@ def _segments() -> set[str]:
         return set()
 
 
+def _settled(left: Callable[[], set[str]], cap: float = 2.0) -> set[str]:
+    """What ``left()`` still finds after at most ``cap`` s: a native group's
+    last reference may be dropped on a thread of its own (a Gloo worker
+    returning from a completion callback) just after the rank's code saw the
+    op end; what is still open after ``cap`` is a leak."""
+    limit = time.monotonic() + cap
+    found = left()
+    while found and time.monotonic() < limit:
+        time.sleep(0.01)
+        found = left()
+    return found
+
+
 def _leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str | None:
     """What the rank left behind, once ftcomm's blocking work has ended."""
     # A finished call leaves the pool's books just after its future completes.
@@ -221,7 +234,7 @@ def _leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str
         # in-process Gloo cannot be stopped earlier, by design. Its sockets
         # are the reaper's until then, so there is nothing to compare.
         return None
-    new_fds = _fds() - fds
+    new_fds = _settled(lambda: _fds() - fds)
     if new_fds:
         paths = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in new_fds]
         return f"fds left open: {paths}"
