@@ -15,6 +15,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,63 @@ async def test_cancelling_one_member_aborts_the_group(store: StoreServer) -> Non
         assert isinstance(results[1], asyncio.CancelledError)
         assert all(isinstance(r, CommAborted) for r in (results[0], results[2]))
         assert isinstance(g.errored(), CommAborted)
+
+
+class _Failing:
+    """A native op that fails when the test says so, as Gloo's does at its timeout."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.callbacks: list[Any] = []
+
+    def poll(self) -> bool:
+        return self.error is not None
+
+    def outcome(self) -> BaseException | None:
+        return self.error
+
+    def on_done(self, callback: Any) -> None:
+        if self.error is not None:
+            callback(self.error)
+        else:
+            self.callbacks.append(callback)
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        for callback in self.callbacks:
+            callback(error)
+
+
+@pytest.mark.asyncio
+async def test_a_batch_that_fails_at_its_deadline_is_the_earliest_members_timeout(
+    store: StoreServer,
+) -> None:
+    """The batch's native op has the earliest deadline of its members. If it
+    fails at that deadline (Gloo's own timeout, before the sweeper fires),
+    that member ends with CommTimeout and breaks the group with it; the
+    others, whose deadlines have not passed, end with CommAborted naming it.
+    Forced: the deadlines are moved into the past after the issue, so the
+    sweeper (armed for 30 s) cannot end any op first."""
+    async with await _dummy(store, fuse=True) as g:
+        g.allreduce(torch.ones(1))  # goes on its own
+        works = [g.allreduce(torch.ones(1), timeout=30) for _ in range(3)]
+        native = _Failing()
+        old = faults.set_injector(lambda op, issue, backend: native)
+        try:
+            g.flush()
+        finally:
+            faults.set_injector(old)
+        batch = works[1]._native.batch  # type: ignore[union-attr]
+        now = time.monotonic()
+        works[1].deadline = batch.deadline = now - 0.001  # the earliest: its time is up
+        native.fail(RuntimeError("Timed out waiting 30000ms for recv operation to complete"))
+        with pytest.raises(CommTimeout) as timed_out:
+            await works[1]
+        assert timed_out.value.seq == works[1].seq
+        for w in (works[0], works[2]):
+            with pytest.raises(CommAborted, match=f"deadline of allreduce seq={works[1].seq}"):
+                await w
+        assert isinstance(g.errored(), CommTimeout)
 
 
 class _Never:
