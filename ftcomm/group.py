@@ -31,7 +31,7 @@ from . import _validate as v
 from ._collectives import Collectives
 from ._runtime import faults
 from ._runtime.deadline import Timeout, resolve, to_seconds
-from ._runtime.driven import TaskDriven
+from ._runtime.driven import Drivers, TaskDriven
 from ._runtime.fuse import MAX_OP_FRACTION, AloneMark, Batch, MemberOp, copy_back_cpu
 from ._runtime.loop import get_runtime, require_asyncio, wake_threadsafe
 from ._runtime.native import NativeOp
@@ -145,7 +145,7 @@ class Closing(TaskDriven, collections.abc.Coroutine[Any, Any, None]):
     ) -> None:
         self._closed = closed
         self._timeout = timeout
-        self._drivers: dict[object, Generator[Any, None, Any]] | None = None
+        self._drivers: Drivers | None = None
 
     def done(self) -> bool:
         """Whether the ops have ended and the native group is closed."""

@@ -512,17 +512,28 @@ async def test_when_the_polling_await_goes_a_sleeping_one_takes_over(
 
 
 # -- real worlds ---------------------------------------------------------------------------
+_SHAPES: tuple[tuple[int, ...], ...] = ((), (2, 3), (4,))  # a scalar, a matrix, a vector
+
+
 async def _sums(ctx: RankContext, n: int, subprocess: bool) -> dict[str, Any]:
     async with ftcomm.Group("gloo", fuse=True, timeout=20, subprocess=subprocess) as g:
         await g.configure(ctx.addr(), ctx.rank, ctx.world_size)
-        ts = [torch.full((1 + i % 3,), float(i + ctx.rank)) for i in range(n)]
+        ts = [torch.full(_SHAPES[i % 3], float(i + ctx.rank)) for i in range(n)]
         sent = _count_native(g)
         await asyncio.gather(*[g.allreduce(t) for t in ts])
+        # one-dimensional members only (the copy back's other way)
+        flat = [torch.full((1 + i % 3,), float(i + ctx.rank)) for i in range(n)]
+        await asyncio.gather(*[g.allreduce(t) for t in flat])
         ints = [torch.tensor([i * 10 + ctx.rank]) for i in range(4)]
         maxed = await asyncio.gather(*[g.allreduce(t, ReduceOp.MAX) for t in ints])
         return {
             "ok": all(
-                torch.equal(t, torch.full((1 + i % 3,), float(2 * i + 1))) for i, t in enumerate(ts)
+                torch.equal(t, torch.full(_SHAPES[i % 3], float(2 * i + 1)))
+                for i, t in enumerate(ts)
+            )
+            and all(
+                torch.equal(t, torch.full((1 + i % 3,), float(2 * i + 1)))
+                for i, t in enumerate(flat)
             ),
             "max": [int(t.item()) for t in maxed],
             "native": sent(),
@@ -545,13 +556,13 @@ def _count_native(g: ftcomm.Group) -> Any:
 def test_fused_sums_are_right_on_gloo() -> None:
     results = run_world(_sums, 2, mode="thread", args=(300, False), timeout=60)
     for r in results:
-        assert r == {"ok": True, "max": [1, 11, 21, 31], "native": 4}  # 2 per gather
+        assert r == {"ok": True, "max": [1, 11, 21, 31], "native": 6}  # 2 per gather
 
 
 def test_a_subprocess_group_sends_one_frame_per_batch() -> None:
     results = run_world(_sums, 2, args=(100, True), timeout=60)
     for r in results:
-        assert r == {"ok": True, "max": [1, 11, 21, 31], "native": 4}  # 2 frames per gather
+        assert r == {"ok": True, "max": [1, 11, 21, 31], "native": 6}  # 2 frames per gather
 
 
 async def _failing_batch(ctx: RankContext) -> dict[str, Any]:

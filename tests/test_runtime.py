@@ -7,12 +7,14 @@ sweeper, owner loop and threads under test are the real ones.
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import gc
 import threading
 import time
 import tracemalloc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from typing import Any
 
 import pytest
 from helpers import ScriptedOp, issue
@@ -20,6 +22,7 @@ from helpers import ScriptedOp, issue
 import ftcomm
 from ftcomm._runtime import loop as loop_mod
 from ftcomm._runtime.deadline import to_seconds
+from ftcomm._runtime.driven import Drivers, TaskDriven
 from ftcomm._runtime.loop import Runtime, get_runtime
 from ftcomm._runtime.table import OpTable
 from ftcomm._runtime.threads import WorkerPool
@@ -602,3 +605,48 @@ def test_thread_wait_checks_its_timeout(table: OpTable, bad: object) -> None:
         work.wait(bad)  # type: ignore[arg-type]
     op.finish()
     assert work.wait(0.5) == "result"
+
+
+class _Driven(TaskDriven, collections.abc.Coroutine):  # type: ignore[type-arg]
+    """The coroutine protocol over an await of one future (as a Work's)."""
+
+    __slots__ = ("__weakref__", "_drivers", "fut")
+
+    def __init__(self, fut: asyncio.Future[int]) -> None:
+        self._drivers: Drivers | None = None
+        self.fut = fut
+
+    def __await__(self) -> Generator[Any, None, int]:
+        return (yield from asyncio.shield(self.fut))  # one future per await
+
+
+@pytest.mark.asyncio
+async def test_one_object_driven_by_one_task_then_by_several() -> None:
+    """TaskDriven keeps one task's await without a dict, several in one, and
+    forgets each once it ended (no task kept); a cancelled driver ends only
+    its own await."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[int] = loop.create_future()
+    one = _Driven(fut)
+    task = asyncio.ensure_future(one)
+    await asyncio.sleep(0)
+    assert type(one._drivers) is tuple
+    assert one._drivers[0] is task
+    fut.set_result(7)
+    assert await task == 7
+    assert one._drivers is None
+    fut = loop.create_future()
+    many = _Driven(fut)
+    tasks = [asyncio.ensure_future(many) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert isinstance(many._drivers, dict)
+    assert set(many._drivers) == set(tasks)
+    tasks[1].cancel()
+    await asyncio.sleep(0)
+    assert not fut.cancelled()  # its own await only
+    fut.set_result(9)
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert results[0] == 9
+    assert results[2] == 9
+    assert isinstance(results[1], asyncio.CancelledError)
+    assert many._drivers == {}

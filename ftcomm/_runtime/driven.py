@@ -11,17 +11,25 @@ by one task; these may be driven by several (``ensure_future(work)`` twice,
 from __future__ import annotations
 
 import asyncio
+from asyncio import current_task
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, TypeAlias
 
 
 def _task_key() -> object:
     """The asyncio task driving the object (``None`` outside a running asyncio
     loop: ``__await__`` then says what it needs)."""
     try:
-        return asyncio.current_task()
+        return current_task()
     except RuntimeError:
         return None
+
+
+Drivers: TypeAlias = (
+    "tuple[object, Generator[Any, None, Any]] | dict[object, Generator[Any, None, Any]]"
+)
+"""Who drives an object: ``(task, its await)`` for one task (the usual case:
+no dict per op), a dict of them for several."""
 
 
 class TaskDriven:
@@ -32,7 +40,7 @@ class TaskDriven:
     """
 
     __slots__ = ()
-    _drivers: dict[object, Generator[Any, None, Any]] | None
+    _drivers: Drivers | None
 
     def __await__(self) -> Generator[Any, None, Any]:
         raise NotImplementedError
@@ -42,38 +50,62 @@ class TaskDriven:
         into a coroutine that never ran, so ``__await__``'s handlers do not see
         it): act as a cancelled await would."""
 
-    def _step(self, call: Callable[[Generator[Any, None, Any]], Any]) -> Any:
-        key = _task_key()
+    def _driver(self, key: object) -> Generator[Any, None, Any]:
+        """``key``'s await, made on its first step."""
         drivers = self._drivers
         if drivers is None:
-            drivers = {}
-            self._drivers = drivers  # type: ignore[misc]  # the subclass's slot
-        gen = drivers.get(key)
-        if gen is None:
-            gen = drivers[key] = self.__await__()
+            gen = self.__await__()
+            self._drivers = (key, gen)  # type: ignore[misc]  # the subclass's slot
+        elif type(drivers) is tuple:
+            if drivers[0] is key:
+                return drivers[1]
+            gen = self.__await__()
+            self._drivers = {drivers[0]: drivers[1], key: gen}  # type: ignore[misc]
+        else:
+            assert isinstance(drivers, dict)  # for mypy
+            gen = drivers.get(key)  # type: ignore[assignment]
+            if gen is None:
+                gen = drivers[key] = self.__await__()
+        return gen
+
+    def _drop(self, key: object) -> Generator[Any, None, Any] | None:
+        """Forget ``key``'s await (it ended); the await, if there was one."""
+        drivers = self._drivers
+        if type(drivers) is tuple:
+            if drivers[0] is key:
+                self._drivers = None  # type: ignore[misc]
+                return drivers[1]
+            return None
+        if drivers is None:
+            return None
+        assert isinstance(drivers, dict)  # for mypy
+        return drivers.pop(key, None)
+
+    def _step(self, call: Callable[[Generator[Any, None, Any]], Any]) -> Any:
+        key = _task_key()
+        gen = self._driver(key)
         try:
             return call(gen)
         except BaseException:  # StopIteration (the await ended), or its error
-            drivers.pop(key, None)
+            self._drop(key)
             raise
 
     def send(self, value: Any) -> Any:
         """The coroutine protocol (``create_task``, anyio's ``start_soon``):
         one step of the calling task's await."""
-        # _step inlined: this runs once per task step (1000 tasks gathered
-        # over fused ops step 1000 times), and a closure per step shows.
-        key = _task_key()
+        # _step inlined, one driver read in place: this runs once per task
+        # step (1000 tasks gathered over fused ops step 1000 times or more),
+        # and a closure, a dict or a call per step shows.
+        try:
+            key = current_task()
+        except RuntimeError:
+            key = None
         drivers = self._drivers
-        if drivers is None:
-            drivers = {}
-            self._drivers = drivers  # type: ignore[misc]  # the subclass's slot
-        gen = drivers.get(key)
-        if gen is None:
-            gen = drivers[key] = self.__await__()
+        gen = drivers[1] if type(drivers) is tuple and drivers[0] is key else self._driver(key)
         try:
             return gen.send(value)
         except BaseException:  # StopIteration (the await ended), or its error
-            drivers.pop(key, None)
+            self._drop(key)
             raise
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
@@ -81,16 +113,22 @@ class TaskDriven:
         cancel = isinstance(typ, asyncio.CancelledError) or (
             isinstance(typ, type) and issubclass(typ, asyncio.CancelledError)
         )
-        drivers = self._drivers
-        if cancel and (drivers is None or _task_key() not in drivers):
+        if cancel and not self._driven_by(_task_key()):
             self._cancel_before_start()
         if val is None and tb is None:  # throw(exc): what asyncio calls
             return self._step(lambda gen: gen.throw(typ))
         return self._step(lambda gen: gen.throw(typ, val, tb))
 
+    def _driven_by(self, key: object) -> bool:
+        drivers = self._drivers
+        if drivers is None:
+            return False
+        if type(drivers) is tuple:
+            return drivers[0] is key
+        return key in drivers
+
     def close(self) -> None:
         """The coroutine protocol: ends the calling task's await (not the op)."""
-        drivers = self._drivers
-        gen = drivers.pop(_task_key(), None) if drivers is not None else None
+        gen = self._drop(_task_key())
         if gen is not None:
             gen.close()

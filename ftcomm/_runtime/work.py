@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import CommAborted, CommError, CommFailed, CommTimeout
 from .deadline import to_seconds
-from .driven import TaskDriven
+from .driven import Drivers, TaskDriven
 from .fuse import AloneMark, MemberOp
 from .loop import require_asyncio, wake_threadsafe
 from .native import NativeOp
@@ -190,7 +190,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         self._end: Outcome | None = None  # published once, under the lock
         self._waiters: list[Callable[[], object]] | None = None  # wake-ups, any thread
         self._cb_armed = False
-        self._drivers: dict[object, Generator[Any, None, R]] | None = None
+        self._drivers: Drivers | None = None
         # The batch it is in (``Group(fuse=True)``, fuse.py): the first look
         # at the op sends it, if it is still open; or the mark of a fusible
         # op that went on its own, whose first look is a cut point. None once
@@ -599,9 +599,10 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             waiters = self._end_locked(Outcome(error))
         _wake_all(waiters)
 
-    def _end_locked(self, end: Outcome) -> list[Callable[[], object]]:
+    def _end_locked(self, end: Outcome, record: bool = True) -> list[Callable[[], object]]:
         """Under the table's lock: the op is ENDED with ``end`` (published
-        once, with its native op let go); the waiters to wake."""
+        once, with its native op let go); the waiters to wake. ``record``:
+        tell the observer (``end_all`` tells it once for a whole batch)."""
         self._end = end
         if type(self._batch) is not AloneMark:  # its first look is still a cut point
             self._batch = None  # its batch was sent (or dropped): let go of it
@@ -610,7 +611,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         if end.error is not None and type(native) is MemberOp:
             native.batch.wake_sleepers()  # its batch-mates look at their own ends
         observer = self._table.observer
-        if observer is not None and (observer.stats_on or observer.subscribers):
+        if record and observer is not None and (observer.stats_on or observer.subscribers):
             # A native op that knows when it ended says so (a worker's reply);
             # else an end is timed only if it was seen as it happened, to
             # within 1 ms or 1/16 of its latency (an await or wait watching it,
@@ -624,8 +625,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             else:  # the backend's: exact (a worker's reply), or to within an event's poll
                 window = getattr(native, "end_window", None) or 0.0
             latency = ended_at - self._issued
-            timed = window <= max(latency / 16, _SEEN_WITHIN)
-            observer.op_ended_locked(self, latency, timed, end.error)
+            observer.op_ended_locked(self, latency, _timed(latency, window), end.error)
         return waiters or []
 
     def _publish_by(self, seconds: float, error: BaseException) -> None:
@@ -740,15 +740,29 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         return self._settle_quietly(error, False) or []
 
 
-def end_all(table: OpTable, works: list[Work[Any]]) -> None:
+def _timed(latency: float, window: float) -> bool:
+    """Whether an end known to within ``window`` s is timed (observe.py)."""
+    return window <= max(latency / 16, _SEEN_WITHIN)
+
+
+def end_all(table: OpTable, works: list[Work[Any]], ended_at: float, window: float) -> None:
     """End every op of ``works`` that has not ended with success, under one
     hold of the table's lock (a fused batch that succeeded and was copied
-    back: fuse.py), then wake their waiters."""
+    back: fuse.py; it ended at ``ended_at``, known to within ``window``),
+    then wake their waiters."""
     wakeups: list[Callable[[], object]] = []
+    observer = table.observer
+    record = observer is not None and (observer.stats_on or observer.subscribers)
     with table._lock:
+        ended: list[tuple[Work[Any], float, bool]] = []
         for work in works:
             if not work._claimed:
                 work._claimed = True
                 table._inflight.pop(work.seq, None)
-                wakeups += work._end_locked(_SUCCESS)
+                wakeups += work._end_locked(_SUCCESS, record=False)
+                if record:
+                    latency = ended_at - work._issued
+                    ended.append((work, latency, _timed(latency, window)))
+        if ended and observer is not None:
+            observer.ops_ended_locked(ended)
     _wake_all(wakeups)
