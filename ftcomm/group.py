@@ -1013,11 +1013,21 @@ class Group(Collectives):
                     rank=table.rank,
                     op="allreduce",
                 )
-            announce = batch.refuse(refused)
             if getattr(exc, "_by_abandon", False):
-                return announce  # the settler that stopped the group breaks it
+                return batch.refuse(refused)  # the settler that stopped the group breaks it
             with table._lock:
                 broken = table._break_locked(refused)
+            if broken.cause is not refused:
+                # Refused because the group is being stopped (another op's
+                # deadline or cancel shut its sockets): its ops are aborted
+                # by that, as the ops its break ends.
+                refused = CommAborted(
+                    f"allreduce was aborted: the group broke ({broken.cause.message})",
+                    rank=table.rank,
+                    op="allreduce",
+                )
+                refused.__cause__ = broken.cause
+            announce = batch.refuse(refused)
 
             def after() -> None:
                 try:

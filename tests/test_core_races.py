@@ -871,46 +871,93 @@ def test_cancel_on_the_owner_loop_does_not_hold_it(
 class _StopFailsOthers(ScriptedOp):
     """``abandon()`` shuts the group's sockets: what that fails elsewhere
     happens on this thread, before the settler goes on (forced), as Gloo's
-    threads may do it before the settler's next line."""
+    threads may do it before the settler's next line. ``stops``: abandon()
+    says it stopped the op for real, which then ends by itself (as a Gloo op
+    whose sockets were shut) once the settler waits for it."""
 
-    def __init__(self, stopped: Any) -> None:
+    def __init__(self, stopped: Any, stops: bool) -> None:
         super().__init__()
         self.stopped = stopped
+        self.stops = stops
 
     def abandon(self) -> bool:
         self.stopped()
-        return False
+        return self.stops
+
+    def on_done(self, callback: Any) -> None:
+        if self.stops and not self._done:
+            self.finish(RuntimeError("Connection closed by peer"))
+        super().on_done(callback)
 
 
-@pytest.mark.parametrize("how", ["a sibling op fails", "a verified op's check fails"])
+@pytest.mark.parametrize("stops", [False, True], ids=["not-stopped", "stopped"])
+@pytest.mark.parametrize(
+    "how", ["a sibling op fails", "a verified op's check fails", "abort() is called"]
+)
 @pytest.mark.parametrize("cause", ["deadline", "cancel"])
 def test_a_failure_the_stop_causes_does_not_replace_the_stops_cause(
-    table: OpTable, how: str, cause: str
+    table: OpTable, how: str, cause: str, stops: bool
 ) -> None:
     """CI saw ``errored()`` say CommFailed ("the check before an op failed:
     Connection closed by peer") after a cancel: the verified op's check
     failed from the cancel's own socket shutdown, and broke the table before
-    the canceller did. The cause claimed first is the group's error."""
+    the canceller did. The cause claimed first is the group's error, and an
+    op failed by the stop ends with CommAborted naming it; an abort() made
+    meanwhile keeps its own cause."""
     sibling_native = ScriptedOp()
     sibling = issue(table, sibling_native, 60.0)
     sibling._add_waiter(sibling_native, lambda: None)  # its native callback armed
     closed = RuntimeError("Connection closed by peer [127.0.0.1]:4242")
+    aborted = ftcomm.CommAborted("abort() was called")
 
     def stopped() -> None:
         if how == "a sibling op fails":
             sibling_native.finish(closed)
-        else:  # what Chain._break's on_error does (ftcomm/_verify.py)
+        elif how == "a verified op's check fails":  # what Chain._break's on_error does
             table.break_(ftcomm.CommFailed(f"the check before an op failed: {closed}"))
+        else:  # as Group.abort() does it (_state.py)
+            with table._lock:
+                broken = table._break_locked(aborted, "abort")
+            table._after_break(broken, time.monotonic())
 
-    work = issue(table, _StopFailsOthers(stopped), 60.0)
+    work = issue(table, _StopFailsOthers(stopped, stops), 60.0)
+    expected: type[ftcomm.CommError]
     if cause == "deadline":
-        work.deadline = 0.0
         work._expire()
-        expected: type[ftcomm.CommError] = ftcomm.CommTimeout
+        expected = ftcomm.CommTimeout
     else:
         assert work.cancel() is True
         expected = ftcomm.CommAborted
-    assert type(table.error) is expected, table.error
-    assert type(work.exception()) is expected
+    with pytest.raises(expected):
+        work.wait(timeout=5)
+    if how == "abort() is called":
+        assert table.error is aborted  # abort()'s own cause, as its docstring says
+    else:
+        assert type(table.error) is expected, table.error
+        assert table.stopping is not None
+        assert table.error is table.stopping
     assert sibling.done()
-    assert isinstance(sibling.exception(), ftcomm.CommError)
+    error = sibling.exception()
+    assert type(error) is ftcomm.CommAborted, error
+    assert table.error is not None
+    assert table.error.message in str(error)  # names the group's cause
+
+
+def test_a_settler_that_fails_before_its_break_leaves_no_stale_cause(table: OpTable) -> None:
+    """A bug below (here: peek() raises) takes the settler out between its
+    claim and its break: the cause it named is dropped, so a later break of
+    the table is not named after an op that never broke it."""
+
+    class Broken(ScriptedOp):
+        def abandon(self) -> bool:
+            return True
+
+        def peek(self) -> bool:
+            raise RuntimeError("a bug in a backend's peek()")
+
+    work = issue(table, Broken(), 60.0)
+    with pytest.raises(RuntimeError, match="peek"):
+        work.cancel()
+    assert table.stopping is None
+    table.break_(ftcomm.CommFailed("a peer died"))
+    assert isinstance(table.error, ftcomm.CommFailed)

@@ -338,6 +338,43 @@ async def test_a_batch_that_fails_at_its_deadline_is_the_earliest_members_timeou
         assert isinstance(g.errored(), CommTimeout)
 
 
+class _FailsWhenStopped(_Failing):
+    """Stopping it fails it at once, on the stopper's thread (a Gloo op whose
+    sockets were shut, seen by Gloo before the stopper breaks the group)."""
+
+    def abandon(self) -> bool:
+        self.fail(RuntimeError("Connection closed by peer"))
+        return False
+
+
+@pytest.mark.asyncio
+async def test_batch_mates_failed_by_a_members_stop_name_its_cause(store: StoreServer) -> None:
+    """Cancelling one member stops the batch's native op; its batch-mates,
+    whose callbacks run as it fails (before the canceller breaks the group),
+    end with CommAborted naming the cancel, as the group's error does."""
+    async with await _dummy(store, fuse=True) as g:
+        g.allreduce(torch.ones(1))  # goes on its own
+        works = [g.allreduce(torch.ones(1)) for _ in range(3)]
+        native = _FailsWhenStopped()
+        seen: list[BaseException | None] = []
+        old = faults.set_injector(lambda op, issue, backend: native)
+        try:  # the first callback is a look: it sends the batch
+            for w in works:
+                w.add_done_callback(lambda w: seen.append(w.exception()))
+        finally:
+            faults.set_injector(old)
+        assert works[1].cancel() is True
+        assert len(seen) == 3
+        errored = g.errored()
+        assert isinstance(errored, CommAborted)
+        assert "cancelled" in str(errored)
+        for w in (works[0], works[2]):
+            error = w.exception()
+            assert type(error) is CommAborted
+            assert "was cancelled with Work.cancel()" in str(error)  # the cause, named
+            assert error.__cause__ is not None
+
+
 class _Never:
     def poll(self) -> bool:
         return False

@@ -449,7 +449,7 @@ class Batch:
         state = self.state
         if state is DONE and self._error is None and not self._abandoned:
             return None
-        cause = self.table.error
+        cause = self.table.error or self.table.stopping  # a break in the making, too
         why = f" ({cause.message})" if cause is not None else ""
         ctx = work._ctx()
         if state is DROPPED:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CommError
+from ..errors import CommError, ProtocolError, WorkerDied
 from .loop import Runtime
 from .native import NativeOp
 
@@ -63,6 +63,12 @@ def _wake_all(wakeups: list[Callable[[], object]]) -> None:
         raise interrupted
 
 
+def _independent(error: CommError) -> bool:
+    """A failure no op's stop can cause: a subprocess worker's death or a
+    malformed frame (stopping an op does not kill its worker)."""
+    return isinstance(error, (WorkerDied, ProtocolError))
+
+
 def _peek(native: NativeOp) -> bool:
     """Whether ``native`` has ended, without side effects (see NativeOp)."""
     peek = getattr(native, "peek", None)
@@ -99,7 +105,12 @@ class OpTable:
         it publishes. A failure that the stop itself causes (another op's
         sockets shut, a verified op's check) may break the table first: it
         breaks it with this cause, so ``errored()`` names the deadline or the
-        cancel, never the stop. Under the lock; set once, before ``error``."""
+        cancel, never the stop; and an op that fails natively meanwhile ends
+        with ``CommAborted`` naming it, as the ops the break ends. Not for
+        ``abort()``, ``shutdown()`` or ``configure()`` (their own cause), nor
+        a worker's death or a bad frame (no stop causes those). Under the
+        lock; set once, before ``error``; cleared if its settler leaves
+        without breaking."""
         self._on_break = on_break
         # A group passes its own lock: the table's error is the group's
         # ERRORED state, under the one lock that guards all of it.
@@ -172,7 +183,9 @@ class OpTable:
         (``why``: the state event that breaks it, see :class:`Broken`)."""
         first = self.error is None
         if first:
-            error = self.stopping or error  # the first claimed cause wins
+            stopping = self.stopping
+            if stopping is not None and why == "break" and not _independent(error):
+                error = stopping  # the first claimed cause wins
             # errored() first: no thread sees ops refused while it is None
             self.reported = error._group_aborted()
             self.error = error

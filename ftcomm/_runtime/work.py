@@ -532,8 +532,35 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
                 return None
             self._claimed = True  # PENDING -> SETTLING
             table._inflight.pop(self.seq, None)
-            if breaks and table.stopping is None and isinstance(error, CommError):
-                table.stopping = error  # what a failure the stop causes breaks with
+            if breaks and isinstance(error, CommError):
+                stopping = table.stopping
+                if stopping is None:
+                    table.stopping = error  # what a failure the stop causes breaks with
+                elif table.error is None and type(error) is CommFailed:
+                    # Failed while another settler stops the group: by that
+                    # stop (its sockets shut), as the ops its break ends.
+                    error = self._aborted_by(stopping)
+        try:
+            return self._stop_and_publish(error, breaks)
+        except BaseException:  # left before it broke the table: no stale cause
+            with table._lock:
+                if table.error is None and table.stopping is error:
+                    table.stopping = None
+            raise
+
+    def _aborted_by(self, cause: CommError) -> CommAborted:
+        error = CommAborted(
+            f"{self.op} was aborted: the group broke ({cause.message})", **self._ctx()
+        )
+        error.__cause__ = cause
+        return error
+
+    def _stop_and_publish(
+        self, error: BaseException, breaks: bool
+    ) -> list[Callable[[], object]] | None:
+        """A claimed op (SETTLING) ends with ``error``: stop its native op,
+        break the table (``breaks``), publish; see :meth:`_settle_quietly`."""
+        table = self._table
         native = self._native
         interrupted: BaseException | None = None
         stopped = False
@@ -733,10 +760,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             native_error = native.outcome()  # it completed before the break
             error = None if native_error is None else self._native_failure(native_error)
         else:
-            error = CommAborted(
-                f"{self.op} was aborted: the group broke ({cause.message})", **self._ctx()
-            )
-            error.__cause__ = cause
+            error = self._aborted_by(cause)
         return self._settle_quietly(error, False) or []
 
 
