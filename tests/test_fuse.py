@@ -733,3 +733,32 @@ def test_the_fused_statistics_example_runs() -> None:
     assert set(times) == {"unfused_ms", "fused_ms"}
     assert times["fused_ms"] > 0
     assert times["unfused_ms"] > 0
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_the_facade_fuses_only_when_asked(store: StoreServer, fuse: bool) -> None:
+    """c10d's one native op per call by default; ``fuse=True`` sends the
+    allreduces issued before a wait as one (the first goes on its own)."""
+    from ftcomm import c10d
+
+    pg = c10d.ProcessGroupGloo(timeout=10, fuse=fuse)
+    try:
+        pg.configure(f"127.0.0.1:{store.port}/facade-fuse-{fuse}", "0", 0, 1)
+        sent = _count_native(pg._ftcomm_group())
+        ts = [torch.full((2,), float(i)) for i in range(5)]
+        works = [pg.allreduce([t]) for t in ts]
+        for w in works:
+            assert w.wait()
+        assert [t.tolist() for t in ts] == [[float(i)] * 2 for i in range(5)]
+        assert sent() == (2 if fuse else 5)
+    finally:
+        pg.shutdown()
+
+
+def test_the_facades_fuse_argument_is_checked() -> None:
+    from ftcomm import c10d
+
+    with pytest.raises(TypeError, match="fuse"):
+        c10d.ProcessGroupGloo(fuse=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="wrapped pg"):
+        c10d.ProcessGroupWrapper(pg=c10d.ProcessGroupGloo(), fuse=True)

@@ -329,10 +329,16 @@ class ProcessGroupWrapper(_Facade):
     Args:
         timeout: the default deadline of every op and of ``configure``.
         pg: the group to wrap, if any.
+        fuse: send concurrent small host-memory allreduces as one native op
+            (:class:`ftcomm.Group`'s ``fuse=True``: a batch is sent when one
+            of its works is waited on or looked at, or another op is issued).
+            Off by default: c10d's one native op per call.
 
     Raises:
-        TypeError: ``pg`` is not an ftcomm.c10d ``ProcessGroup``.
+        TypeError: ``pg`` is not an ftcomm.c10d ``ProcessGroup``; ``fuse`` is
+            not a bool.
         TypeError, ValueError: a bad timeout.
+        ValueError: ``fuse=True`` with ``pg`` (set it on the wrapped group).
     """
 
     _backend: ClassVar[str | None] = None
@@ -341,15 +347,24 @@ class ProcessGroupWrapper(_Facade):
     """Whether that group runs in a worker process (the ``Baby`` classes)."""
 
     def __init__(
-        self, timeout: timedelta | float = timedelta(seconds=60), pg: ProcessGroup | None = None
+        self,
+        timeout: timedelta | float = timedelta(seconds=60),
+        pg: ProcessGroup | None = None,
+        *,
+        fuse: bool = False,
     ) -> None:
         if pg is not None and not isinstance(pg, ProcessGroup):
             raise TypeError(
                 f"pg must be an ftcomm.c10d ProcessGroup, got {type(pg).__name__}"
                 " (wrap a raw torch group by building its ftcomm counterpart)"
             )
+        if not isinstance(fuse, bool):
+            raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
+        if fuse and pg is not None:
+            raise ValueError("fuse=True applies to a group of its own: set it on the wrapped pg")
         super().__init__(0, 1, to_seconds(timeout, "timeout"))
         self._inner = pg
+        self._fuse = fuse
 
     def configure(
         self,
@@ -430,6 +445,7 @@ class ProcessGroupWrapper(_Facade):
             self._backend,
             subprocess=self._subprocess,
             timeout=self._timeout,
+            fuse=self._fuse,
             **self._group_options(),
         )
 
@@ -559,8 +575,9 @@ class _Baby(ProcessGroupWrapper):
         timeout: timedelta | float = timedelta(seconds=60),
         *,
         share_min_bytes: int | None = None,
+        fuse: bool = False,
     ) -> None:
-        super().__init__(timeout)
+        super().__init__(timeout, fuse=fuse)
         if share_min_bytes is not None:
             check_int(share_min_bytes, "share_min_bytes", minimum=0, maximum=None)
         self._share_min_bytes = share_min_bytes
