@@ -762,3 +762,32 @@ def test_the_facades_fuse_argument_is_checked() -> None:
         c10d.ProcessGroupGloo(fuse=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="wrapped pg"):
         c10d.ProcessGroupWrapper(pg=c10d.ProcessGroupGloo(), fuse=True)
+
+
+async def _params(ctx: RankContext) -> dict[str, Any]:
+    """Parameters that require grad, written in place as c10d writes them."""
+    async with ftcomm.Group("gloo", fuse=True, timeout=20) as g:
+        await g.configure(ctx.addr(), ctx.rank, ctx.world_size)
+        weight = torch.nn.Parameter(torch.full((2, 2), float(ctx.rank + 1)))
+        bias = torch.nn.Parameter(torch.full((3,), float(ctx.rank + 1)))
+        scale = torch.nn.Parameter(torch.tensor(float(ctx.rank + 1)))
+        first = torch.nn.Parameter(torch.ones(1))  # goes on its own
+        await asyncio.gather(
+            *[g.allreduce(p.data if p is first else p) for p in (first, weight, bias, scale)]
+        )
+        return {
+            "values": [weight.tolist(), bias.tolist(), scale.item()],
+            "requires_grad": [p.requires_grad for p in (weight, bias, scale)],
+            "errored": g.errored() is None,
+        }
+
+
+def test_parameters_that_require_grad_fuse_as_c10d_writes_them() -> None:
+    """A batch of parameters (a matrix, a vector, a scalar) is written back
+    outside autograd, as a native op writes: no in-place error on a leaf."""
+    for r in run_world(_params, 2, mode="thread", timeout=60):
+        assert r == {
+            "values": [[[3.0, 3.0], [3.0, 3.0]], [3.0, 3.0, 3.0], 3.0],
+            "requires_grad": [True, True, True],
+            "errored": True,
+        }

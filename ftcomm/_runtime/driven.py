@@ -11,6 +11,7 @@ by one task; these may be driven by several (``ensure_future(work)`` twice,
 from __future__ import annotations
 
 import asyncio
+import threading
 from asyncio import current_task
 from collections.abc import Callable, Generator
 from typing import Any, TypeAlias
@@ -30,6 +31,11 @@ Drivers: TypeAlias = (
 )
 """Who drives an object: ``(task, its await)`` for one task (the usual case:
 no dict per op), a dict of them for several."""
+
+
+_SLOTS = threading.Lock()
+"""Guards every change of a ``_drivers`` slot: tasks on two threads' loops
+may drive one object (a read of the slot is one load, and needs none)."""
 
 
 class TaskDriven:
@@ -52,6 +58,10 @@ class TaskDriven:
 
     def _driver(self, key: object) -> Generator[Any, None, Any]:
         """``key``'s await, made on its first step."""
+        with _SLOTS:
+            return self._driver_locked(key)
+
+    def _driver_locked(self, key: object) -> Generator[Any, None, Any]:
         drivers = self._drivers
         if drivers is None:
             gen = self.__await__()
@@ -70,6 +80,10 @@ class TaskDriven:
 
     def _drop(self, key: object) -> Generator[Any, None, Any] | None:
         """Forget ``key``'s await (it ended); the await, if there was one."""
+        with _SLOTS:
+            return self._drop_locked(key)
+
+    def _drop_locked(self, key: object) -> Generator[Any, None, Any] | None:
         drivers = self._drivers
         if type(drivers) is tuple:
             if drivers[0] is key:

@@ -73,11 +73,14 @@ def copy_back_cpu(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
     (a third less time for 1000 of them); others a view each and one
     ``_foreach_copy_``."""
     sizes = [t.numel() for t in tensors]
-    if all(t.dim() == 1 for t in tensors):
-        torch.split_with_sizes_copy(flat, sizes, out=tensors)
-        return
-    views = flat.split(sizes)  # type: ignore[no-untyped-call]
-    torch._foreach_copy_([t.view(-1) for t in tensors], views)
+    # As a native op writes them: not recorded by autograd (a parameter that
+    # requires grad is written as c10d writes it, whatever its shape).
+    with torch.no_grad():
+        if all(t.dim() == 1 for t in tensors):
+            torch.split_with_sizes_copy(flat, sizes, out=tensors)
+            return
+        views = flat.split(sizes)  # type: ignore[no-untyped-call]
+        torch._foreach_copy_([t.view(-1) for t in tensors], views)
 
 
 class Batch:
@@ -183,12 +186,13 @@ class Batch:
         """The flat buffer the native op reduces in place: a private copy, so
         only the copy back writes into the members' tensors."""
         ts = self.tensors
-        if len(ts) == 1:
-            flat = ts[0].reshape(-1).clone()
-        elif all(t.dim() == 1 for t in ts):  # one call, no view per tensor
-            flat = torch.cat(ts)
-        else:
-            flat = torch.cat([t.view(-1) for t in ts])
+        with torch.no_grad():  # a plain buffer, even from tensors that require grad
+            if len(ts) == 1:
+                flat = ts[0].reshape(-1).clone()
+            elif all(t.dim() == 1 for t in ts):  # one call, no view per tensor
+                flat = torch.cat(ts)
+            else:
+                flat = torch.cat([t.view(-1) for t in ts])
         self._flat = flat
         return flat
 

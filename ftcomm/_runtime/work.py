@@ -776,8 +776,8 @@ def end_all(table: OpTable, works: list[Work[Any]], ended_at: float, window: flo
     then wake their waiters."""
     wakeups: list[Callable[[], object]] = []
     observer = table.observer
-    record = observer is not None and (observer.stats_on or observer.subscribers)
-    with table._lock:
+    with table._lock:  # read as each op's own end reads it: with the ends, under the lock
+        record = observer is not None and (observer.stats_on or bool(observer.subscribers))
         ended: list[tuple[Work[Any], float, bool]] = []
         for work in works:
             if not work._claimed:
