@@ -7,6 +7,7 @@ the survivors and carry on.
 """
 
 from . import errors as errors
+from ._gather import gather as gather
 from ._runtime.deadline import Timeout as Timeout
 from ._runtime.observe import Event as Event
 from ._runtime.observe import GroupStats as GroupStats
@@ -49,5 +50,6 @@ __all__ = [
     "Work",
     "WorkerDied",
     "errors",
+    "gather",
     "serve_store",
 ]

@@ -221,10 +221,17 @@ async def _open_raw(env: ChildEnv) -> Runner:
 
 
 async def _group_runner(
-    env: ChildEnv, impl: str, prefix: str, burst: bool = False, **kwargs: Any
+    env: ChildEnv,
+    impl: str,
+    prefix: str,
+    burst: bool = False,
+    single: bool = True,
+    gather: Callable[..., Awaitable[object]] = asyncio.gather,
+    **kwargs: Any,
 ) -> Runner:
-    """An ftcomm.Group on Gloo (``kwargs``: its options), awaited op by op;
-    ``burst``: it also runs the burst row."""
+    """An ftcomm.Group on Gloo (``kwargs``: its options), awaited op by op
+    (``single``); ``burst``: it also runs the burst row, awaiting the ops
+    with ``gather``."""
     import ftcomm
 
     group = ftcomm.Group("gloo", timeout=_OP_TIMEOUT, **kwargs)
@@ -234,9 +241,11 @@ async def _group_runner(
 
     async def allreduce_burst(t: torch.Tensor) -> None:
         # every op issued before any is awaited (fused with fuse=True)
-        await asyncio.gather(*[group.allreduce(view) for view in views.of(t)])
+        await gather(*[group.allreduce(view) for view in views.of(t)])
 
-    ops: dict[str, Callable[[torch.Tensor], Awaitable[object]]] = {"allreduce": group.allreduce}
+    ops: dict[str, Callable[[torch.Tensor], Awaitable[object]]] = {}
+    if single:
+        ops["allreduce"] = group.allreduce
     if burst:
         ops["allreduce_burst"] = allreduce_burst
     return AwaitingRunner(impl, ops, group.shutdown)
@@ -268,6 +277,16 @@ async def _open_ftcomm(env: ChildEnv) -> Runner:
 async def _open_fused(env: ChildEnv) -> Runner:
     """``fuse=True``: concurrent small allreduces sent as one op."""
     return await _group_runner(env, "fused", "fused-bench", burst=True, fuse=True)
+
+
+async def _open_fused_gather(env: ChildEnv) -> Runner:
+    """``fuse=True``, the burst awaited with ``ftcomm.gather`` (no task per
+    op); its single ops are the fused row's."""
+    import ftcomm
+
+    return await _group_runner(
+        env, "fused+fg", "fused-fg-bench", burst=True, single=False, gather=ftcomm.gather, fuse=True
+    )
 
 
 async def _open_stats_off(env: ChildEnv) -> Runner:
@@ -389,6 +408,7 @@ CASES: list[Case] = [
     Case(BASELINE, _open_raw),
     Case("ftcomm", _open_ftcomm),
     Case("fused", _open_fused),
+    Case("fused+fg", _open_fused_gather),  # burst only: ftcomm.gather, no task per op
     Case("stats-off", _open_stats_off, opt_in=True),  # what Group.stats() costs
     Case("verify", _open_verified),
     Case("facade", _open_facade),
@@ -451,7 +471,7 @@ class _Barrier:
 async def _self_check(runner: Runner, impl: str) -> None:
     """An allreduce of ones must give the world size: a broken case must not look fast."""
     t = torch.ones(4, dtype=torch.float32)
-    await runner.time_ops("allreduce", t, 1)
+    await runner.time_ops("allreduce" if "allreduce" in runner.ops else "allreduce_burst", t, 1)
     if not bool(torch.all(t == WORLD_SIZE)):
         raise RuntimeError(f"{impl}: allreduce of ones gave {t.tolist()}, not {WORLD_SIZE}")
 
@@ -1072,7 +1092,8 @@ def parser() -> argparse.ArgumentParser:
         type=_positive,
         default=1000,
         help="1-float allreduces issued at once in the burst row: raw issues them one by one, "
-        "ftcomm awaits them with gather(), fused with fuse=True (1000)",
+        "ftcomm awaits them with asyncio.gather(), fused with fuse=True, fused+fg with "
+        "fuse=True and ftcomm.gather() (1000)",
     )
     p.add_argument("--burst-iters", type=_positive, default=16, help="bursts per case (16)")
     p.add_argument("--rounds", type=_positive, default=8, help="interleaved rounds (8)")

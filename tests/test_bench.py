@@ -43,8 +43,10 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     assert re.search(r"^allreduce 1xfp32\s+ftcomm\s+[\d.]+\s+[\d.]+\s+\d+\.\d+x$", out, re.M), out
     assert re.search(r"^allreduce 1xfp32\s+facade\s+[\d.]+\s+[\d.]+\s+\d+\.\d+x$", out, re.M), out
     assert re.search(r"^allreduce 1MiB fp32\s+ftcomm\s.*\(bw ratio \d+\.\d+x\)$", out, re.M), out
-    burst = r"^20 x allreduce 1xfp32\s+fused\s+[\d.]+\s+[\d.]+\s+[\d.]+x \([\d.]+x faster than raw"
-    assert re.search(burst, out, re.M), out
+    for impl in ("fused", r"fused\+fg"):
+        burst = rf"^20 x allreduce 1xfp32\s+{impl}\s+[\d.]+\s+[\d.]+\s+[\d.]+x "
+        burst += r"\([\d.]+x faster than raw"
+        assert re.search(burst, out, re.M), out
     for impl in ("subproc", "baby", "stats-off"):
         assert re.search(rf"^allreduce 1xfp32\s+{impl}\s+[\d.]+\s+[\d.]+\s+\d+\.\d+x$", out, re.M)
     assert re.search(r"^dead worker noticed\s+\d+\.\d+\s+\d+\.\d+$", out, re.M), out
@@ -61,7 +63,7 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     rows = {(r["workload"], r["case"]): r for r in doc["rows"]}
     cases = ("raw", "ftcomm", "fused", "stats-off", "verify", "facade", "subproc", "sub+move")
     cases += ("baby",)
-    burst = {("20 x allreduce 1xfp32", c) for c in ("raw", "ftcomm", "fused")}  # only these
+    burst = {("20 x allreduce 1xfp32", c) for c in ("raw", "ftcomm", "fused", "fused+fg")}
     singles = {(w, c) for w in ("allreduce 1xfp32", "allreduce 1MiB fp32") for c in cases}
     assert set(rows) == singles | burst
     for (_, case), row in rows.items():

@@ -791,3 +791,81 @@ def test_parameters_that_require_grad_fuse_as_c10d_writes_them() -> None:
             "requires_grad": [True, True, True],
             "errored": True,
         }
+
+
+# -- ftcomm.gather ---------------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_gather_awaits_issued_ops_in_order_without_a_task_each(
+    store: StoreServer, calls: list[tuple[str, list[int]]]
+) -> None:
+    async with await _dummy(store, fuse=True) as g:
+        assert await ftcomm.gather() == []
+        ts = [torch.full((2,), float(i)) for i in range(5)]
+        loop = asyncio.get_running_loop()
+        made: list[object] = []
+
+        def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
+            made.append(coro)
+            return asyncio.Task(coro, loop=loop, **kwargs)
+
+        loop.set_task_factory(counting)
+        try:
+            results = await ftcomm.gather(*[g.allreduce(t) for t in ts])
+        finally:
+            loop.set_task_factory(None)
+        assert made == []  # no task per op
+        assert len(results) == len(ts)
+        assert all(r is t for r, t in zip(results, ts, strict=True))
+        assert calls == [("allreduce", [2]), ("allreduce", [8])]  # alone, then the four as one
+
+
+@pytest.mark.asyncio
+async def test_gather_raises_the_first_error_once_every_op_ended(store: StoreServer) -> None:
+    async with await _dummy(store, fuse=True) as g:
+        done = g.allreduce(torch.ones(1))  # goes on its own, and succeeds
+        works = [g.allreduce(torch.ones(1)) for _ in range(3)]
+        native = _Failing()
+        old = faults.set_injector(lambda op, issue, backend: native)
+        try:
+            g.flush()
+        finally:
+            faults.set_injector(old)
+        native.fail(RuntimeError("Connection closed by peer"))
+        results = await ftcomm.gather(done, *works, return_exceptions=True)
+        assert torch.equal(results[0], torch.ones(1))
+        assert [type(r) for r in results[1:]] == [CommFailed] * 3
+        assert [r.seq for r in results[1:]] == [w.seq for w in works]
+        with pytest.raises(CommFailed) as first:
+            await ftcomm.gather(done, *works)
+        assert first.value.seq == works[0].seq  # the first in argument order
+        assert all(w.done() for w in works)
+
+
+@pytest.mark.asyncio
+async def test_cancelling_gather_cancels_every_op_not_ended(store: StoreServer) -> None:
+    async with await _dummy(store, fuse=True) as g:
+        old = faults.set_injector(lambda op, issue, backend: _Never())
+        try:  # no native op ever ends
+            works = [g.allreduce(torch.ones(1)) for _ in range(3)]
+            task = asyncio.ensure_future(ftcomm.gather(*works))
+            await asyncio.sleep(0)
+        finally:
+            faults.set_injector(old)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert all(w.done() for w in works)
+        for w in works:
+            assert isinstance(w.exception(), CommAborted)
+        assert isinstance(g.errored(), CommAborted)
+
+
+@pytest.mark.asyncio
+async def test_gather_takes_works_only(store: StoreServer) -> None:
+    async with await _dummy(store) as g:
+        work = g.allreduce(torch.ones(1))
+        coro = asyncio.sleep(0)
+        with pytest.raises(TypeError, match="argument 1 is a coroutine"):
+            await ftcomm.gather(work, coro)  # type: ignore[arg-type]
+        coro.close()
+        await work
