@@ -247,23 +247,32 @@ async def _group_runner(
         await group.configure(env.store_addr(name), env.rank, WORLD_SIZE)
         return group
 
-    ops: dict[str, Callable[[torch.Tensor], Awaitable[object]]] = {}
-    if single:
-        ops["allreduce"] = (await new_group(prefix)).allreduce
-    if burst:
-        burst_group = await new_group(f"{prefix}-burst")  # its own: see _open_raw
-        views = _Views()
-
-        async def allreduce_burst(t: torch.Tensor) -> None:
-            # every op issued before any is awaited (fused with fuse=True)
-            await gather(*[burst_group.allreduce(view) for view in views.of(t)])
-
-        ops["allreduce_burst"] = allreduce_burst
-
     async def close() -> None:
+        errors: list[BaseException] = []
         for group in groups:
-            await group.shutdown()
+            try:
+                await group.shutdown()
+            except Exception as exc:  # the others are shut down all the same
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
+    ops: dict[str, Callable[[torch.Tensor], Awaitable[object]]] = {}
+    try:
+        if single:
+            ops["allreduce"] = (await new_group(prefix)).allreduce
+        if burst:
+            burst_group = await new_group(f"{prefix}-burst")  # its own: see _open_raw
+            views = _Views()
+
+            async def allreduce_burst(t: torch.Tensor) -> None:
+                # every op issued before any is awaited (fused with fuse=True)
+                await gather(*[burst_group.allreduce(view) for view in views.of(t)])
+
+            ops["allreduce_burst"] = allreduce_burst
+    except BaseException:
+        await close()  # a group made before the one that failed
+        raise
     return AwaitingRunner(impl, ops, close)
 
 
@@ -486,10 +495,11 @@ class _Barrier:
 
 async def _self_check(runner: Runner, impl: str) -> None:
     """An allreduce of ones must give the world size: a broken case must not look fast."""
-    t = torch.ones(4, dtype=torch.float32)
-    await runner.time_ops("allreduce" if "allreduce" in runner.ops else "allreduce_burst", t, 1)
-    if not bool(torch.all(t == WORLD_SIZE)):
-        raise RuntimeError(f"{impl}: allreduce of ones gave {t.tolist()}, not {WORLD_SIZE}")
+    for op in runner.ops:  # each op on its own group (the burst row's is another)
+        t = torch.ones(4, dtype=torch.float32)
+        await runner.time_ops(op, t, 1)
+        if not bool(torch.all(t == WORLD_SIZE)):
+            raise RuntimeError(f"{impl}: {op} of ones gave {t.tolist()}, not {WORLD_SIZE}")
 
 
 async def _measure(rank: int, port: int, plan: Plan, store: Store) -> Report:

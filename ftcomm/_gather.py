@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import collections.abc
+from collections.abc import Generator, Sequence
 from typing import Any
 
+from ._runtime.driven import Drivers, TaskDriven
 from ._runtime.work import Work
-from .errors import CommError
+from .errors import CommAborted, CommError
 
 
-async def gather(*works: Work[Any], return_exceptions: bool = False) -> list[Any]:
+def gather(*works: Work[Any], return_exceptions: bool = False) -> Gathering:
     """Await ops already issued, in the order given; their results in that order.
 
     ``asyncio.gather`` wraps each awaitable in a task: for 1000 one-float
     allreduces fused into one native op (``Group(fuse=True)``) that is most
-    of the time they take (docs/design.md, "Fusing small collectives").
-    Each op is on the wire (or in its batch) once issued, so awaiting them
-    one after another waits no longer than awaiting them all at once; this
-    does that in the calling task. The first await is a look at the first
-    op: it sends the batch that op waits in (a cut point, the same on every
-    rank).
+    of the time they take (docs/design.md, "Fusing small collectives"). This
+    awaits them in the calling task instead.
+
+    The call itself looks at every op, in argument order: each batch an op
+    waits in is sent now (the same cut points on every rank running the same
+    code, as nothing is issued between these looks), so every op is on the
+    wire before the first is awaited, and awaiting them one after another
+    waits no longer than awaiting them at once.
 
     Unlike ``asyncio.gather``, it returns or raises only once every op has
     ended: an op's failure breaks its group, and the group's other ops end
@@ -30,16 +35,27 @@ async def gather(*works: Work[Any], return_exceptions: bool = False) -> list[Any
         return_exceptions: return each failed op's error in its place
             instead of raising the first one.
 
+    Returns:
+        An awaitable of the list of results (``await`` it, or hand it to
+        ``asyncio.create_task`` or anyio's ``start_soon``).
+
     Raises:
         TypeError: an argument is not a :class:`Work` (run coroutines with
-            ``asyncio.gather``: here they would run one after another).
-        CommTimeout, CommFailed, CommAborted: the error of the first op (in
-            argument order) that failed, once every op has ended; not with
+            ``asyncio.gather``: here they would run one after another);
+            raised by the call, before any op is looked at.
+
+    Awaiting raises:
+        CommError: the error of the first op (in argument order) that failed
+            (``CommTimeout``, ``CommFailed``, ``CommAborted``, ``WorkerDied``,
+            ``ProtocolError``), once every op has ended; not with
             ``return_exceptions=True``.
-        asyncio.CancelledError: the awaiting task was cancelled: every op
-            not ended is cancelled, each aborting its group, as cancelling
-            ``asyncio.gather`` cancels its tasks.
-        RuntimeError: awaited without a running asyncio loop.
+        asyncio.CancelledError: the awaiting task was cancelled (even before
+            it first ran): every op not ended is aborted, each with its
+            group, as cancelling ``asyncio.gather`` cancels its tasks.
+        RuntimeError: awaited without a running asyncio loop (the ops go
+            on, bound by their deadlines). Any other error (an interrupt)
+            propagates at once, leaving the ops not awaited to their
+            deadlines.
     """
     for i, work in enumerate(works):
         if not isinstance(work, Work):
@@ -47,21 +63,58 @@ async def gather(*works: Work[Any], return_exceptions: bool = False) -> list[Any
                 f"ftcomm.gather() takes the Work of issued ops; argument {i} is a "
                 f"{type(work).__name__} (use asyncio.gather for coroutines)"
             )
-    results: list[Any] = [None] * len(works)
-    first: CommError | None = None
-    at = 0
-    try:
-        for at, work in enumerate(works):
-            try:
-                results[at] = await work
-            except CommError as exc:
-                results[at] = exc
-                if first is None:
-                    first = exc
-    except asyncio.CancelledError:
-        for work in works[at + 1 :]:
-            work.cancel()  # ends at once if it has ended: returns False
-        raise
-    if first is not None and not return_exceptions:
-        raise first
-    return results
+    for work in works:  # looks, in argument order: every open batch goes now
+        if work._batch is not None:
+            work._flush()
+    return Gathering(works, return_exceptions)
+
+
+class Gathering(TaskDriven, collections.abc.Coroutine[Any, Any, list[Any]]):
+    """What :func:`gather` returns: awaitable, and a coroutine for the task
+    APIs (``create_task``, anyio's ``start_soon``), driven by any number of
+    tasks, as a :class:`Work` is."""
+
+    __slots__ = ("__weakref__", "_drivers", "_return_exceptions", "_works")
+
+    def __init__(self, works: Sequence[Work[Any]], return_exceptions: bool) -> None:
+        self._works = tuple(works)
+        self._return_exceptions = return_exceptions
+        self._drivers: Drivers | None = None
+
+    def __repr__(self) -> str:
+        return f"<ftcomm.gather of {len(self._works)} ops>"
+
+    def __await__(self) -> Generator[Any, None, list[Any]]:
+        works = self._works
+        results: list[Any] = [None] * len(works)
+        first: CommError | None = None
+        at = 0
+        try:
+            for at, work in enumerate(works):
+                try:
+                    results[at] = yield from work.__await__()
+                except CommError as exc:
+                    results[at] = exc
+                    if first is None:
+                        first = exc
+        except asyncio.CancelledError:
+            _abort(works[at + 1 :])  # works[at]: its own await aborted it
+            raise
+        if first is not None and not self._return_exceptions:
+            raise first
+        return results
+
+    def _cancel_before_start(self) -> None:
+        _abort(self._works)
+
+
+def _abort(works: Sequence[Work[Any]]) -> None:
+    """Abort every op of ``works`` not ended (each breaks its group), then
+    wait, once for all, until their errors are out."""
+    aborted = []
+    for work in works:
+        if not work._done():  # no look: an op in an open batch is dropped, not sent
+            work._abort(CommAborted(f"{work.op} was cancelled in ftcomm.gather()", **work._ctx()))
+            aborted.append(work)
+    for work in aborted:
+        work._until_published()

@@ -841,13 +841,35 @@ async def test_gather_raises_the_first_error_once_every_op_ended(store: StoreSer
 
 
 @pytest.mark.asyncio
-async def test_cancelling_gather_cancels_every_op_not_ended(store: StoreServer) -> None:
+async def test_gather_sends_every_batch_before_it_awaits_any(
+    store: StoreServer, calls: list[tuple[str, list[int]]]
+) -> None:
+    """Its call looks at every op in argument order: the batches of two
+    groups are both on the wire before the first op is awaited (awaiting
+    each in turn would send the second group's only once the first's ended)."""
+    async with await _dummy(store, fuse=True) as a:
+        b = ftcomm.Group("dummy", timeout=10.0, fuse=True)
+        await b.configure(f"127.0.0.1:{store.port}/fuse-b", 0, 1)
+        async with b:
+            ours = [a.allreduce(torch.ones(2)) for _ in range(3)]
+            theirs = [b.allreduce(torch.ones(3)) for _ in range(3)]
+            assert calls == [("allreduce", [2]), ("allreduce", [3])]  # the lone first ops
+            gathering = ftcomm.gather(*ours, *theirs)
+            assert calls[2:] == [("allreduce", [4]), ("allreduce", [6])]  # both batches, now
+            results = await gathering
+            assert [r.tolist() for r in results] == [[1.0] * 2] * 3 + [[1.0] * 3] * 3
+
+
+@pytest.mark.parametrize("when", ["while it waits", "before it ran"])
+@pytest.mark.asyncio
+async def test_cancelling_gather_cancels_every_op_not_ended(store: StoreServer, when: str) -> None:
     async with await _dummy(store, fuse=True) as g:
         old = faults.set_injector(lambda op, issue, backend: _Never())
         try:  # no native op ever ends
             works = [g.allreduce(torch.ones(1)) for _ in range(3)]
             task = asyncio.ensure_future(ftcomm.gather(*works))
-            await asyncio.sleep(0)
+            if when == "while it waits":
+                await asyncio.sleep(0)
         finally:
             faults.set_injector(old)
         task.cancel()

@@ -332,7 +332,10 @@ class ProcessGroupWrapper(_Facade):
         fuse: send concurrent small host-memory allreduces as one native op
             (:class:`ftcomm.Group`'s ``fuse=True``: a batch is sent when one
             of its works is waited on or looked at, or another op is issued).
-            Off by default: c10d's one native op per call.
+            Off by default: c10d's one native op per call. Only host tensors
+            fuse, so it changes nothing on NCCL/XCCL groups. Code that waits
+            on works from several threads must look at them in the same order
+            on every rank (docs/design.md, "Fusing small collectives").
 
     Raises:
         TypeError: ``pg`` is not an ftcomm.c10d ``ProcessGroup``; ``fuse`` is
