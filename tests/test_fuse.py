@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import StoreServer
+from helpers import ScriptedOp, StoreServer
 from torch.distributed import ReduceOp
 
 import ftcomm
@@ -281,29 +281,16 @@ async def test_cancelling_one_member_aborts_the_group(store: StoreServer) -> Non
         assert isinstance(g.errored(), CommAborted)
 
 
-class _Failing:
-    """A native op that fails when the test says so, as Gloo's does at its timeout."""
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-        self.callbacks: list[Any] = []
-
-    def poll(self) -> bool:
-        return self.error is not None
-
-    def outcome(self) -> BaseException | None:
-        return self.error
-
-    def on_done(self, callback: Any) -> None:
-        if self.error is not None:
-            callback(self.error)
-        else:
-            self.callbacks.append(callback)
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        for callback in self.callbacks:
-            callback(error)
+def _sent_batch(g: ftcomm.Group, native: object) -> tuple[Any, list[Any]]:
+    """A lone first op, then a batch of three sent as ``native``: (lone, batch)."""
+    lone = g.allreduce(torch.ones(1))  # goes on its own
+    works = [g.allreduce(torch.ones(1), timeout=30) for _ in range(3)]
+    old = faults.set_injector(lambda op, issue, backend: native)
+    try:
+        g.flush()
+    finally:
+        faults.set_injector(old)
+    return lone, works
 
 
 @pytest.mark.asyncio
@@ -317,18 +304,12 @@ async def test_a_batch_that_fails_at_its_deadline_is_the_earliest_members_timeou
     Forced: the deadlines are moved into the past after the issue, so the
     sweeper (armed for 30 s) cannot end any op first."""
     async with await _dummy(store, fuse=True) as g:
-        g.allreduce(torch.ones(1))  # goes on its own
-        works = [g.allreduce(torch.ones(1), timeout=30) for _ in range(3)]
-        native = _Failing()
-        old = faults.set_injector(lambda op, issue, backend: native)
-        try:
-            g.flush()
-        finally:
-            faults.set_injector(old)
+        native = ScriptedOp()
+        _, works = _sent_batch(g, native)
         batch = works[1]._native.batch  # type: ignore[union-attr]
         now = time.monotonic()
         works[1].deadline = batch.deadline = now - 0.001  # the earliest: its time is up
-        native.fail(RuntimeError("Timed out waiting 30000ms for recv operation to complete"))
+        native.finish(RuntimeError("Timed out waiting 30000ms for recv operation to complete"))
         with pytest.raises(CommTimeout) as timed_out:
             await works[1]
         assert timed_out.value.seq == works[1].seq
@@ -338,12 +319,12 @@ async def test_a_batch_that_fails_at_its_deadline_is_the_earliest_members_timeou
         assert isinstance(g.errored(), CommTimeout)
 
 
-class _FailsWhenStopped(_Failing):
+class _FailsWhenStopped(ScriptedOp):
     """Stopping it fails it at once, on the stopper's thread (a Gloo op whose
     sockets were shut, seen by Gloo before the stopper breaks the group)."""
 
     def abandon(self) -> bool:
-        self.fail(RuntimeError("Connection closed by peer"))
+        self.finish(RuntimeError("Connection closed by peer"))
         return False
 
 
@@ -821,15 +802,9 @@ async def test_gather_awaits_issued_ops_in_order_without_a_task_each(
 @pytest.mark.asyncio
 async def test_gather_raises_the_first_error_once_every_op_ended(store: StoreServer) -> None:
     async with await _dummy(store, fuse=True) as g:
-        done = g.allreduce(torch.ones(1))  # goes on its own, and succeeds
-        works = [g.allreduce(torch.ones(1)) for _ in range(3)]
-        native = _Failing()
-        old = faults.set_injector(lambda op, issue, backend: native)
-        try:
-            g.flush()
-        finally:
-            faults.set_injector(old)
-        native.fail(RuntimeError("Connection closed by peer"))
+        native = ScriptedOp()
+        done, works = _sent_batch(g, native)  # the lone first op succeeds
+        native.finish(RuntimeError("Connection closed by peer"))
         results = await ftcomm.gather(done, *works, return_exceptions=True)
         assert torch.equal(results[0], torch.ones(1))
         assert [type(r) for r in results[1:]] == [CommFailed] * 3
