@@ -913,6 +913,9 @@ PLOT_HINT = "pip install 'ftcomm[plot]'"
 _COLORS = {
     BASELINE: "#222222",
     "ftcomm": "#1f77b4",
+    "fused": "#17becf",
+    "fused+fg": "#9edae5",
+    "stats-off": "#aec7e8",
     "verify": "#6baed6",
     "facade": "#2ca02c",
     "subproc": "#ff7f0e",
