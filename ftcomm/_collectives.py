@@ -53,10 +53,32 @@ class Collectives:
         start: Callable[[Backend, float], NativeOp],
         check: Sequence[torch.Tensor] | None = (),
         extra: int = 0,
+        cut: bool = True,
     ) -> Work[R]:
         """Issue ``start``; with ``verify=True``, after the ranks agreed on
-        ``check``'s dtypes and shapes and on ``extra`` (``None``: unchecked)."""
+        ``check``'s dtypes and shapes and on ``extra`` (``None``: unchecked).
+        ``cut``: the op is a cut point of fusion (not a fusible op going alone)."""
         raise NotImplementedError
+
+    def _issue_allreduce(
+        self,
+        cfg: Config,
+        tensor: torch.Tensor,
+        rop: ReduceOp.RedOpType,
+        timeout: Timeout | None,
+        cut: bool = True,
+    ) -> Work[torch.Tensor]:
+        """One allreduce of ``tensor``, on its own (see :meth:`_issue`)."""
+        return self._issue(
+            cfg,
+            "allreduce",
+            timeout,
+            tensor,
+            lambda b, s: b.allreduce([tensor], rop, s),
+            (tensor,),
+            reduce_code(rop),
+            cut,
+        )
 
     def allreduce(
         self,
@@ -88,15 +110,7 @@ class Collectives:
             v.check_reduce_dtype(rop, tensor, "tensor")
         if self._fusing(tensor):
             return self._enqueue(cfg, tensor, rop, timeout)
-        return self._issue(
-            cfg,
-            "allreduce",
-            timeout,
-            tensor,
-            lambda b, s: b.allreduce([tensor], rop, s),
-            (tensor,),
-            reduce_code(rop),
-        )
+        return self._issue_allreduce(cfg, tensor, rop, timeout)
 
     def allreduce_coalesced(
         self,

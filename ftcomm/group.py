@@ -37,7 +37,7 @@ from ._runtime.loop import get_runtime, require_asyncio, wake_threadsafe
 from ._runtime.native import NativeOp
 from ._runtime.observe import Event, GroupStats, Observer, Subscription
 from ._runtime.table import Broken, OpTable
-from ._runtime.work import Work
+from ._runtime.work import Work, aborted_by
 from ._state import Attempt, Config, GroupCore, State, Teardown, all_of
 from ._store import ENV_SCHEME, StoreAddr, env_int, parse_env_addr, parse_store_addr
 from ._verify import Chain, VerifiedOp, describe, reduce_code
@@ -948,16 +948,7 @@ class Group(Collectives):
                 after()
         if work is not None:
             return work
-        alone = self._issue(
-            cfg,
-            "allreduce",
-            timeout,
-            tensor,
-            lambda b, s: b.allreduce([tensor], rop, s),
-            (tensor,),
-            reduce_code(rop),
-            cut=False,
-        )
+        alone = self._issue_allreduce(cfg, tensor, rop, timeout, cut=False)
         alone._batch = cfg.alone_mark
         return alone
 
@@ -1021,12 +1012,7 @@ class Group(Collectives):
                 # Refused because the group is being stopped (another op's
                 # deadline or cancel shut its sockets): its ops are aborted
                 # by that, as the ops its break ends.
-                refused = CommAborted(
-                    f"allreduce was aborted: the group broke ({broken.cause.message})",
-                    rank=table.rank,
-                    op="allreduce",
-                )
-                refused.__cause__ = broken.cause
+                refused = aborted_by(broken.cause, rank=table.rank, op="allreduce")
             announce = batch.refuse(refused)
 
             def after() -> None:

@@ -232,14 +232,17 @@ class Batch:
         if self.state is OPEN:
             self.sender(self)
 
-    def poll(self) -> bool:
+    def _over(self) -> bool:
+        """DONE or DROPPED (one read of the state)."""
         state = self.state
-        if state is DONE or state is DROPPED:
+        return state is DONE or state is DROPPED
+
+    def poll(self) -> bool:
+        if self._over():
             return True
         native = self._native
         if native is None:  # OPEN, being issued, or concluded just now
-            state = self.state
-            return state is DONE or state is DROPPED
+            return self._over()
         if not native.poll():
             self._polled_at = time.perf_counter()
             return False
@@ -249,13 +252,11 @@ class Batch:
 
     def peek(self) -> bool:
         """:meth:`poll` without running anyone's callbacks (a break uses it)."""
-        state = self.state
-        if state is DONE or state is DROPPED:
+        if self._over():
             return True
         native = self._native
         if native is None:  # OPEN, being issued, or concluded just now
-            state = self.state
-            return state is DONE or state is DROPPED
+            return self._over()
         if not _peek(native):
             return False
         self._conclude()  # the copy back, if it succeeded; callbacks come from its own
@@ -306,7 +307,7 @@ class Batch:
 
     def wait(self, seconds: float) -> bool:
         """Block up to ``seconds`` until the batch is over; whether it is."""
-        if self.state is DONE or self.state is DROPPED:
+        if self._over():
             return True
         native = self._native
         wait = getattr(native, "wait", None) if native is not None else None
@@ -321,7 +322,7 @@ class Batch:
                 assert native is not None  # for mypy
                 native.on_done(self._native_done)
             self._ended.wait(seconds)
-        return self.state is DONE or self.state is DROPPED
+        return self._over()
 
     # -- awaits of many members (fuse.py's answer to 1000 tasks spinning) -----
     def take_spin(self, loop: asyncio.AbstractEventLoop) -> bool:
@@ -346,7 +347,7 @@ class Batch:
         cancelled, the group is aborted, and a member's failure wakes these."""
         fut: asyncio.Future[None] = loop.create_future()
         with self._lock:
-            if self.state is DONE or self.state is DROPPED:
+            if self._over():
                 return None
             self._sleepers.append((loop, fut))
             # On another loop than the polling await (which may be held up),
@@ -430,10 +431,7 @@ class Batch:
         if succeeded:
             from .work import end_all
 
-            ended_at, window = self.ended_at, self.end_window
-            assert ended_at is not None  # DONE: set by _conclude
-            assert window is not None
-            end_all(self.table, self.members, ended_at, window)
+            end_all(self.table, self.members)
         elif failed and self.members:
             # The batch's own failure breaks the group now, through the member
             # whose deadline is the batch's (a timeout: its CommTimeout), not

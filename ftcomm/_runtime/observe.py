@@ -403,29 +403,6 @@ class Observer:
             kind = "ended" if error is None else "failed"
             self.emit(Event(kind, table.rank, table.store, work.op, work.seq, seconds, error))
 
-    def ops_ended_locked(self, ended: list[tuple[Work[Any], float, bool]]) -> None:
-        """Under the group's lock: :meth:`op_ended_locked` for the successful
-        ops of one fused batch, (op, latency, timed) each: one lookup."""
-        if self.subscribers:
-            for work, seconds, timed in ended:
-                self.op_ended_locked(work, seconds, timed, None)
-            return
-        if not self.stats_on:
-            return
-        counters: _OpCounters | None = None
-        op = ""
-        for work, seconds, timed in ended:
-            if work.op != op or counters is None:
-                op = work.op
-                counters = self._ops.get(op)
-                if counters is None:
-                    counters = self._ops[op] = _OpCounters()
-            counters.count += 1
-            if timed:
-                counters.hist.add(seconds)
-            else:
-                counters.untimed += 1
-
     # -- configurations ----------------------------------------------------
     def configured(self, rank: int, world_size: int, store: str, seconds: float) -> None:
         with self._lock:

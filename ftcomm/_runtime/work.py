@@ -549,11 +549,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             raise
 
     def _aborted_by(self, cause: CommError) -> CommAborted:
-        error = CommAborted(
-            f"{self.op} was aborted: the group broke ({cause.message})", **self._ctx()
-        )
-        error.__cause__ = cause
-        return error
+        return aborted_by(cause, **self._ctx())
 
     def _stop_and_publish(
         self, error: BaseException, breaks: bool
@@ -626,10 +622,9 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             waiters = self._end_locked(Outcome(error))
         _wake_all(waiters)
 
-    def _end_locked(self, end: Outcome, record: bool = True) -> list[Callable[[], object]]:
+    def _end_locked(self, end: Outcome) -> list[Callable[[], object]]:
         """Under the table's lock: the op is ENDED with ``end`` (published
-        once, with its native op let go); the waiters to wake. ``record``:
-        tell the observer (``end_all`` tells it once for a whole batch)."""
+        once, with its native op let go); the waiters to wake."""
         self._end = end
         if type(self._batch) is not AloneMark:  # its first look is still a cut point
             self._batch = None  # its batch was sent (or dropped): let go of it
@@ -638,7 +633,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         if end.error is not None and type(native) is MemberOp:
             native.batch.wake_sleepers()  # its batch-mates look at their own ends
         observer = self._table.observer
-        if record and observer is not None and (observer.stats_on or observer.subscribers):
+        if observer is not None and (observer.stats_on or observer.subscribers):
             # A native op that knows when it ended says so (a worker's reply);
             # else an end is timed only if it was seen as it happened, to
             # within 1 ms or 1/16 of its latency (an await or wait watching it,
@@ -652,7 +647,8 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             else:  # the backend's: exact (a worker's reply), or to within an event's poll
                 window = getattr(native, "end_window", None) or 0.0
             latency = ended_at - self._issued
-            observer.op_ended_locked(self, latency, _timed(latency, window), end.error)
+            timed = window <= max(latency / 16, _SEEN_WITHIN)
+            observer.op_ended_locked(self, latency, timed, end.error)
         return waiters or []
 
     def _publish_by(self, seconds: float, error: BaseException) -> None:
@@ -764,29 +760,23 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         return self._settle_quietly(error, False) or []
 
 
-def _timed(latency: float, window: float) -> bool:
-    """Whether an end known to within ``window`` s is timed (observe.py)."""
-    return window <= max(latency / 16, _SEEN_WITHIN)
+def aborted_by(cause: CommError, **ctx: Any) -> CommAborted:
+    """The error of an op ended by a break of its group (``cause``);
+    ``ctx``: its rank, op and seq."""
+    error = CommAborted(f"{ctx['op']} was aborted: the group broke ({cause.message})", **ctx)
+    error.__cause__ = cause
+    return error
 
 
-def end_all(table: OpTable, works: list[Work[Any]], ended_at: float, window: float) -> None:
+def end_all(table: OpTable, works: list[Work[Any]]) -> None:
     """End every op of ``works`` that has not ended with success, under one
     hold of the table's lock (a fused batch that succeeded and was copied
-    back: fuse.py; it ended at ``ended_at``, known to within ``window``),
-    then wake their waiters."""
+    back: fuse.py), then wake their waiters."""
     wakeups: list[Callable[[], object]] = []
-    observer = table.observer
-    with table._lock:  # read as each op's own end reads it: with the ends, under the lock
-        record = observer is not None and (observer.stats_on or bool(observer.subscribers))
-        ended: list[tuple[Work[Any], float, bool]] = []
+    with table._lock:
         for work in works:
             if not work._claimed:
                 work._claimed = True
                 table._inflight.pop(work.seq, None)
-                wakeups += work._end_locked(_SUCCESS, record=False)
-                if record:
-                    latency = ended_at - work._issued
-                    ended.append((work, latency, _timed(latency, window)))
-        if ended and observer is not None:
-            observer.ops_ended_locked(ended)
+                wakeups += work._end_locked(_SUCCESS)
     _wake_all(wakeups)
