@@ -7,7 +7,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from torch.distributed import PrefixStore, TCPStore
 
@@ -103,3 +104,13 @@ def subprocess_backend(group: ftcomm.Group) -> SubprocessBackend:
     assert cfg is not None
     assert isinstance(cfg.backend, SubprocessBackend), cfg.backend
     return cfg.backend
+
+
+def add_callback_off_loop(work: Work[Any], fn: Callable[[Work[Any]], object]) -> None:
+    """``work.add_done_callback(fn)`` from a thread without an event loop: ``fn``
+    then runs on the thread that ends the op (on a loop's thread it would be
+    scheduled on that loop, as asyncio's futures do)."""
+    thread = threading.Thread(target=work.add_done_callback, args=(fn,))
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "add_done_callback() blocked"

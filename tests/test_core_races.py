@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import ScriptedOp, StoreServer, issue
+from helpers import ScriptedOp, StoreServer, add_callback_off_loop, issue
 
 import ftcomm
 from ftcomm import group as group_mod
@@ -684,7 +684,7 @@ async def test_a_callback_that_issues_an_op_when_an_issue_is_refused_does_not_de
             except ftcomm.CommError as exc:
                 seen.append(exc)
 
-        first.add_done_callback(issue_again)
+        add_callback_off_loop(first, issue_again)  # run by the thread that ends it
         refused = _observe_in_thread(g.barrier)
         refused[0].join(10)
         assert not refused[0].is_alive(), "issuing deadlocked in a callback"

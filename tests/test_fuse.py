@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ScriptedOp, StoreServer
+from helpers import ScriptedOp, StoreServer, add_callback_off_loop
 from torch.distributed import ReduceOp
 
 import ftcomm
@@ -175,10 +175,10 @@ def test_a_thread_waiting_on_an_op_sends_its_batch(
     async def main() -> None:
         async with await _dummy(store, fuse=True) as g:
             works = [g.allreduce(torch.ones(1)) for _ in range(3)]  # one alone, two wait
-            seen: list[object] = []
-            works[1].add_done_callback(seen.append)  # a callback looks at it too
+            called: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+            works[1].add_done_callback(called.set_result)  # a callback looks at it too
             assert calls == [("allreduce", [1]), ("allreduce", [2])]
-            assert seen == [works[1]]
+            assert await called is works[1]  # on this loop, as asyncio's futures do
             more = [g.allreduce(torch.ones(1)) for _ in range(3)]  # after a cut: the same
             result: list[object] = []
             thread = threading.Thread(target=lambda: result.append(more[2].wait(5.0)))
@@ -270,7 +270,7 @@ async def test_cancelling_one_member_aborts_the_group(store: StoreServer) -> Non
         old = faults.set_injector(lambda op, issue, backend: _Never())
         try:  # the batch's native op never ends
             works = [g.allreduce(torch.ones(1)) for _ in range(3)]
-            tasks = [asyncio.ensure_future(w) for w in works]
+            tasks = [asyncio.create_task(w) for w in works]
             await asyncio.sleep(0)  # every task awaits (one polls, the others sleep)
         finally:
             faults.set_injector(old)
@@ -340,8 +340,8 @@ async def test_batch_mates_failed_by_a_members_stop_name_its_cause(store: StoreS
         seen: list[BaseException | None] = []
         old = faults.set_injector(lambda op, issue, backend: native)
         try:  # the first callback is a look: it sends the batch
-            for w in works:
-                w.add_done_callback(lambda w: seen.append(w.exception()))
+            for w in works:  # on the thread that ends them
+                add_callback_off_loop(w, lambda w: seen.append(w.exception()))
         finally:
             faults.set_injector(old)
         assert works[1].cancel() is True

@@ -104,6 +104,7 @@ class Batch:
         "_spin_loop",
         "_spinner",
         "_timed_out",
+        "_want_arm",
         "deadline",
         "dtype",
         "end_window",
@@ -144,6 +145,7 @@ class Batch:
         self._timed_out = False  # its native op failed at the batch's deadline
         self._callbacks: list[tuple[MemberOp, Done]] = []
         self._armed = False  # on the native op's completion callback
+        self._want_arm = False  # arm it once sent (arm() came before)
         self._announced = False
         self._ended = threading.Event()  # DONE or DROPPED: blocked threads wake
         self._spinner = False  # a member's await polls it (the others sleep)
@@ -205,7 +207,7 @@ class Batch:
             self._native = native
             self._polled_at = time.perf_counter()
             abandoned = self._abandoned
-            arm = bool(self._callbacks) and not self._armed
+            arm = (self._want_arm or bool(self._callbacks)) and not self._armed
             self._armed = self._armed or arm
         if abandoned:
             abandon = getattr(native, "abandon", None)
@@ -277,6 +279,23 @@ class Batch:
         elif arm:
             assert native is not None  # for mypy: checked under the lock
             native.on_done(self._native_done)
+
+    def arm(self) -> None:
+        """Have the native op's completion callback end the batch, and its
+        members with it (``end_all``, or a break), for members nobody polls:
+        their waiters (``asyncio.gather``'s done-callbacks, a blocked thread)
+        sleep. One callback for the batch, not one per member."""
+        if self._armed:  # set once, under the lock: the other members' calls
+            return
+        with self._lock:
+            if self._armed or self._over():
+                return
+            native = self._native
+            if native is None:  # OPEN or being issued: sent() arms it
+                self._want_arm = True
+                return
+            self._armed = True
+        native.on_done(self._native_done)
 
     def abandon(self) -> bool:
         """A member's settler gives the batch up (the group is breaking):
@@ -431,7 +450,9 @@ class Batch:
         if succeeded:
             from .work import end_all
 
-            end_all(self.table, self.members)
+            ended_at, window = self.ended_at, self.end_window
+            assert ended_at is not None  # set when it concluded
+            end_all(self.table, self.members, ended_at, window or 0.0)
         elif failed and self.members:
             # The batch's own failure breaks the group now, through the member
             # whose deadline is the batch's (a timeout: its CommTimeout), not

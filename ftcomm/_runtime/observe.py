@@ -58,11 +58,35 @@ _HIGH = 7  # 2**7 s: 128 s
 _BUCKETS = (_HIGH - _LOW) * _SUB + 2  # + one below _LOW, one from _HIGH up
 
 
+SEEN_WITHIN = 0.001
+"""An op's end seen this soon after it was last seen running (or issued)
+counts as seen as it happened: its latency goes into the statistics."""
+
+
+def timed(latency: float, window: float) -> bool:
+    """Whether an op's end, seen ``latency`` after its issue to within
+    ``window``, was seen as it happened: within 1 ms or 1/16 of its latency."""
+    return window <= max(latency / 16, SEEN_WITHIN)
+
+
 def _bucket(seconds: float) -> int:
     if not seconds > 2.0**_LOW:  # also NaN
         return 0
     mantissa, exp = math.frexp(seconds)  # seconds = mantissa * 2**exp, mantissa in [0.5, 1)
     return min((exp - 1 - _LOW) * _SUB + int((mantissa * 2 - 1) * _SUB) + 1, _BUCKETS - 1)
+
+
+def _last(values: list[float], start: int, holds: Callable[[float], bool]) -> int:
+    """The last index from ``start`` on where ``holds`` is true, for a
+    ``holds`` true at ``start`` and then false from some index on."""
+    lo, hi = start, len(values) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if holds(values[mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _middle(index: int) -> float:
@@ -94,6 +118,28 @@ class Histogram:
         self.total += seconds
         if seconds > self.max:
             self.max = seconds
+
+    def add_sorted(self, values: list[float]) -> None:
+        """:meth:`add` each of ``values``, given in ascending order: one bucket
+        lookup per run of values in one bucket (a binary search), not one per
+        value (1000 ops of a fused batch)."""
+        if not values:
+            return
+        counts = self.counts
+        i, n = 0, len(values)
+        while i < n:
+            index = _bucket(values[i])
+
+            def same(value: float, index: int = index) -> bool:
+                return _bucket(value) == index
+
+            last = _last(values, i, same)
+            counts[index] += last - i + 1
+            i = last + 1
+        self.count += n
+        self.total += math.fsum(values)
+        if values[-1] > self.max:
+            self.max = values[-1]
 
     def quantile(self, q: float) -> float | None:
         """The ``q``-quantile (0..1), within 1/16 of its value below 128 s
@@ -402,6 +448,28 @@ class Observer:
             table = work._table
             kind = "ended" if error is None else "failed"
             self.emit(Event(kind, table.rank, table.store, work.op, work.seq, seconds, error))
+
+    def batch_ended_locked(
+        self, op: str, works: list[Work[Any]], ended_at: float, window: float
+    ) -> None:
+        """Under the group's lock, with statistics on and no subscriber: what
+        :meth:`op_ended_locked` records for each of ``works``, ops of kind
+        ``op`` that succeeded together (a fused batch, seen end at
+        ``ended_at`` to within ``window``), in one pass."""
+        counters = self._ops.get(op)
+        if counters is None:
+            counters = self._ops[op] = _OpCounters()
+        counters.count += len(works)
+        latencies = sorted([ended_at - work._issued for work in works])
+        # timed() holds from some latency up: the untimed ones come first
+        if timed(latencies[0], window):
+            untimed = 0
+        elif not timed(latencies[-1], window):
+            untimed = len(latencies)
+        else:
+            untimed = _last(latencies, 0, lambda v: not timed(v, window)) + 1
+        counters.untimed += untimed
+        counters.hist.add_sorted(latencies[untimed:])
 
     # -- configurations ----------------------------------------------------
     def configured(self, rank: int, world_size: int, store: str, seconds: float) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import threading
 import time
@@ -50,17 +51,106 @@ def _wake_all(wakeups: list[Callable[[], object]]) -> None:
     that fails must not leave the waiters after it asleep, nor escape into
     whoever ended the op (an ``abort()``, the owner loop, a Gloo thread).
     Its error is logged; a ``KeyboardInterrupt`` or ``SystemExit`` is raised
-    again once every wake-up has run."""
+    again once every wake-up has run.
+
+    Done-callbacks registered on an event loop (:class:`LoopCall`) are not
+    run here: each loop's are handed to it with one thread-safe call, so a
+    fused batch of 1000 ops awaited with ``asyncio.gather`` wakes its loop
+    once, not 1000 times."""
     interrupted: BaseException | None = None
+    by_loop: dict[asyncio.AbstractEventLoop, list[LoopCall]] | None = None
     for wake in wakeups:
+        if type(wake) is LoopCall:
+            if by_loop is None:
+                by_loop = {}
+            by_loop.setdefault(wake.loop, []).append(wake)
+            continue
         try:
             wake()
         except Exception:
             log.exception("ftcomm: a done-callback raised")
         except BaseException as exc:
             interrupted = interrupted or exc
+    if by_loop is not None:
+        for loop, calls in by_loop.items():
+            _post(loop, calls)
     if interrupted is not None:
         raise interrupted
+
+
+class LoopCall:
+    """A done-callback that runs on an event loop, as ``asyncio.Future``'s do:
+    ``fn(work)`` in ``context``, from a callback of ``loop``, never on the
+    thread that ends the op. Called alone, it posts itself; :func:`_wake_all`
+    posts all of one loop's calls at once."""
+
+    __slots__ = ("context", "fn", "loop", "work")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        fn: Callable[[Any], object],
+        work: object,
+        context: contextvars.Context,
+    ) -> None:
+        self.loop = loop
+        self.fn = fn
+        self.work = work
+        self.context = context
+
+    def __call__(self) -> None:
+        _post(self.loop, [self])
+
+
+class ThreadCall:
+    """A done-callback registered where no event loop runs: ``fn(work)`` on
+    the thread that ends the op (in ``context`` if one was given)."""
+
+    __slots__ = ("context", "fn", "work")
+
+    def __init__(
+        self, fn: Callable[[Any], object], work: object, context: contextvars.Context | None
+    ) -> None:
+        self.fn = fn
+        self.work = work
+        self.context = context
+
+    def __call__(self) -> None:
+        if self.context is None:
+            self.fn(self.work)
+        else:
+            self.context.run(self.fn, self.work)
+
+
+def _post(loop: asyncio.AbstractEventLoop, calls: list[LoopCall]) -> None:
+    """Have ``loop`` run ``calls`` from one of its callbacks (thread-safe);
+    nothing if it is closed (nobody waits there any more)."""
+    with contextlib.suppress(RuntimeError):
+        if asyncio._get_running_loop() is loop:
+            loop.call_soon(_run_calls, loop, calls)
+        else:
+            loop.call_soon_threadsafe(_run_calls, loop, calls)
+
+
+def _run_calls(loop: asyncio.AbstractEventLoop, calls: list[LoopCall]) -> None:
+    """On ``loop``: run each call as a handle of its own would (an error goes
+    to the loop's exception handler; an interrupt is raised, and the calls
+    after it run in the next iteration)."""
+    for i, call in enumerate(calls):
+        try:
+            call.context.run(call.fn, call.work)
+        except (SystemExit, KeyboardInterrupt):
+            if i + 1 < len(calls):
+                loop.call_soon(_run_calls, loop, calls[i + 1 :])
+            raise
+        except BaseException as exc:
+            loop.call_exception_handler(
+                {
+                    "message": f"Exception in callback {call.fn!r}",
+                    "exception": exc,
+                    "future": call.work,
+                }
+            )
 
 
 def _independent(error: CommError) -> bool:

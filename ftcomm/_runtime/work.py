@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import contextlib
+import contextvars
 import os
 import threading
 import time
@@ -61,7 +62,8 @@ from .driven import Drivers, TaskDriven
 from .fuse import AloneMark, MemberOp
 from .loop import require_asyncio, wake_threadsafe
 from .native import NativeOp
-from .table import Broken, OpTable, _peek, _wake_all, log
+from .observe import timed
+from .table import Broken, LoopCall, OpTable, ThreadCall, _peek, _wake_all, log
 
 if TYPE_CHECKING:
     from .fuse import Batch
@@ -83,10 +85,6 @@ _EARLY = 0.005
 """A native error this close to the deadline counts as the deadline passing."""
 
 _sched_yield = getattr(os, "sched_yield", lambda: None)
-
-_SEEN_WITHIN = 0.001
-"""An op's end seen this soon after it was last seen running (or issued)
-counts as seen as it happened: its latency goes into the statistics."""
 
 
 class Outcome:
@@ -116,6 +114,12 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
     sees the same outcome, from any thread, whenever it looks; an op whose
     error is out never writes into its tensors afterwards (on backends that
     can stop their native op; see docs/design.md).
+
+    A work is also an asyncio future of the loop that looks at it
+    (``asyncio.isfuture`` is true): ``asyncio.gather(*works)``,
+    ``asyncio.wait_for(work, t)``, ``asyncio.shield(work)`` and
+    ``asyncio.as_completed`` use it as it is, with no task per op; cancelling
+    them cancels it (:meth:`cancel`: its group is aborted).
 
     Attributes:
         op: the collective's name.
@@ -160,6 +164,10 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         "op",
         "seq",
     )
+
+    _asyncio_future_blocking = False
+    """asyncio's mark of a future (``asyncio.isfuture``): ``asyncio.gather``
+    and ``ensure_future`` take a work as it is, without a task per op."""
 
     def __init__(
         self,
@@ -227,39 +235,156 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
                 self._pending_at = time.perf_counter()
         return self._end is not None
 
-    def cancel(self) -> bool:
-        """Abort the op and its group. Returns False if it had already ended
-        (or another thread is ending it: it then ends as that thread says).
+    def cancel(self, msg: Any | None = None) -> bool:
+        """Cancel the op: abort it and its group. Returns False if it had
+        already ended (or another thread is ending it: it then ends as that
+        thread says).
 
-        Awaiters of this work then get ``CommAborted``; the group is errored
-        until ``configure()``.
+        The op ends with ``CommAborted`` (``await``, :meth:`wait` and
+        :meth:`exception` give it; it names this cancel), and, as for an
+        ``asyncio.Future``, :meth:`cancelled` is then true and :meth:`result`
+        raises ``asyncio.CancelledError`` (with ``msg``): cancelling
+        ``asyncio.gather``, ``asyncio.wait_for`` or ``asyncio.shield`` of
+        works cancels them this way, and they raise ``CancelledError`` (or
+        ``TimeoutError``) as they do for futures. The group is errored until
+        ``configure()``: :meth:`~ftcomm.Group.errored` is that
+        ``CommAborted``, and its other ops in flight end with ``CommAborted``.
         """
         if self.done():
             return False
-        ended = self._abort(
-            CommAborted(f"{self.op} was cancelled with Work.cancel()", **self._ctx())
-        )
+        why = "" if msg is None else f": {msg}"
+        error = CommAborted(f"{self.op} was cancelled with Work.cancel(){why}", **self._ctx())
+        # The mark of this op's own cancel (weakly: the error outlives the op
+        # in the group's errored()); see cancelled().
+        error._cancel_of = (weakref.ref(self), msg)  # type: ignore[attr-defined]
+        ended = self._abort(error)
         self._until_published()
         return ended
 
+    def cancelled(self) -> bool:
+        """Whether :meth:`cancel` ended the op (not: whether it failed, nor
+        whether an awaiting task was cancelled)."""
+        end = self._end
+        return (
+            end is not None and end.error is not None and self._cancel_mark(end.error) is not None
+        )
+
+    def _cancel_mark(self, error: BaseException | None) -> tuple[Any] | None:
+        """``(msg,)`` if ``error`` is this op's own cancel, else None."""
+        mark = getattr(error, "_cancel_of", None)
+        if mark is None or mark[0]() is not self:
+            return None
+        return (mark[1],)
+
+    def result(self) -> R:
+        """The op's result (as ``await work`` returns it), once it has ended.
+
+        Raises:
+            asyncio.InvalidStateError: the op has not ended yet.
+            asyncio.CancelledError: :meth:`cancel` ended it (as an
+                ``asyncio.Future``'s would).
+            CommTimeout, CommFailed, CommAborted: as ``await work``.
+        """
+        if self._batch is not None:  # a look, ended or not: a cut point either way
+            self._flush()
+        end = self._end
+        if end is None:
+            if not self._done():
+                raise asyncio.InvalidStateError(f"{self!r} has not ended")
+            end = self._outcome()
+        error = end.error
+        if error is not None:
+            if self._cancel_mark(error) is not None:
+                cancelled = self._make_cancelled_error()
+                cancelled.__context__ = error
+                raise cancelled
+            raise error
+        return self._result
+
     def exception(self) -> BaseException | None:
-        """The op's error, or ``None`` if it succeeded.
+        """The op's error, or ``None`` if it succeeded (for an op
+        :meth:`cancel` ended, its ``CommAborted``).
 
         Raises:
             asyncio.InvalidStateError: the op has not ended yet.
         """
-        if not self.done():
-            raise asyncio.InvalidStateError(f"{self!r} has not ended")
-        return self._outcome().error
+        if self._batch is not None:  # a look, ended or not: a cut point either way
+            self._flush()
+        end = self._end
+        if end is None:
+            if not self._done():
+                raise asyncio.InvalidStateError(f"{self!r} has not ended")
+            end = self._outcome()
+        return end.error
 
-    def add_done_callback(self, fn: Callable[[Work[R]], object]) -> None:
-        """Call ``fn(work)`` once the op has ended: now, on this thread, if it
-        has; else on the thread that ends it (a backend's thread, the owner
-        loop), so ``fn`` must be quick and must not block.
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop running in the calling thread. A work belongs to no
+        loop: asyncio's functions that take futures (``asyncio.gather``,
+        ``wait_for``, ``shield``, ``as_completed``) use it as a future of the
+        loop they run on, without a task per op.
 
-        Exceptions ``fn`` raises are not caught.
+        Raises:
+            RuntimeError: no event loop runs in this thread.
         """
-        self._when_done(lambda: fn(self))
+        loop = asyncio._get_running_loop()
+        if loop is None:
+            raise RuntimeError(f"{self!r}.get_loop(): no event loop runs in this thread")
+        return loop
+
+    def add_done_callback(
+        self, fn: Callable[[Work[R]], object], *, context: contextvars.Context | None = None
+    ) -> None:
+        """Have ``fn(work)`` called once the op has ended (in ``context``, by
+        default a copy of the current one).
+
+        On a thread whose event loop is running, as ``asyncio.Future`` does:
+        ``fn`` is scheduled on that loop (soon, if the op has ended). The ops
+        of a fused batch that ends together wake their loop once. Elsewhere (a
+        thread without a running loop): ``fn`` is called now, on this thread,
+        if the op has ended, else on the thread that ends it (a backend's
+        thread, the owner loop), so it must be quick and must not block;
+        exceptions it raises there are logged (called now, they propagate).
+
+        A look at the op: its open batch, if any, is sent.
+        """
+        loop = asyncio._get_running_loop()
+        if loop is None:
+            self._when_done(ThreadCall(fn, self, context))
+            return
+        if context is None:
+            context = contextvars.copy_context()
+        if self._batch is not None:
+            self._flush()
+        if self._end is None and self._add_waiter(self._native, LoopCall(loop, fn, self, context)):
+            return
+        loop.call_soon(fn, self, context=context)  # ended: soon, as a future's would be
+
+    def remove_done_callback(self, fn: Callable[[Work[R]], object]) -> int:
+        """Remove every registration of ``fn`` not yet run (called or, on a
+        loop, scheduled); how many were removed."""
+        with self._table._lock:
+            waiters = self._waiters
+            if not waiters:
+                return 0
+            kept = [
+                w
+                for w in waiters
+                if not (type(w) in (LoopCall, ThreadCall) and w.fn == fn)  # type: ignore[attr-defined]
+            ]
+            self._waiters = kept
+        return len(waiters) - len(kept)
+
+    def _make_cancelled_error(self) -> asyncio.CancelledError:
+        """asyncio's futures protocol (``asyncio.gather``)."""
+        msg = self._cancel_message
+        return asyncio.CancelledError() if msg is None else asyncio.CancelledError(msg)
+
+    @property
+    def _cancel_message(self) -> Any | None:
+        """asyncio's futures protocol: the message given to :meth:`cancel`."""
+        end = self._end
+        mark = None if end is None else self._cancel_mark(end.error)
+        return None if mark is None else mark[0]
 
     def __await__(self) -> Generator[Any, None, R]:
         # A plain generator, not a coroutine chain: the spin below resumes
@@ -360,6 +485,9 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             self._cb_armed = self._cb_armed or arm
         if arm:
             assert native is not None  # for mypy: checked under the lock above
+            if type(native) is MemberOp:
+                native.batch.arm()  # the batch's end ends its members
+                return True
             self._arming = True  # an op ended already is ended at once, on this thread
             try:
                 native.on_done(self._native_done)
@@ -622,9 +750,10 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             waiters = self._end_locked(Outcome(error))
         _wake_all(waiters)
 
-    def _end_locked(self, end: Outcome) -> list[Callable[[], object]]:
+    def _end_locked(self, end: Outcome, record: bool = True) -> list[Callable[[], object]]:
         """Under the table's lock: the op is ENDED with ``end`` (published
-        once, with its native op let go); the waiters to wake."""
+        once, with its native op let go); the waiters to wake. ``record``:
+        False if the caller records its end in the statistics (end_all)."""
         self._end = end
         if type(self._batch) is not AloneMark:  # its first look is still a cut point
             self._batch = None  # its batch was sent (or dropped): let go of it
@@ -633,7 +762,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         if end.error is not None and type(native) is MemberOp:
             native.batch.wake_sleepers()  # its batch-mates look at their own ends
         observer = self._table.observer
-        if observer is not None and (observer.stats_on or observer.subscribers):
+        if record and observer is not None and (observer.stats_on or observer.subscribers):
             # A native op that knows when it ended says so (a worker's reply);
             # else an end is timed only if it was seen as it happened, to
             # within 1 ms or 1/16 of its latency (an await or wait watching it,
@@ -647,8 +776,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             else:  # the backend's: exact (a worker's reply), or to within an event's poll
                 window = getattr(native, "end_window", None) or 0.0
             latency = ended_at - self._issued
-            timed = window <= max(latency / 16, _SEEN_WITHIN)
-            observer.op_ended_locked(self, latency, timed, end.error)
+            observer.op_ended_locked(self, latency, timed(latency, window), end.error)
         return waiters or []
 
     def _publish_by(self, seconds: float, error: BaseException) -> None:
@@ -768,15 +896,25 @@ def aborted_by(cause: CommError, **ctx: Any) -> CommAborted:
     return error
 
 
-def end_all(table: OpTable, works: list[Work[Any]]) -> None:
+def end_all(table: OpTable, works: list[Work[Any]], ended_at: float, window: float) -> None:
     """End every op of ``works`` that has not ended with success, under one
     hold of the table's lock (a fused batch that succeeded and was copied
-    back: fuse.py), then wake their waiters."""
+    back, seen end at ``ended_at`` to within ``window``: fuse.py), then wake
+    their waiters."""
     wakeups: list[Callable[[], object]] = []
+    observer = table.observer
+    # Statistics alone (no events): one pass over the batch, not one call per op.
+    bulk = observer if observer is not None and observer.stats_on else None
+    if bulk is not None and bulk.subscribers:
+        bulk = None
+    ended: list[Work[Any]] = []
     with table._lock:
         for work in works:
             if not work._claimed:
                 work._claimed = True
                 table._inflight.pop(work.seq, None)
-                wakeups += work._end_locked(_SUCCESS)
+                wakeups += work._end_locked(_SUCCESS, bulk is None)
+                ended.append(work)
+        if bulk is not None and ended:
+            bulk.batch_ended_locked(ended[0].op, ended, ended_at, window)
     _wake_all(wakeups)

@@ -127,7 +127,7 @@ class OpWork(dist.Work):
         return self._op.done()
 
     def is_success(self) -> bool:
-        return self._op.done() and self._op.exception() is None
+        return self._op.done() and self._op._outcome().error is None
 
     def result(self) -> Any:
         return self._value
@@ -142,7 +142,8 @@ class OpWork(dist.Work):
         source, fut = _claim_future(self)
         if source is not None:
             value = self._value
-            self._op.add_done_callback(lambda op: _complete_off_loop(source, op.exception(), value))
+            op = self._op  # on the thread that ends it, whatever loop runs here
+            op._when_done(lambda: _complete_off_loop(source, op._outcome().error, value))
         return fut
 
 

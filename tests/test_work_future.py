@@ -1,0 +1,336 @@
+"""A :class:`~ftcomm.Work` is an asyncio future of the loop that looks at it:
+``asyncio.gather``, ``wait_for``, ``shield`` and ``as_completed`` take it as it
+is (no task per op), its done-callbacks run on that loop, and cancelling
+them cancels it (its group is aborted), as they do for futures."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers import ScriptedOp, StoreServer, issue
+
+import ftcomm
+from ftcomm import CommAborted, CommTimeout
+from ftcomm._runtime import faults
+from ftcomm._runtime import table as table_module
+from ftcomm._runtime.loop import get_runtime
+from ftcomm._runtime.observe import Histogram, Observer, timed
+from ftcomm._runtime.table import OpTable
+
+
+@pytest.fixture
+def table() -> Iterator[OpTable]:
+    t = OpTable(get_runtime(), rank=0, on_break=lambda error, until: None)
+    yield t
+    t.break_(CommAborted("test over"))
+
+
+async def _dummy(store: StoreServer, **kwargs: Any) -> ftcomm.Group:
+    g = ftcomm.Group("dummy", timeout=10.0, **kwargs)
+    await g.configure(f"127.0.0.1:{store.port}/future", 0, 1)
+    return g
+
+
+def _batch_on(g: ftcomm.Group, native: object, n: int) -> list[ftcomm.Work[torch.Tensor]]:
+    """A lone first op, then ``n`` ops in one batch whose native op is
+    ``native``, sent by the first look."""
+    g.allreduce(torch.ones(1))  # goes on its own (a look at it would be a cut point)
+    works = [g.allreduce(torch.full((1,), float(i))) for i in range(n)]
+    old = faults.set_injector(lambda op, start, backend: native)
+    try:
+        g.flush()
+    finally:
+        faults.set_injector(old)
+    return works
+
+
+class _CountTasks:
+    """Counts the tasks made on a loop while installed (its task factory)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.made = loop, 0
+
+    def __enter__(self) -> _CountTasks:
+        def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kw: Any) -> asyncio.Task[Any]:
+            self.made += 1
+            return asyncio.Task(coro, loop=loop, **kw)
+
+        self.loop.set_task_factory(factory)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.set_task_factory(None)
+
+
+# -- asyncio's functions take works as futures ------------------------------------------
+@pytest.mark.asyncio
+async def test_asyncio_gather_of_fused_ops_makes_no_task_and_gives_each_its_result(
+    store: StoreServer,
+) -> None:
+    async with await _dummy(store, fuse=True) as g:
+        ts = [torch.full((1,), float(i)) for i in range(50)]
+        works = [g.allreduce(t) for t in ts]
+        assert all(asyncio.isfuture(w) for w in works)
+        with _CountTasks(asyncio.get_running_loop()) as tasks:
+            results = await asyncio.gather(*works)
+        assert tasks.made == 0
+        assert [r is t for r, t in zip(results, ts, strict=True)] == [True] * 50
+        assert [r.item() for r in results] == [float(i) for i in range(50)]
+        assert g.stats().ops["allreduce"].count == 50
+
+
+@pytest.mark.asyncio
+async def test_a_batch_that_ends_on_another_thread_wakes_the_loop_once(
+    store: StoreServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    posted: list[int] = []
+    real = table_module._run_calls
+
+    def counting(loop: asyncio.AbstractEventLoop, calls: list[Any]) -> None:
+        posted.append(len(calls))
+        real(loop, calls)
+
+    monkeypatch.setattr(table_module, "_run_calls", counting)
+    async with await _dummy(store, fuse=True) as g:
+        native = ScriptedOp()
+        works = _batch_on(g, native, 100)
+        gathering = asyncio.gather(*works)
+        assert not gathering.done()
+        ender = threading.Thread(target=native.finish)  # as Gloo's own thread would
+        ender.start()
+        await asyncio.wait_for(gathering, 10)
+        ender.join(10)
+        assert posted == [100]  # one hand-over to the loop for the whole batch
+
+
+@pytest.mark.asyncio
+async def test_asyncio_gather_raises_the_error_of_an_op_that_failed(table: OpTable) -> None:
+    ok, late = ScriptedOp(), ScriptedOp()
+    works = [issue(table, ok, 30.0), issue(table, late, 0.2)]
+    ok.finish()
+    with pytest.raises(CommTimeout):
+        await asyncio.gather(*works)
+    assert isinstance(table.error, CommTimeout)
+
+
+@pytest.mark.asyncio
+async def test_cancelling_asyncio_gather_of_works_cancels_them_and_aborts_the_group(
+    store: StoreServer,
+) -> None:
+    async with await _dummy(store, fuse=True) as g:
+        native = ScriptedOp()
+        works = _batch_on(g, native, 3)
+        started = asyncio.Event()
+
+        async def step() -> None:
+            started.set()
+            await asyncio.gather(*works)
+
+        task = asyncio.create_task(step())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert works[0].cancelled()  # the first cancelled: the others end by its break
+        assert not works[1].cancelled()
+        assert isinstance(works[1].exception(), CommAborted)
+        with pytest.raises(asyncio.CancelledError):
+            works[0].result()
+        errored = g.errored()
+        assert isinstance(errored, CommAborted)
+        assert "cancelled with Work.cancel()" in str(errored)
+        native.finish()
+
+
+@pytest.mark.asyncio
+async def test_asyncio_gather_with_return_exceptions_gives_a_cancelled_op_its_cancel(
+    table: OpTable,
+) -> None:
+    a, b = issue(table, ScriptedOp(), 30.0), issue(table, ScriptedOp(), 30.0)
+    assert a.cancel("stop here") is True
+    results = await asyncio.gather(a, b, return_exceptions=True)
+    assert isinstance(results[0], asyncio.CancelledError)
+    assert results[0].args == ("stop here",)
+    assert isinstance(results[1], CommAborted)  # ended by the break the cancel made
+
+
+@pytest.mark.asyncio
+async def test_wait_for_a_work_that_does_not_end_in_time_is_a_timeout_that_aborts_it(
+    table: OpTable,
+) -> None:
+    work = issue(table, ScriptedOp(), 30.0)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(work, 0.05)
+    assert work.cancelled()
+    assert isinstance(work.exception(), CommAborted)  # its own error, as await gives it
+    with pytest.raises(CommAborted, match=r"Work\.cancel"):
+        await work
+    assert isinstance(table.error, CommAborted)
+
+
+@pytest.mark.asyncio
+async def test_shield_keeps_the_op_going_when_its_awaiter_is_cancelled(table: OpTable) -> None:
+    op = ScriptedOp()
+    work = issue(table, op, 30.0)
+    shielded = asyncio.shield(work)
+    shielded.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await shielded
+    assert not work.done()
+    assert table.error is None
+    op.finish()
+    assert await work == "result"
+    assert not work.cancelled()
+
+
+@pytest.mark.asyncio
+async def test_as_completed_yields_works_in_the_order_they_end(table: OpTable) -> None:
+    first, second = ScriptedOp(), ScriptedOp()
+    works = [issue(table, first, 30.0, "a"), issue(table, second, 30.0, "b")]
+    order = []
+    second.finish()
+    for next_one in asyncio.as_completed(works):
+        order.append(await next_one)
+        first.finish()
+    assert order == ["b", "a"]
+
+
+# -- done-callbacks -----------------------------------------------------------------------
+_WHO: contextvars.ContextVar[str] = contextvars.ContextVar("who", default="nobody")
+
+
+@pytest.mark.asyncio
+async def test_a_callback_added_on_a_loop_runs_on_that_loop_in_its_context(
+    table: OpTable,
+) -> None:
+    op = ScriptedOp()
+    work = issue(table, op, 30.0)
+    loop = asyncio.get_running_loop()
+    seen: asyncio.Future[tuple[int, str]] = loop.create_future()
+    _WHO.set("registrar")
+    work.add_done_callback(lambda w: seen.set_result((threading.get_ident(), _WHO.get())))
+    ender = threading.Thread(target=op.finish)
+    ender.start()
+    ender.join(10)
+    assert not seen.done()  # not on the thread that ended it
+    assert await seen == (threading.get_ident(), "registrar")
+
+
+@pytest.mark.asyncio
+async def test_a_callback_added_once_the_op_ended_runs_soon_not_now(table: OpTable) -> None:
+    work = issue(table, ScriptedOp(done=True), 30.0)
+    assert work.done()
+    ran: list[object] = []
+    ctx = contextvars.copy_context()
+    ctx.run(_WHO.set, "given")
+    work.add_done_callback(lambda w: ran.append(_WHO.get()), context=ctx)
+    assert ran == []
+    await asyncio.sleep(0)  # exactly one loop iteration: call_soon's
+    assert ran == ["given"]
+
+
+@pytest.mark.asyncio
+async def test_remove_done_callback_removes_those_not_yet_run(table: OpTable) -> None:
+    op = ScriptedOp()
+    work = issue(table, op, 30.0)
+    ran: list[str] = []
+
+    def removed(_: object) -> None:
+        ran.append("removed")
+
+    kept: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    work.add_done_callback(removed)
+    work.add_done_callback(removed)
+    work.add_done_callback(lambda _: kept.set_result(None))
+    assert work.remove_done_callback(removed) == 2
+    assert work.remove_done_callback(removed) == 0
+    op.finish()
+    await kept
+    assert ran == []
+    assert work.remove_done_callback(removed) == 0  # ended: nothing left to remove
+
+
+@pytest.mark.asyncio
+async def test_a_raising_loop_callback_goes_to_the_loops_handler_and_the_rest_run(
+    table: OpTable,
+) -> None:
+    loop = asyncio.get_running_loop()
+    handled: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda loop, context: handled.append(context))
+    try:
+        op = ScriptedOp()
+        works = [issue(table, op, 30.0) for _ in range(1)]
+        after: asyncio.Future[None] = loop.create_future()
+        works[0].add_done_callback(lambda _: {}["user bug"])
+        works[0].add_done_callback(lambda _: after.set_result(None))
+        threading.Thread(target=op.finish).start()
+        await asyncio.wait_for(after, 10)
+    finally:
+        loop.set_exception_handler(None)
+    assert len(handled) == 1
+    assert isinstance(handled[0]["exception"], KeyError)
+    assert handled[0]["future"] is works[0]
+
+
+def test_without_a_running_loop_a_callback_runs_on_the_thread_that_ends_the_op(
+    table: OpTable,
+) -> None:
+    op = ScriptedOp()
+    work = issue(table, op, 30.0)
+    seen: list[int] = []
+    work.add_done_callback(lambda _: seen.append(threading.get_ident()))
+    ender = threading.Thread(target=op.finish)
+    ender.start()
+    ender.join(10)
+    assert seen == [ender.ident]
+    with pytest.raises(RuntimeError, match="no event loop runs in this thread"):
+        work.get_loop()
+
+
+@pytest.mark.asyncio
+async def test_get_loop_is_the_loop_that_asks(table: OpTable) -> None:
+    work = issue(table, ScriptedOp(done=True), 30.0)
+    assert work.get_loop() is asyncio.get_running_loop()
+
+
+# -- the batch's statistics, in one pass --------------------------------------------------
+def test_add_sorted_counts_as_adding_each_value() -> None:
+    import random
+
+    rng = random.Random(7)
+    values = [*sorted(rng.uniform(1e-06, 0.2) for _ in range(2000)), 1e-07, 300.0, 300.0]
+    values.sort()
+    one_by_one, sorted_add = Histogram(), Histogram()
+    for value in values:
+        one_by_one.add(value)
+    sorted_add.add_sorted(values)
+    assert sorted_add.counts == one_by_one.counts
+    assert (sorted_add.count, sorted_add.max) == (one_by_one.count, one_by_one.max)
+    assert sorted_add.total == pytest.approx(one_by_one.total)
+
+
+@pytest.mark.parametrize("window", [0.0, 0.0005, 0.002, 0.05])
+def test_a_batchs_statistics_match_each_ops_own(window: float) -> None:
+    class _Op:  # what the statistics read of a Work
+        def __init__(self, issued: float) -> None:
+            self._issued, self.op = issued, "allreduce"
+
+    ended_at = 10.0
+    ops: list[Any] = [_Op(ended_at - 0.001 * (i + 1)) for i in range(100)]  # 1..100 ms
+    bulk, each = (Observer(threading.Lock(), lambda f: f(), stats=True) for _ in range(2))
+    bulk.batch_ended_locked("allreduce", ops, ended_at, window)
+    for op in ops:  # what each op's own end records (Work._end_locked)
+        latency = ended_at - op._issued
+        each.op_ended_locked(op, latency, timed(latency, window), None)
+    b, e = bulk._ops["allreduce"], each._ops["allreduce"]
+    assert (b.count, b.untimed) == (e.count, e.untimed)
+    assert b.count == 100
+    assert b.hist.counts == e.hist.counts
+    if window == 0.002:
+        assert 0 < b.untimed < 100  # the rule splits this batch
