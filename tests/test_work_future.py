@@ -19,6 +19,7 @@ import ftcomm
 from ftcomm import CommAborted, CommTimeout
 from ftcomm._runtime import faults
 from ftcomm._runtime import table as table_module
+from ftcomm._runtime import work as work_module
 from ftcomm._runtime.loop import get_runtime
 from ftcomm._runtime.observe import Histogram, Observer, timed
 from ftcomm._runtime.table import OpTable
@@ -334,3 +335,51 @@ def test_a_batchs_statistics_match_each_ops_own(window: float) -> None:
     assert b.hist.counts == e.hist.counts
     if window == 0.002:
         assert 0 < b.untimed < 100  # the rule splits this batch
+
+
+class _Polled(ScriptedOp):
+    """A native op whose end only a poll sees until its callback is armed
+    (``armed`` counts the callbacks registered)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = 0
+        self.was_armed = asyncio.Event()  # made on the test's loop, set on it
+
+    def on_done(self, callback: Any) -> None:
+        self.armed += 1
+        self.was_armed.set()
+        super().on_done(callback)
+
+
+@pytest.mark.asyncio
+async def test_the_loop_of_a_gather_polls_the_batch_instead_of_a_native_thread(
+    store: StoreServer,
+) -> None:
+    """No native callback while the loop's poll sees the end: Gloo's thread
+    would wait for the GIL the loop holds while it registers callbacks."""
+    async with await _dummy(store, fuse=True) as g:
+        native = _Polled()
+        works = _batch_on(g, native, 20)
+        gathering = asyncio.gather(*works)
+        native._done = True  # ended: seen by a poll, no callback run
+        results = await asyncio.wait_for(gathering, 10)
+        assert [r.item() for r in results] == [float(i) for i in range(20)]
+        assert native.armed == 0
+
+
+@pytest.mark.asyncio
+async def test_once_the_loops_spin_is_over_the_native_callback_ends_the_batch(
+    store: StoreServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(work_module, "SPIN_SECONDS", 0.0)
+    async with await _dummy(store, fuse=True) as g:
+        native = _Polled()
+        works = _batch_on(g, native, 5)
+        gathering = asyncio.gather(*works)
+        await asyncio.wait_for(native.was_armed.wait(), 10)  # the poll gave up at once
+        ender = threading.Thread(target=native.finish)
+        ender.start()
+        assert len(await asyncio.wait_for(gathering, 10)) == 5
+        ender.join(10)
+        assert native.armed == 1  # once for the batch, not once per member

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import CommAborted
+from .loop import sched_yield
 from .native import Done, NativeOp
 from .table import _peek
 
@@ -342,6 +343,40 @@ class Batch:
                 native.on_done(self._native_done)
             self._ended.wait(seconds)
         return self._over()
+
+    def poll_on(self, loop: asyncio.AbstractEventLoop, spin: float) -> None:
+        """For members whose waiters are done-callbacks on ``loop``
+        (``asyncio.gather``): have ``loop`` poll the batch, once per
+        iteration for ``spin`` seconds, as an awaiting member does, then
+        arm the native completion callback. Nobody else polls: without
+        this, Gloo's thread would end the batch, and wait up to the
+        interpreter's switch interval (5 ms) for the GIL the loop holds
+        while it registers the other members' callbacks."""
+        if not self.take_spin(loop):  # polled already (an await, an earlier call)
+            if loop is not self._spin_loop:
+                self.arm()  # that poller may be held up: the callback ends it too
+            return
+        spin_until = time.perf_counter() + spin
+
+        def step() -> None:
+            if self.poll():
+                return  # concluded and announced, on this thread
+            if time.perf_counter() >= spin_until:
+                self.spinner_left()
+                self.arm()
+                return
+            sched_yield()  # the backend's thread first (see Work._until_ended)
+            try:
+                loop.call_soon(step)
+            except RuntimeError:  # the loop is closing: the callback ends it
+                self.spinner_left()
+                self.arm()
+
+        try:
+            loop.call_soon(step)
+        except RuntimeError:
+            self.spinner_left()
+            self.arm()
 
     # -- awaits of many members (fuse.py's answer to 1000 tasks spinning) -----
     def take_spin(self, loop: asyncio.AbstractEventLoop) -> bool:

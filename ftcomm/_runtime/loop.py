@@ -67,6 +67,11 @@ def new_event_loop(kind: str | None = None) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+sched_yield: Callable[[], object] = getattr(os, "sched_yield", lambda: None)
+"""Give this core to another runnable thread (a no-op where the OS has no
+``sched_yield``)."""
+
+
 def _set_none(fut: asyncio.Future[Any]) -> None:
     if not fut.done():
         fut.set_result(None)

@@ -60,7 +60,7 @@ from ..errors import CommAborted, CommError, CommFailed, CommTimeout
 from .deadline import to_seconds
 from .driven import Drivers, TaskDriven
 from .fuse import AloneMark, MemberOp
-from .loop import require_asyncio, wake_threadsafe
+from .loop import require_asyncio, sched_yield, wake_threadsafe
 from .native import NativeOp
 from .observe import timed
 from .table import Broken, LoopCall, OpTable, ThreadCall, _peek, _wake_all, log
@@ -83,8 +83,6 @@ timeout; see docs/design.md). A cancelled awaiter waits that long at most."""
 
 _EARLY = 0.005
 """A native error this close to the deadline counts as the deadline passing."""
-
-_sched_yield = getattr(os, "sched_yield", lambda: None)
 
 
 class Outcome:
@@ -457,7 +455,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
                 # Give this core to a runnable thread first (the backend's own
                 # worker, usually): on 2 cores a spin that only yields to the event
                 # loop starves it and turns p90 from 0.2 ms into 4 ms.
-                _sched_yield()
+                sched_yield()
                 yield  # what asyncio.sleep(0) does: run the loop once, then resume
             if self._end is None:
                 yield from self._sleep_until_ended(native).__await__()
@@ -485,8 +483,11 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             self._cb_armed = self._cb_armed or arm
         if arm:
             assert native is not None  # for mypy: checked under the lock above
-            if type(native) is MemberOp:
-                native.batch.arm()  # the batch's end ends its members
+            if type(native) is MemberOp:  # the batch's end ends its members
+                if type(wake) is LoopCall:
+                    native.batch.poll_on(wake.loop, getattr(native, "spin", SPIN_SECONDS))
+                else:
+                    native.batch.arm()
                 return True
             self._arming = True  # an op ended already is ended at once, on this thread
             try:
@@ -582,7 +583,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             self._pending_at = now = time.perf_counter()
             if now >= spin_until:
                 break
-            _sched_yield()
+            sched_yield()
         wait = getattr(native, "wait", None)
         if not natively_done and wait is not None:
             while self._end is None and not self._claimed:
