@@ -138,8 +138,8 @@ async def test_cancelling_asyncio_gather_of_works_cancels_them_and_aborts_the_gr
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert works[0].cancelled()  # the first cancelled: the others end by its break
-        assert not works[1].cancelled()
+        assert works[0].cancelled()  # the first one cancelled: its break ends the others
+        assert works[1].cancelled()  # ... which count as cancelled, as gather's tasks did
         assert isinstance(works[1].exception(), CommAborted)
         with pytest.raises(asyncio.CancelledError):
             works[0].result()
@@ -158,7 +158,8 @@ async def test_asyncio_gather_with_return_exceptions_gives_a_cancelled_op_its_ca
     results = await asyncio.gather(a, b, return_exceptions=True)
     assert isinstance(results[0], asyncio.CancelledError)
     assert results[0].args == ("stop here",)
-    assert isinstance(results[1], CommAborted)  # ended by the break the cancel made
+    assert isinstance(results[1], asyncio.CancelledError)  # ended by the cancel's break
+    assert isinstance(b.exception(), CommAborted)
 
 
 @pytest.mark.asyncio
@@ -168,7 +169,7 @@ async def test_wait_for_a_work_that_does_not_end_in_time_is_a_timeout_that_abort
     work = issue(table, ScriptedOp(), 30.0)
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(work, 0.05)
-    assert work.cancelled()
+    # 3.11 cancels the work, 3.12 on the task awaiting it: aborted either way
     assert isinstance(work.exception(), CommAborted)  # its own error, as await gives it
     with pytest.raises(CommAborted, match=r"Work\.cancel"):
         await work
@@ -383,3 +384,111 @@ async def test_once_the_loops_spin_is_over_the_native_callback_ends_the_batch(
         assert len(await asyncio.wait_for(gathering, 10)) == 5
         ender.join(10)
         assert native.armed == 1  # once for the batch, not once per member
+
+
+class _Stoppable(ScriptedOp):
+    """A native op its abandon() stops for real: it fails ``after`` seconds
+    later, on a thread of its own (a Gloo op whose sockets were shut)."""
+
+    def __init__(self, after: float) -> None:
+        super().__init__()
+        self.after = after
+        self.timers: list[threading.Timer] = []
+
+    def abandon(self) -> bool:
+        timer = threading.Timer(self.after, self.finish, (RuntimeError("Connection closed"),))
+        self.timers.append(timer)
+        timer.start()
+        return True
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+async def test_a_cancelled_gather_is_a_cancel_even_when_a_sibling_is_out_first(
+    table: OpTable, how: str
+) -> None:
+    """The cancelled op's error is out once its native op stopped (50 ms);
+    the op its break ends is out first (5 ms): gather must still see a cancel."""
+    slow, fast = _Stoppable(0.05), _Stoppable(0.005)
+    works = [issue(table, slow, 30.0), issue(table, fast, 30.0)]
+    try:
+        if how == "cancel":
+            started = asyncio.Event()
+
+            async def step() -> None:
+                started.set()
+                await asyncio.gather(*works)
+
+            task = asyncio.create_task(step())
+            await started.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    await asyncio.gather(*works)
+        assert works[0].cancelled()
+        assert works[1].cancelled()
+        assert isinstance(table.error, CommAborted)
+    finally:
+        for timer in slow.timers + fast.timers:
+            timer.join(10)
+
+
+def test_where_no_loop_runs_a_work_is_a_coroutine_to_asyncio(table: OpTable) -> None:
+    work = issue(table, ScriptedOp(done=True), 30.0)
+    assert not asyncio.isfuture(work)  # so run_until_complete wraps it in a task
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(work) == "result"
+    finally:
+        loop.close()
+
+
+@pytest.mark.asyncio
+async def test_wait_for_polls_an_unfused_op_on_the_loop_as_await_does(table: OpTable) -> None:
+    native = _Polled()
+    work = issue(table, native, 30.0)
+    native._done = True  # ended: seen by a poll, no callback run
+    assert await asyncio.wait_for(work, 10) == "result"
+    assert native.armed == 0
+
+
+def test_a_callback_whose_loop_closed_runs_on_the_thread_that_ends_the_op(
+    table: OpTable,
+) -> None:
+    op = ScriptedOp()
+    work = issue(table, op, 30.0)
+    seen: list[int] = []
+
+    async def register() -> None:
+        work.add_done_callback(lambda _: seen.append(threading.get_ident()))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(work_module, "SPIN_SECONDS", 0.0)  # the loop's poll is over at once
+        asyncio.run(register())
+    ender = threading.Thread(target=op.finish)
+    ender.start()
+    ender.join(10)
+    assert seen == [ender.ident]
+
+
+@pytest.mark.asyncio
+async def test_the_loops_poll_keeps_nothing_alive_once_the_op_ended(table: OpTable) -> None:
+    """No reference cycle: a native op (through it, a native group and its
+    sockets) is let go as the op ends, not at the next garbage collection."""
+    import gc
+    import weakref
+
+    native = _Polled()
+    gone = weakref.ref(native)
+    work = issue(table, native, 30.0)
+    native._done = True
+    gc.disable()
+    try:
+        del native
+        assert await asyncio.wait_for(work, 10) == "result"
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -3,9 +3,12 @@
 A ``Work`` (and a ``Closing``) is awaitable any number of times, and also a
 ``collections.abc.Coroutine``, so that ``asyncio.create_task(work)`` and
 anyio's ``tg.start_soon(group.allreduce, t)`` take it. A coroutine is driven
-by one task; these may be driven by several (``ensure_future(work)`` twice,
-``wait_for``, ``gather``): each driving task gets an await of its own, as
-``await work`` would give it, so each gets the result, or the error.
+by one task; these may be driven by several (``create_task(work)`` twice,
+anyio's tasks; and, for a ``Closing``, ``ensure_future``, ``wait_for``,
+``gather``): each driving task gets an await of its own, as ``await work``
+would give it, so each gets the result, or the error. (Where a loop runs,
+asyncio's functions that take futures take a ``Work`` as a future, without
+a task: work.py.)
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import CommAborted
-from .loop import sched_yield
+from .loop import LoopPoller
 from .native import Done, NativeOp
 from .table import _peek
 
@@ -356,27 +356,13 @@ class Batch:
             if loop is not self._spin_loop:
                 self.arm()  # that poller may be held up: the callback ends it too
             return
-        spin_until = time.perf_counter() + spin
+        LoopPoller(loop, spin, self.poll, self._poller_left).start()
 
-        def step() -> None:
-            if self.poll():
-                return  # concluded and announced, on this thread
-            if time.perf_counter() >= spin_until:
-                self.spinner_left()
-                self.arm()
-                return
-            sched_yield()  # the backend's thread first (see Work._until_ended)
-            try:
-                loop.call_soon(step)
-            except RuntimeError:  # the loop is closing: the callback ends it
-                self.spinner_left()
-                self.arm()
-
-        try:
-            loop.call_soon(step)
-        except RuntimeError:
-            self.spinner_left()
-            self.arm()
+    def _poller_left(self) -> None:
+        """The loop's poll of :meth:`poll_on` is over: an await polls it from
+        now on, or the native completion callback ends it."""
+        self.spinner_left()
+        self.arm()
 
     # -- awaits of many members (fuse.py's answer to 1000 tasks spinning) -----
     def take_spin(self, loop: asyncio.AbstractEventLoop) -> bool:

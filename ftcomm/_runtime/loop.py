@@ -72,6 +72,46 @@ sched_yield: Callable[[], object] = getattr(os, "sched_yield", lambda: None)
 ``sched_yield``)."""
 
 
+class LoopPoller:
+    """Call ``poll()`` once per iteration of ``loop``, yielding the core in
+    between, until it returns true or ``spin`` seconds have passed; then, if
+    it never did (or the loop is closing), call ``give_up()`` once.
+
+    An object, not a closure that schedules itself: such a closure is a
+    reference cycle, which would keep what it polls (a native op, and
+    through it a native group and its sockets) until the next garbage
+    collection."""
+
+    __slots__ = ("_give_up", "_loop", "_poll", "_until")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        spin: float,
+        poll: Callable[[], bool],
+        give_up: Callable[[], object],
+    ) -> None:
+        self._loop = loop
+        self._until = time.perf_counter() + spin
+        self._poll = poll
+        self._give_up = give_up
+
+    def start(self) -> None:
+        try:
+            self._loop.call_soon(self)
+        except RuntimeError:  # the loop is closing
+            self._give_up()
+
+    def __call__(self) -> None:
+        if self._poll():
+            return
+        if time.perf_counter() >= self._until:
+            self._give_up()
+            return
+        sched_yield()  # the backend's thread first (see Work._until_ended)
+        self.start()
+
+
 def _set_none(fut: asyncio.Future[Any]) -> None:
     if not fut.done():
         fut.set_result(None)

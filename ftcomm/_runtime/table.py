@@ -80,9 +80,10 @@ def _wake_all(wakeups: list[Callable[[], object]]) -> None:
 
 class LoopCall:
     """A done-callback that runs on an event loop, as ``asyncio.Future``'s do:
-    ``fn(work)`` in ``context``, from a callback of ``loop``, never on the
-    thread that ends the op. Called alone, it posts itself; :func:`_wake_all`
-    posts all of one loop's calls at once."""
+    ``fn(work)`` in ``context``, from a callback of ``loop`` (never from
+    inside whatever ends the op, even on the loop's own thread). Called
+    alone, it posts itself; :func:`_wake_all` posts all of one loop's calls
+    at once."""
 
     __slots__ = ("context", "fn", "loop", "work")
 
@@ -124,12 +125,15 @@ class ThreadCall:
 
 def _post(loop: asyncio.AbstractEventLoop, calls: list[LoopCall]) -> None:
     """Have ``loop`` run ``calls`` from one of its callbacks (thread-safe);
-    nothing if it is closed (nobody waits there any more)."""
-    with contextlib.suppress(RuntimeError):
+    if it is closed, run them here (their exceptions logged), as callbacks
+    registered where no loop runs are."""
+    try:
         if asyncio._get_running_loop() is loop:
             loop.call_soon(_run_calls, loop, calls)
         else:
             loop.call_soon_threadsafe(_run_calls, loop, calls)
+    except RuntimeError:  # closed
+        _wake_all([ThreadCall(call.fn, call.work, call.context) for call in calls])
 
 
 def _run_calls(loop: asyncio.AbstractEventLoop, calls: list[LoopCall]) -> None:

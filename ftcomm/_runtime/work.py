@@ -60,7 +60,7 @@ from ..errors import CommAborted, CommError, CommFailed, CommTimeout
 from .deadline import to_seconds
 from .driven import Drivers, TaskDriven
 from .fuse import AloneMark, MemberOp
-from .loop import require_asyncio, sched_yield, wake_threadsafe
+from .loop import LoopPoller, require_asyncio, sched_yield, wake_threadsafe
 from .native import NativeOp
 from .observe import timed
 from .table import Broken, LoopCall, OpTable, ThreadCall, _peek, _wake_all, log
@@ -113,11 +113,12 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
     error is out never writes into its tensors afterwards (on backends that
     can stop their native op; see docs/design.md).
 
-    A work is also an asyncio future of the loop that looks at it
+    Where an event loop runs, a work is also an asyncio future of that loop
     (``asyncio.isfuture`` is true): ``asyncio.gather(*works)``,
     ``asyncio.wait_for(work, t)``, ``asyncio.shield(work)`` and
-    ``asyncio.as_completed`` use it as it is, with no task per op; cancelling
-    them cancels it (:meth:`cancel`: its group is aborted).
+    ``asyncio.as_completed`` use it as it is, with no task per op.
+    Cancelling ``gather`` cancels its works (:meth:`cancel`: the group is
+    aborted); ``shield`` keeps the op going.
 
     Attributes:
         op: the collective's name.
@@ -163,9 +164,18 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         "seq",
     )
 
-    _asyncio_future_blocking = False
-    """asyncio's mark of a future (``asyncio.isfuture``): ``asyncio.gather``
-    and ``ensure_future`` take a work as it is, without a task per op."""
+    @property
+    def _asyncio_future_blocking(self) -> bool | None:
+        """asyncio's mark of a future (``asyncio.isfuture``): where a loop
+        runs, ``asyncio.gather`` and ``ensure_future`` take a work as it is,
+        without a task per op. Where none runs (``loop.run_until_complete(work)``,
+        a gather built before the loop starts), ``None``: a work is then a
+        coroutine to them, wrapped in a task as before."""
+        return False if asyncio._get_running_loop() is not None else None
+
+    @_asyncio_future_blocking.setter
+    def _asyncio_future_blocking(self, value: bool) -> None:
+        """asyncio sets it on futures a coroutine yields: nothing to keep."""
 
     def __init__(
         self,
@@ -205,7 +215,8 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
 
     def __repr__(self) -> str:
         end = self._end
-        return f"<ftcomm.Work {self.op} seq={self.seq} {'pending' if end is None else end!r}>"
+        state = "pending" if end is None else repr(end)
+        return f"<ftcomm.Work {self.op} seq={self.seq} {state}>"
 
     # -- public ------------------------------------------------------------
     def done(self) -> bool:
@@ -241,12 +252,17 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         The op ends with ``CommAborted`` (``await``, :meth:`wait` and
         :meth:`exception` give it; it names this cancel), and, as for an
         ``asyncio.Future``, :meth:`cancelled` is then true and :meth:`result`
-        raises ``asyncio.CancelledError`` (with ``msg``): cancelling
-        ``asyncio.gather``, ``asyncio.wait_for`` or ``asyncio.shield`` of
-        works cancels them this way, and they raise ``CancelledError`` (or
-        ``TimeoutError``) as they do for futures. The group is errored until
-        ``configure()``: :meth:`~ftcomm.Group.errored` is that
-        ``CommAborted``, and its other ops in flight end with ``CommAborted``.
+        raises ``asyncio.CancelledError`` (with ``msg``). The group is
+        errored until ``configure()``: :meth:`~ftcomm.Group.errored` is that
+        ``CommAborted``; its other ops in flight end with ``CommAborted``
+        and count as cancelled too. So cancelling ``asyncio.gather`` of
+        works raises ``CancelledError``, and ``asyncio.wait_for(work, t)``
+        on Python 3.11 ``TimeoutError`` (from 3.12 it cancels its task
+        instead, which aborts the op as a cancelled await does).
+
+        Called on a thread other than the owner loop's, it returns once the
+        op's error is out: after its native op was stopped (a millisecond
+        or two for Gloo, at most about 1.5 s).
         """
         if self.done():
             return False
@@ -260,19 +276,26 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         return ended
 
     def cancelled(self) -> bool:
-        """Whether :meth:`cancel` ended the op (not: whether it failed, nor
-        whether an awaiting task was cancelled)."""
+        """Whether :meth:`cancel` ended the op, or the break of its group
+        that a :meth:`cancel` of another of its ops made (as cancelling one
+        child of ``asyncio.gather`` ends them all); not whether it failed,
+        nor whether a task awaiting it was cancelled."""
         end = self._end
         return (
             end is not None and end.error is not None and self._cancel_mark(end.error) is not None
         )
 
     def _cancel_mark(self, error: BaseException | None) -> tuple[Any] | None:
-        """``(msg,)`` if ``error`` is this op's own cancel, else None."""
+        """``(msg,)`` if ``error`` is this op's own cancel, or the
+        ``CommAborted`` of an op a cancel's break ended; else None."""
         mark = getattr(error, "_cancel_of", None)
-        if mark is None or mark[0]() is not self:
-            return None
-        return (mark[1],)
+        if mark is not None:
+            return (mark[1],) if mark[0]() is self else None
+        if type(error) is CommAborted:  # aborted_by(cause), a batch-mate's abort
+            mark = getattr(error.__cause__, "_cancel_of", None)
+            if mark is not None:
+                return (mark[1],)
+        return None
 
     def result(self) -> R:
         """The op's result (as ``await work`` returns it), once it has ended.
@@ -332,16 +355,20 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
     def add_done_callback(
         self, fn: Callable[[Work[R]], object], *, context: contextvars.Context | None = None
     ) -> None:
-        """Have ``fn(work)`` called once the op has ended (in ``context``, by
-        default a copy of the current one).
+        """Have ``fn(work)`` called once the op has ended.
 
         On a thread whose event loop is running, as ``asyncio.Future`` does:
-        ``fn`` is scheduled on that loop (soon, if the op has ended). The ops
-        of a fused batch that ends together wake their loop once. Elsewhere (a
-        thread without a running loop): ``fn`` is called now, on this thread,
-        if the op has ended, else on the thread that ends it (a backend's
-        thread, the owner loop), so it must be quick and must not block;
-        exceptions it raises there are logged (called now, they propagate).
+        ``fn`` is scheduled on that loop (soon, if the op has ended), in
+        ``context`` (by default a copy of the current one); its exceptions go
+        to the loop's exception handler. The ops of a fused batch that end
+        together wake their loop once. Should that loop be closed by then,
+        ``fn`` runs on the thread that ends the op instead.
+
+        Elsewhere (a thread without a running loop): ``fn`` is called now, on
+        this thread, if the op has ended, else on the thread that ends it (a
+        backend's thread, the owner loop), in ``context`` if one is given,
+        else in that thread's; it must be quick and must not block.
+        Exceptions it raises there are logged (called now, they propagate).
 
         A look at the op: its open batch, if any, is sent.
         """
@@ -361,14 +388,18 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         """Remove every registration of ``fn`` not yet run (called or, on a
         loop, scheduled); how many were removed."""
         with self._table._lock:
-            waiters = self._waiters
-            if not waiters:
-                return 0
-            kept = [
-                w
-                for w in waiters
-                if not (type(w) in (LoopCall, ThreadCall) and w.fn == fn)  # type: ignore[attr-defined]
-            ]
+            registered = list(self._waiters or ())
+        # fn's __eq__ is user code: compared here, not under the group's lock
+        matching = {
+            id(w)
+            for w in registered
+            if type(w) in (LoopCall, ThreadCall) and (w.fn is fn or w.fn == fn)  # type: ignore[attr-defined]
+        }
+        if not matching:
+            return 0
+        with self._table._lock:
+            waiters = self._waiters or []
+            kept = [w for w in waiters if id(w) not in matching]
             self._waiters = kept
         return len(waiters) - len(kept)
 
@@ -483,18 +514,44 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             self._cb_armed = self._cb_armed or arm
         if arm:
             assert native is not None  # for mypy: checked under the lock above
+            spin = getattr(native, "spin", SPIN_SECONDS)
             if type(native) is MemberOp:  # the batch's end ends its members
                 if type(wake) is LoopCall:
-                    native.batch.poll_on(wake.loop, getattr(native, "spin", SPIN_SECONDS))
+                    native.batch.poll_on(wake.loop, spin)
                 else:
                     native.batch.arm()
-                return True
-            self._arming = True  # an op ended already is ended at once, on this thread
-            try:
-                native.on_done(self._native_done)
-            finally:
-                self._arming = False
+            elif type(wake) is LoopCall:
+                self._poll_on(wake.loop, native, spin)
+            else:
+                self._arm(native)
         return True
+
+    def _arm(self, native: NativeOp) -> None:
+        """Register the native completion callback (once: ``_cb_armed``)."""
+        self._arming = True  # an op ended already is ended at once, on this thread
+        try:
+            native.on_done(self._native_done)
+        finally:
+            self._arming = False
+
+    def _poll_on(self, loop: asyncio.AbstractEventLoop, native: NativeOp, spin: float) -> None:
+        """For an op whose first waiter is a done-callback on ``loop``
+        (``asyncio.wait_for``, ``gather``): have ``loop`` poll it once per
+        iteration for ``spin`` seconds, as ``await`` does, then arm the
+        native completion callback, whose thread hop and loop wake-up cost a
+        small op about 150 µs more."""
+        LoopPoller(loop, spin, lambda: self._poll_once(native), lambda: self._arm(native)).start()
+
+    def _poll_once(self, native: NativeOp) -> bool:
+        """One poll of the native op: whether the op has ended (or is being
+        ended) now."""
+        if self._end is not None:
+            return True
+        if native.poll():
+            self._complete(native.outcome())
+            return True
+        self._pending_at = time.perf_counter()
+        return False
 
     def _native_done(self, native_error: BaseException | None) -> None:
         """The native op's completion callback (any thread): it ends now,
