@@ -206,7 +206,7 @@ async def test_await_returns_once_the_event_completes_not_at_enqueue(
         await g.configure(_addr(store), 0, 1)
         fake.hold()
         work = g.allreduce(torch.ones(2))
-        task = asyncio.ensure_future(work)
+        task = asyncio.create_task(work)
         event = fake.group.events[-1]
         await _until(lambda: event.queries >= 3)  # polled (the spin, then the watcher)
         assert not task.done()
@@ -227,7 +227,7 @@ async def test_an_awaited_event_is_timed_by_the_poll_that_saw_it_complete(
     async with ftcomm.Group("nccl", timeout=10.0) as g:
         await g.configure(_addr(store), 0, 1)
         fake.hold()
-        task = asyncio.ensure_future(g.allreduce(torch.ones(2)))
+        task = asyncio.create_task(g.allreduce(torch.ones(2)))
         event = fake.group.events[-1]
         await _until(lambda: event.queries >= 3)  # the watcher polls it
         # Held 1 s: timed if the poll that saw the end came within 62 ms
@@ -348,7 +348,7 @@ async def test_a_library_error_fails_the_ops_without_waiting_for_the_deadline(
         await g.configure(_addr(store), 0, 1)
         fake.hold()
         work = g.allreduce(torch.ones(2))
-        task = asyncio.ensure_future(work)
+        task = asyncio.create_task(work)
         await _until(lambda: fake.group.events[-1].queries >= 2)
         fake.group.error = "REMOTE_ERROR"  # a peer died: NCCL says so, the kernel hangs
         with pytest.raises(CommFailed, match="REMOTE_ERROR"):
@@ -598,7 +598,7 @@ async def test_a_watcher_that_fails_is_replaced(fake: FakeDevice, store: StoreSe
         backend.check_library = check_once  # type: ignore[method-assign]
         fake.hold()
         work = g.allreduce(torch.ones(1))
-        task = asyncio.ensure_future(work)
+        task = asyncio.create_task(work)
         await _until(lambda: not failures)  # the first watcher died
         fake.release()
         assert torch.equal(await asyncio.wait_for(task, 5.0), torch.ones(1))

@@ -520,7 +520,7 @@ async def test_when_the_polling_await_goes_a_sleeping_one_takes_over(
             poller.send(None)  # sends the batch, polls it: not ended
         finally:
             faults.set_injector(old)
-        sleeper = asyncio.ensure_future(works[1])
+        sleeper = asyncio.create_task(works[1])
         await asyncio.sleep(0)  # it looks once, then sleeps on the batch
         assert not sleeper.done()
         poller.close()  # the polling await goes away

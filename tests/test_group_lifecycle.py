@@ -151,9 +151,9 @@ async def test_an_op_is_a_coroutine_for_tasks_and_anyio_task_groups(store_port: 
         work = g0.allgather(torch.tensor([7.0]))
         other = asyncio.create_task(g1.allgather(torch.tensor([8.0])))
         # one work driven by several tasks: each gets the result
-        got = await asyncio.gather(asyncio.ensure_future(work), asyncio.wait_for(work, 5))
+        got = await asyncio.gather(asyncio.create_task(work), asyncio.wait_for(work, 5))
         assert [[x.item() for x in out] for out in got] == [[7.0, 8.0], [7.0, 8.0]]
-        assert [x.item() for x in await asyncio.ensure_future(work)] == [7.0, 8.0]
+        assert [x.item() for x in await asyncio.create_task(work)] == [7.0, 8.0]
         await other
     finally:
         await asyncio.gather(g0.shutdown(), g1.shutdown())
@@ -177,7 +177,7 @@ async def test_a_task_cancelled_before_its_first_step_aborts_the_op(store_port: 
         assert "aborted" in str(g0.errored())  # what torchft's users match
         for _ in range(2):
             with pytest.raises(ftcomm.CommAborted, match="cancelled while in flight"):
-                await asyncio.ensure_future(work)
+                await asyncio.create_task(work)
         # an abort's Closing, too, may be driven by several tasks
         closing = g0.abort()
         assert await asyncio.gather(asyncio.ensure_future(closing), closing) == [None, None]

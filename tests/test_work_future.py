@@ -158,8 +158,7 @@ async def test_asyncio_gather_with_return_exceptions_gives_a_cancelled_op_its_ca
     results = await asyncio.gather(a, b, return_exceptions=True)
     assert isinstance(results[0], asyncio.CancelledError)
     assert results[0].args == ("stop here",)
-    assert isinstance(results[1], asyncio.CancelledError)  # ended by the cancel's break
-    assert isinstance(b.exception(), CommAborted)
+    assert isinstance(results[1], CommAborted)  # ended by the cancel's break, not cancelled
 
 
 @pytest.mark.asyncio
@@ -386,6 +385,45 @@ async def test_once_the_loops_spin_is_over_the_native_callback_ends_the_batch(
         assert native.armed == 1  # once for the batch, not once per member
 
 
+@pytest.mark.asyncio
+async def test_a_batch_polled_by_an_await_and_gathered_on_its_loop_ends_as_its_native_op(
+    store: StoreServer,
+) -> None:
+    """An await spins on a member; asyncio.gather of the same members on the
+    same loop leaves the polling to it. Once that spin is over, the batch's
+    native callback must be armed (not left to the deadline)."""
+    async with await _dummy(store, fuse=True) as g:
+        native = _Polled()
+        works = _batch_on(g, native, 2)
+        awaiting = asyncio.create_task(_await(works[0]))
+        await asyncio.sleep(0)  # its first step: it polls the batch
+        gathering = asyncio.gather(*works)
+        timer = threading.Timer(0.05, native.finish)  # after the 2 ms spin
+        timer.start()
+        try:
+            assert len(await asyncio.wait_for(gathering, 5)) == 2
+            await awaiting
+        finally:
+            timer.join(10)
+
+
+async def _await(work: ftcomm.Work[Any]) -> Any:
+    return await work
+
+
+@pytest.mark.asyncio
+async def test_an_unrelated_gather_is_not_cancelled_by_another_ops_cancel(
+    table: OpTable,
+) -> None:
+    """Only a work cancel() was called on counts as cancelled: a gather of
+    another op of the group raises that op's CommAborted, as awaiting it does."""
+    a, b = issue(table, ScriptedOp(), 30.0), issue(table, ScriptedOp(), 30.0)
+    assert a.cancel() is True
+    with pytest.raises(CommAborted):
+        await asyncio.gather(b)
+    assert not b.cancelled()
+
+
 class _Stoppable(ScriptedOp):
     """A native op its abandon() stops for real: it fails ``after`` seconds
     later, on a thread of its own (a Gloo op whose sockets were shut)."""
@@ -465,13 +503,33 @@ def test_a_callback_whose_loop_closed_runs_on_the_thread_that_ends_the_op(
     async def register() -> None:
         work.add_done_callback(lambda _: seen.append(threading.get_ident()))
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(work_module, "SPIN_SECONDS", 0.0)  # the loop's poll is over at once
-        asyncio.run(register())
+    asyncio.run(register())  # closed with the loop's poll of the op still queued
     ender = threading.Thread(target=op.finish)
     ender.start()
     ender.join(10)
-    assert seen == [ender.ident]
+    assert seen == [ender.ident]  # at once, not at the op's deadline's sweep
+
+
+def test_a_thread_waiting_for_an_op_a_stopped_loop_was_to_poll_is_woken_as_it_ends(
+    table: OpTable,
+) -> None:
+    """The loop that was to poll it stops (not closed) before it ran: a
+    later waiter of another kind arms the native callback itself."""
+    op = ScriptedOp()
+    work = issue(table, op, 30.0)
+    loop = asyncio.new_event_loop()
+    try:
+
+        async def register() -> None:
+            work.add_done_callback(lambda _: None)
+
+        loop.run_until_complete(register())  # stops with the poll queued
+        timer = threading.Timer(0.05, op.finish)
+        timer.start()
+        assert work.wait(timeout=5) == "result"
+        timer.join(10)
+    finally:
+        loop.close()
 
 
 @pytest.mark.asyncio

@@ -75,14 +75,17 @@ sched_yield: Callable[[], object] = getattr(os, "sched_yield", lambda: None)
 class LoopPoller:
     """Call ``poll()`` once per iteration of ``loop``, yielding the core in
     between, until it returns true or ``spin`` seconds have passed; then, if
-    it never did (or the loop is closing), call ``give_up()`` once.
+    it never did (or the loop is closed, or ``poll()`` raised), call
+    ``give_up()`` once. A loop closed with the poll queued drops it: then
+    ``give_up()`` is called as the poller is let go (a loop stopped but
+    not closed holds it).
 
     An object, not a closure that schedules itself: such a closure is a
     reference cycle, which would keep what it polls (a native op, and
     through it a native group and its sockets) until the next garbage
     collection."""
 
-    __slots__ = ("_give_up", "_loop", "_poll", "_until")
+    __slots__ = ("_give_up", "_loop", "_over", "_poll", "_until")
 
     def __init__(
         self,
@@ -95,21 +98,44 @@ class LoopPoller:
         self._until = time.perf_counter() + spin
         self._poll = poll
         self._give_up = give_up
+        self._over = False
 
     def start(self) -> None:
         try:
             self._loop.call_soon(self)
-        except RuntimeError:  # the loop is closing
-            self._give_up()
+        except RuntimeError:  # the loop is closed
+            self._stop(give_up=True)
+
+    def _stop(self, give_up: bool) -> None:
+        if not self._over:
+            self._over = True
+            if give_up:
+                self._give_up()
 
     def __call__(self) -> None:
-        if self._poll():
+        try:
+            done = self._poll()
+        except Exception:  # a bug below: leave it to the native callback
+            log.exception("ftcomm: a loop's poll of an op failed")
+            done = False
+            self._until = 0.0
+        if done:
+            self._stop(give_up=False)
             return
         if time.perf_counter() >= self._until:
-            self._give_up()
+            self._stop(give_up=True)
             return
         sched_yield()  # the backend's thread first (see Work._until_ended)
         self.start()
+
+    def __del__(self) -> None:
+        # Dropped with its handle by a loop closed before it ran (whatever
+        # thread closed it): the op must not wait for its deadline.
+        if not self._over:
+            try:
+                self._stop(give_up=True)
+            except Exception:
+                log.exception("ftcomm: arming an op whose loop closed failed")
 
 
 def _set_none(fut: asyncio.Future[Any]) -> None:

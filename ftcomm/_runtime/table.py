@@ -73,7 +73,10 @@ def _wake_all(wakeups: list[Callable[[], object]]) -> None:
             interrupted = interrupted or exc
     if by_loop is not None:
         for loop, calls in by_loop.items():
-            _post(loop, calls)
+            try:
+                _post(loop, calls)
+            except BaseException as exc:  # an interrupt in a closed loop's callback run here
+                interrupted = interrupted or exc
     if interrupted is not None:
         raise interrupted
 
@@ -81,7 +84,8 @@ def _wake_all(wakeups: list[Callable[[], object]]) -> None:
 class LoopCall:
     """A done-callback that runs on an event loop, as ``asyncio.Future``'s do:
     ``fn(work)`` in ``context``, from a callback of ``loop`` (never from
-    inside whatever ends the op, even on the loop's own thread). Called
+    inside whatever ends the op, even on the loop's own thread), or, if
+    ``loop`` is closed by then, on the thread that ends the op. Called
     alone, it posts itself; :func:`_wake_all` posts all of one loop's calls
     at once."""
 

@@ -149,6 +149,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         "_announced",
         "_arming",
         "_batch",
+        "_cancel_requested",
         "_cb_armed",
         "_claimed",
         "_drivers",
@@ -156,6 +157,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         "_issued",
         "_native",
         "_pending_at",
+        "_poll_loop",
         "_result",
         "_table",
         "_waiters",
@@ -205,7 +207,9 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         self._claimed = False  # a settler owns the op (SETTLING or ENDED)
         self._end: Outcome | None = None  # published once, under the lock
         self._waiters: list[Callable[[], object]] | None = None  # wake-ups, any thread
-        self._cb_armed = False
+        self._cb_armed = False  # the native completion callback is registered
+        self._poll_loop: asyncio.AbstractEventLoop | None = None  # polls it (LoopPoller)
+        self._cancel_requested: tuple[Any] | None = None  # (msg,) once cancel() was called
         self._drivers: Drivers | None = None
         # The batch it is in (``Group(fuse=True)``, fuse.py): the first look
         # at the op sends it, if it is still open; or the mark of a fusible
@@ -254,9 +258,10 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         ``asyncio.Future``, :meth:`cancelled` is then true and :meth:`result`
         raises ``asyncio.CancelledError`` (with ``msg``). The group is
         errored until ``configure()``: :meth:`~ftcomm.Group.errored` is that
-        ``CommAborted``; its other ops in flight end with ``CommAborted``
-        and count as cancelled too. So cancelling ``asyncio.gather`` of
-        works raises ``CancelledError``, and ``asyncio.wait_for(work, t)``
+        ``CommAborted``, and its other ops in flight end with
+        ``CommAborted`` (cancelled too if ``cancel()`` is then called on
+        them). So cancelling ``asyncio.gather`` of works raises
+        ``CancelledError``, and ``asyncio.wait_for(work, t)``
         on Python 3.11 ``TimeoutError`` (from 3.12 it cancels its task
         instead, which aborts the op as a cancelled await does).
 
@@ -264,6 +269,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         op's error is out: after its native op was stopped (a millisecond
         or two for Gloo, at most about 1.5 s).
         """
+        self._cancel_requested = (msg,)  # one cancel's break ends ops it was asked of
         if self.done():
             return False
         why = "" if msg is None else f": {msg}"
@@ -276,26 +282,28 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         return ended
 
     def cancelled(self) -> bool:
-        """Whether :meth:`cancel` ended the op, or the break of its group
-        that a :meth:`cancel` of another of its ops made (as cancelling one
-        child of ``asyncio.gather`` ends them all); not whether it failed,
-        nor whether a task awaiting it was cancelled."""
+        """Whether :meth:`cancel` ended the op, or was called on it once the
+        break of another op's :meth:`cancel` had ended it (cancelling
+        ``asyncio.gather`` cancels each of its works in turn; the first
+        one's break ends the others). Not whether it failed, nor whether a
+        task awaiting it was cancelled."""
         end = self._end
         return (
             end is not None and end.error is not None and self._cancel_mark(end.error) is not None
         )
 
     def _cancel_mark(self, error: BaseException | None) -> tuple[Any] | None:
-        """``(msg,)`` if ``error`` is this op's own cancel, or the
-        ``CommAborted`` of an op a cancel's break ended; else None."""
+        """``(msg,)`` if ``error`` is this op's own cancel, or, for an op
+        :meth:`cancel` was called on, the ``CommAborted`` of a cancel's break
+        (another op's, first); else None."""
         mark = getattr(error, "_cancel_of", None)
         if mark is not None:
             return (mark[1],) if mark[0]() is self else None
-        if type(error) is CommAborted:  # aborted_by(cause), a batch-mate's abort
-            mark = getattr(error.__cause__, "_cancel_of", None)
-            if mark is not None:
-                return (mark[1],)
-        return None
+        requested = self._cancel_requested
+        by_cancel = (  # aborted_by(cause), a batch-mate's abort: by a cancel's break
+            type(error) is CommAborted and getattr(error.__cause__, "_cancel_of", None) is not None
+        )
+        return requested if requested is not None and by_cancel else None
 
     def result(self) -> R:
         """The op's result (as ``await work`` returns it), once it has ended.
@@ -362,7 +370,8 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         ``context`` (by default a copy of the current one); its exceptions go
         to the loop's exception handler. The ops of a fused batch that end
         together wake their loop once. Should that loop be closed by then,
-        ``fn`` runs on the thread that ends the op instead.
+        ``fn`` runs on the thread that ends the op instead (a loop stopped
+        for good never runs it, as with asyncio's own futures).
 
         Elsewhere (a thread without a running loop): ``fn`` is called now, on
         this thread, if the op has ended, else on the thread that ends it (a
@@ -510,37 +519,61 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             if self._waiters is None:
                 self._waiters = []
             self._waiters.append(wake)
-            arm = not self._cb_armed and not self._claimed and native is not None
+            live = not self._claimed and native is not None
+            # A done-callback on a loop has that loop poll the op (the first
+            # such loop), and arm the native callback once its spin is over;
+            # any other waiter, or a callback on another loop, arms it now.
+            loop = wake.loop if type(wake) is LoopCall else None
+            poll = live and loop is not None and self._poll_loop is None
+            if poll:
+                self._poll_loop = loop
+            other = loop is None or loop is not self._poll_loop  # not the polling loop
+            arm = live and not poll and other and not self._cb_armed
             self._cb_armed = self._cb_armed or arm
-        if arm:
+        if poll or arm:
             assert native is not None  # for mypy: checked under the lock above
             spin = getattr(native, "spin", SPIN_SECONDS)
             if type(native) is MemberOp:  # the batch's end ends its members
-                if type(wake) is LoopCall:
-                    native.batch.poll_on(wake.loop, spin)
+                if poll:
+                    assert loop is not None  # for mypy
+                    native.batch.poll_on(loop, spin)
                 else:
                     native.batch.arm()
-            elif type(wake) is LoopCall:
-                self._poll_on(wake.loop, native, spin)
+            elif poll:
+                assert loop is not None  # for mypy
+                self._poll_on(loop, native, spin)
             else:
                 self._arm(native)
         return True
 
     def _arm(self, native: NativeOp) -> None:
-        """Register the native completion callback (once: ``_cb_armed``)."""
+        """Register the native completion callback (under ``_cb_armed``)."""
         self._arming = True  # an op ended already is ended at once, on this thread
         try:
             native.on_done(self._native_done)
         finally:
             self._arming = False
 
+    def _arm_once(self, native: NativeOp) -> None:
+        """:meth:`_arm`, unless another waiter did."""
+        with self._table._lock:
+            arm = not self._cb_armed and not self._claimed
+            self._cb_armed = True
+        if arm:
+            self._arm(native)
+
     def _poll_on(self, loop: asyncio.AbstractEventLoop, native: NativeOp, spin: float) -> None:
         """For an op whose first waiter is a done-callback on ``loop``
         (``asyncio.wait_for``, ``gather``): have ``loop`` poll it once per
         iteration for ``spin`` seconds, as ``await`` does, then arm the
         native completion callback, whose thread hop and loop wake-up cost a
-        small op about 150 µs more."""
-        LoopPoller(loop, spin, lambda: self._poll_once(native), lambda: self._arm(native)).start()
+        small op about 150 µs more. Should ``loop`` stop before its poll ran
+        out, the callback is armed by the next waiter of another kind, or
+        else the op is ended by its deadline's sweep (a success if it had
+        completed): that loop would not run the callback anyway."""
+        LoopPoller(
+            loop, spin, lambda: self._poll_once(native), lambda: self._arm_once(native)
+        ).start()
 
     def _poll_once(self, native: NativeOp) -> bool:
         """One poll of the native op: whether the op has ended (or is being
