@@ -127,17 +127,7 @@ async def test_cancelling_asyncio_gather_of_works_cancels_them_and_aborts_the_gr
     async with await _dummy(store, fuse=True) as g:
         native = ScriptedOp()
         works = _batch_on(g, native, 3)
-        started = asyncio.Event()
-
-        async def step() -> None:
-            started.set()
-            await asyncio.gather(*works)
-
-        task = asyncio.create_task(step())
-        await started.wait()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await _cancel_a_task_gathering(works)
         assert works[0].cancelled()  # the first one cancelled: its break ends the others
         assert works[1].cancelled()  # ... which count as cancelled, as gather's tasks did
         assert isinstance(works[1].exception(), CommAborted)
@@ -147,6 +137,21 @@ async def test_cancelling_asyncio_gather_of_works_cancels_them_and_aborts_the_gr
         assert isinstance(errored, CommAborted)
         assert "cancelled with Work.cancel()" in str(errored)
         native.finish()
+
+
+async def _cancel_a_task_gathering(works: list[Any]) -> None:
+    """A task awaits ``asyncio.gather(*works)``; cancel it: it is cancelled."""
+    started = asyncio.Event()
+
+    async def step() -> None:
+        started.set()
+        await asyncio.gather(*works)
+
+    task = asyncio.create_task(step())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 @pytest.mark.asyncio
@@ -451,17 +456,7 @@ async def test_a_cancelled_gather_is_a_cancel_even_when_a_sibling_is_out_first(
     works = [issue(table, slow, 30.0), issue(table, fast, 30.0)]
     try:
         if how == "cancel":
-            started = asyncio.Event()
-
-            async def step() -> None:
-                started.set()
-                await asyncio.gather(*works)
-
-            task = asyncio.create_task(step())
-            await started.wait()
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await _cancel_a_task_gathering(works)
         else:
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(0.05):

@@ -314,14 +314,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
                 ``asyncio.Future``'s would).
             CommTimeout, CommFailed, CommAborted: as ``await work``.
         """
-        if self._batch is not None:  # a look, ended or not: a cut point either way
-            self._flush()
-        end = self._end
-        if end is None:
-            if not self._done():
-                raise asyncio.InvalidStateError(f"{self!r} has not ended")
-            end = self._outcome()
-        error = end.error
+        error = self._looked_up()
         if error is not None:
             if self._cancel_mark(error) is not None:
                 cancelled = self._make_cancelled_error()
@@ -337,6 +330,11 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         Raises:
             asyncio.InvalidStateError: the op has not ended yet.
         """
+        return self._looked_up()
+
+    def _looked_up(self) -> BaseException | None:
+        """A look at the op (its open batch is sent): its error, or None.
+        Raises ``InvalidStateError`` if it has not ended."""
         if self._batch is not None:  # a look, ended or not: a cut point either way
             self._flush()
         end = self._end
