@@ -10,6 +10,7 @@ worker.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import select
 import signal
@@ -845,3 +846,36 @@ async def test_ops_awaited_after_other_work_are_timed_by_their_replies(
     assert (stats.count, stats.untimed) == (3, 0)
     assert stats.max is not None
     assert stats.max < 0.3  # timed to their replies, not to the await after 0.3 s
+
+
+class _RaisingLock:
+    """A copy-back lock whose taking fails (as a bug below would)."""
+
+    def __enter__(self) -> None:
+        raise RuntimeError("injected: the copy-back's lock failed")
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+@pytest.mark.asyncio
+async def test_a_copy_back_that_fails_unexpectedly_fails_its_op_without_holding_frames(
+    group: ftcomm.Group, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The op's error carries no traceback: its frames would hold the worker
+    and its segments' mappings until a garbage collection (no_leaks checks
+    that nothing holds them once the group is shut down)."""
+    # pytest's log capture would keep the logged traceback (and its frames)
+    # until the test's report: the log line goes to stderr instead
+    monkeypatch.setattr(logging.getLogger("ftcomm"), "propagate", False)
+    original = WorkerProcess._copy_back
+
+    def copy_back(worker: Any, call: Any) -> None:
+        call._copy_lock = _RaisingLock()
+        original(worker, call)
+
+    monkeypatch.setattr(WorkerProcess, "_copy_back", copy_back)
+    with pytest.raises(ftcomm.CommFailed, match="injected") as info:
+        await group.allreduce(torch.ones(1 << 16))
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert info.value.__cause__.__traceback__ is None

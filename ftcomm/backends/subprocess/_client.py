@@ -539,7 +539,10 @@ class WorkerProcess:
                         flat_dst[start : start + step].copy_(flat_src[start : start + step])
         except Exception as exc:  # pragma: no cover - a copy between valid views
             log.exception("ftcomm worker %d: copying op %d's outputs failed", self.pid, call.op_id)
-            error = exc  # this op fails; the other replies of the batch go on
+            # This op fails; the other replies of the batch go on. Without its
+            # traceback: the op's error must not hold these frames (this
+            # worker, its segments' descriptors) until a garbage collection.
+            error = exc.with_traceback(None)
         finally:
             # Before the call ends: its waiter may issue the next op on the
             # same storage at once, and must find it unpinned.
