@@ -51,6 +51,16 @@ def _batch_on(g: ftcomm.Group, native: object, n: int) -> list[ftcomm.Work[torch
     return works
 
 
+def _finish_on_a_thread(op: ScriptedOp) -> int | None:
+    """End ``op`` on a thread of its own, as a backend's thread would; that
+    thread's ident."""
+    ender = threading.Thread(target=op.finish)
+    ender.start()
+    ender.join(10)
+    assert not ender.is_alive()
+    return ender.ident
+
+
 class _CountTasks:
     """Counts the tasks made on a loop while installed (its task factory)."""
 
@@ -221,9 +231,7 @@ async def test_a_callback_added_on_a_loop_runs_on_that_loop_in_its_context(
     seen: asyncio.Future[tuple[int, str]] = loop.create_future()
     _WHO.set("registrar")
     work.add_done_callback(lambda w: seen.set_result((threading.get_ident(), _WHO.get())))
-    ender = threading.Thread(target=op.finish)
-    ender.start()
-    ender.join(10)
+    _finish_on_a_thread(op)
     assert not seen.done()  # not on the thread that ended it
     assert await seen == (threading.get_ident(), "registrar")
 
@@ -275,7 +283,7 @@ async def test_a_raising_loop_callback_goes_to_the_loops_handler_and_the_rest_ru
         after: asyncio.Future[None] = loop.create_future()
         works[0].add_done_callback(lambda _: {}["user bug"])
         works[0].add_done_callback(lambda _: after.set_result(None))
-        threading.Thread(target=op.finish).start()
+        _finish_on_a_thread(op)
         await asyncio.wait_for(after, 10)
     finally:
         loop.set_exception_handler(None)
@@ -291,10 +299,8 @@ def test_without_a_running_loop_a_callback_runs_on_the_thread_that_ends_the_op(
     work = issue(table, op, 30.0)
     seen: list[int] = []
     work.add_done_callback(lambda _: seen.append(threading.get_ident()))
-    ender = threading.Thread(target=op.finish)
-    ender.start()
-    ender.join(10)
-    assert seen == [ender.ident]
+    ender = _finish_on_a_thread(op)
+    assert seen == [ender]
     with pytest.raises(RuntimeError, match="no event loop runs in this thread"):
         work.get_loop()
 
@@ -499,10 +505,8 @@ def test_a_callback_whose_loop_closed_runs_on_the_thread_that_ends_the_op(
         work.add_done_callback(lambda _: seen.append(threading.get_ident()))
 
     asyncio.run(register())  # closed with the loop's poll of the op still queued
-    ender = threading.Thread(target=op.finish)
-    ender.start()
-    ender.join(10)
-    assert seen == [ender.ident]  # at once, not at the op's deadline's sweep
+    ender = _finish_on_a_thread(op)
+    assert seen == [ender]  # at once, not at the op's deadline's sweep
 
 
 def test_a_thread_waiting_for_an_op_a_stopped_loop_was_to_poll_is_woken_as_it_ends(

@@ -335,12 +335,7 @@ class Batch:
             if wait(seconds):
                 self.poll()
         else:
-            with self._lock:
-                arm = native is not None and not self._armed
-                self._armed = self._armed or arm
-            if arm:
-                assert native is not None  # for mypy
-                native.on_done(self._native_done)
+            self.arm()
             self._ended.wait(seconds)
         return self._over()
 
@@ -390,14 +385,10 @@ class Batch:
             if self._over():
                 return None
             self._sleepers.append((loop, fut))
+        if loop is not self._spin_loop:
             # On another loop than the polling await (which may be held up),
             # the native completion callback ends it too.
-            native = self._native
-            arm = loop is not self._spin_loop and native is not None and not self._armed
-            self._armed = self._armed or arm
-        if arm:
-            assert native is not None  # for mypy
-            native.on_done(self._native_done)
+            self.arm()
         return fut
 
     def wake_sleepers(self) -> None:

@@ -34,6 +34,7 @@ before its end. With no subscriber, no op event is built or queued.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import math
@@ -76,19 +77,6 @@ def _bucket(seconds: float) -> int:
     return min((exp - 1 - _LOW) * _SUB + int((mantissa * 2 - 1) * _SUB) + 1, _BUCKETS - 1)
 
 
-def _last(values: list[float], start: int, holds: Callable[[float], bool]) -> int:
-    """The last index from ``start`` on where ``holds`` is true, for a
-    ``holds`` true at ``start`` and then false from some index on."""
-    lo, hi = start, len(values) - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if holds(values[mid]):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def _middle(index: int) -> float:
     """A value inside bucket ``index``: its geometric middle."""
     if index == 0:
@@ -127,15 +115,11 @@ class Histogram:
             return
         counts = self.counts
         i, n = 0, len(values)
-        while i < n:
+        while i < n:  # buckets rise with the values: each run found by bisection
             index = _bucket(values[i])
-
-            def same(value: float, index: int = index) -> bool:
-                return _bucket(value) == index
-
-            last = _last(values, i, same)
-            counts[index] += last - i + 1
-            i = last + 1
+            end = bisect.bisect_right(values, index, lo=i, key=_bucket)
+            counts[index] += end - i
+            i = end
         self.count += n
         self.total += math.fsum(values)
         if values[-1] > self.max:
@@ -432,9 +416,7 @@ class Observer:
         issue to its end as seen; ``timed``: seen as it happened, see the
         module); queue its event (after its ``"issued"``) if anyone subscribed."""
         if self.stats_on:
-            counters = self._ops.get(work.op)
-            if counters is None:
-                counters = self._ops[work.op] = _OpCounters()
+            counters = self._counters(work.op)
             counters.count += 1
             if error is None:
                 if timed:
@@ -449,6 +431,13 @@ class Observer:
             kind = "ended" if error is None else "failed"
             self.emit(Event(kind, table.rank, table.store, work.op, work.seq, seconds, error))
 
+    def _counters(self, op: str) -> _OpCounters:
+        """Under the group's lock: ``op``'s counters, made on its first end."""
+        counters = self._ops.get(op)
+        if counters is None:
+            counters = self._ops[op] = _OpCounters()
+        return counters
+
     def batch_ended_locked(
         self, op: str, works: list[Work[Any]], ended_at: float, window: float
     ) -> None:
@@ -456,18 +445,11 @@ class Observer:
         :meth:`op_ended_locked` records for each of ``works``, ops of kind
         ``op`` that succeeded together (a fused batch, seen end at
         ``ended_at`` to within ``window``), in one pass."""
-        counters = self._ops.get(op)
-        if counters is None:
-            counters = self._ops[op] = _OpCounters()
+        counters = self._counters(op)
         counters.count += len(works)
         latencies = sorted([ended_at - work._issued for work in works])
         # timed() holds from some latency up: the untimed ones come first
-        if timed(latencies[0], window):
-            untimed = 0
-        elif not timed(latencies[-1], window):
-            untimed = len(latencies)
-        else:
-            untimed = _last(latencies, 0, lambda v: not timed(v, window)) + 1
+        untimed = bisect.bisect_left(latencies, True, key=lambda v: timed(v, window))
         counters.untimed += untimed
         counters.hist.add_sorted(latencies[untimed:])
 

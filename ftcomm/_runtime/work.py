@@ -991,13 +991,13 @@ def end_all(table: OpTable, works: list[Work[Any]], ended_at: float, window: flo
     back, seen end at ``ended_at`` to within ``window``: fuse.py), then wake
     their waiters."""
     wakeups: list[Callable[[], object]] = []
-    observer = table.observer
-    # Statistics alone (no events): one pass over the batch, not one call per op.
-    bulk = observer if observer is not None and observer.stats_on else None
-    if bulk is not None and bulk.subscribers:
-        bulk = None
     ended: list[Work[Any]] = []
     with table._lock:
+        observer = table.observer  # subscribers read with the ends (under the lock)
+        # Statistics alone (no events): one pass over the batch, not one call per op.
+        bulk = observer if observer is not None and observer.stats_on else None
+        if bulk is not None and bulk.subscribers:
+            bulk = None
         for work in works:
             if not work._claimed:
                 work._claimed = True
