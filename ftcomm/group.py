@@ -879,11 +879,10 @@ class Group(Collectives):
         """Whether an allreduce of ``tensor`` joins the open batch: a small
         one in host memory (the copy back of device tensors would need its
         stream ordered: not done yet)."""
-        return (
-            (self._fuse or self._in_block())
-            and tensor.is_cpu
-            and tensor.nelement() * tensor.element_size() <= self._fuse_op_bytes
-        )
+        # _BATCH_SCOPES is () where no block is open, the usual case: no call
+        if not self._fuse and not (_BATCH_SCOPES.get() and self._in_block()):
+            return False
+        return tensor.is_cpu and tensor.nelement() * tensor.element_size() <= self._fuse_op_bytes
 
     def _in_block(self) -> bool:
         """Whether the calling context is in a :meth:`batch` block of this group."""

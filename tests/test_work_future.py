@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import random
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from ftcomm._runtime import faults
 from ftcomm._runtime import table as table_module
 from ftcomm._runtime import work as work_module
 from ftcomm._runtime.loop import get_runtime
-from ftcomm._runtime.observe import Histogram, Observer, timed
+from ftcomm._runtime.observe import FOLD_EVERY, Histogram, Observer, timed
 from ftcomm._runtime.table import OpTable
 
 
@@ -313,7 +314,6 @@ async def test_get_loop_is_the_loop_that_asks(table: OpTable) -> None:
 
 # -- the batch's statistics, in one pass --------------------------------------------------
 def test_add_sorted_counts_as_adding_each_value() -> None:
-    import random
 
     rng = random.Random(7)
     values = [*sorted(rng.uniform(1e-06, 0.2) for _ in range(2000)), 1e-07, 300.0, 300.0]
@@ -346,6 +346,54 @@ def test_a_batchs_statistics_match_each_ops_own(window: float) -> None:
     assert b.hist.counts == e.hist.counts
     if window == 0.002:
         assert 0 < b.untimed < 100  # the rule splits this batch
+
+
+@pytest.mark.parametrize("n", [1, FOLD_EVERY - 1, FOLD_EVERY, 3 * FOLD_EVERY + 5])
+def test_noted_successes_give_the_statistics_each_end_records(n: int) -> None:
+    """A success is only noted where it ends (no histogram work on the
+    small-op path): the statistics read are what recording each end at once
+    gives, whenever they are read, and the notes never pile up."""
+    rng = random.Random(n)
+    ends = [
+        (rng.choice(["allreduce", "barrier"]), rng.uniform(1e-6, 0.5), rng.uniform(0.0, 0.05))
+        for _ in range(n)
+    ]
+    noted, each = (Observer(threading.Lock(), lambda f: f(), stats=True) for _ in range(2))
+
+    class _Op:
+        def __init__(self, op: str) -> None:
+            self.op = op
+
+    for op, latency, window in ends:
+        noted.succeeded_locked(op, latency, window)
+        assert len(noted._noted) < FOLD_EVERY  # folded as they reach the bound
+        each.op_ended_locked(cast(Any, _Op(op)), latency, timed(latency, window), None)
+    got, want = noted.snapshot(0).ops, each.snapshot(0).ops
+    assert got == want
+    assert sum(s.count for s in got.values()) == n
+    assert noted._noted == []  # the read folded the rest
+    assert any(s.untimed for s in got.values()) or n < 10  # both kinds were drawn
+
+
+@pytest.mark.asyncio
+async def test_an_awaited_failure_keeps_no_native_op_in_its_traceback(table: OpTable) -> None:
+    """The op keeps its error, and the error its traceback: no frame in it may
+    hold the native op (a Gloo work holds its group's sockets until a
+    garbage collection would break the cycle)."""
+    op = ScriptedOp()
+    work = issue(table, op, 30.0)
+    asyncio.get_running_loop().call_soon(op.finish, RuntimeError("the peer went away"))
+    with pytest.raises(ftcomm.CommFailed) as raised:
+        await work
+    frames, tb = [], raised.value.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    assert any(f.f_code.co_name == "__await__" for f in frames)  # the frame checked
+    ours = [f for f in frames if "ftcomm" in f.f_code.co_filename.split("/")]
+    held = [name for f in ours for name, value in f.f_locals.items() if value is op]
+    assert ours
+    assert held == []
 
 
 class _Polled(ScriptedOp):

@@ -423,18 +423,46 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         return None if mark is None else mark[0]
 
     def __await__(self) -> Generator[Any, None, R]:
-        # A plain generator, not a coroutine chain: the spin below resumes
-        # once per loop iteration, and every layer it passes costs time
-        # measured in the small-op bench.
+        # A plain generator, not a coroutine chain, with the spin inline: it
+        # resumes once per loop iteration, and every frame it passes costs
+        # time measured in the small-op bench.
         if self._batch is not None:  # a look, ended or not: a cut point either way
             self._flush()
         if self._end is None:
-            require_asyncio("awaiting", self.op)  # the op goes on; its deadline holds
+            if asyncio._get_running_loop() is None:
+                require_asyncio("awaiting", self.op)  # raises; the op goes on, its deadline holds
+            native = self._native
+            spinner: Batch | None = None
             try:
-                yield from self._until_ended()
-            except asyncio.CancelledError:
-                self._cancelled_while_awaited()
+                if type(native) is MemberOp:
+                    spinner = yield from self._member_turn(native)
+                    native = self._native
+                if native is not None:
+                    spin_until = time.perf_counter() + getattr(native, "spin", SPIN_SECONDS)
+                    while self._end is None:
+                        if native.poll():
+                            self._complete(native.outcome())
+                            break  # ended, or being settled by another thread: see below
+                        self._pending_at = now = time.perf_counter()
+                        if now >= spin_until:
+                            break
+                        # Give this core to a runnable thread first (the backend's
+                        # own worker, usually): on 2 cores a spin that only yields
+                        # to the event loop starves it and turns p90 from 0.2 ms
+                        # into 4 ms.
+                        sched_yield()
+                        yield  # what asyncio.sleep(0) does: run the loop once, then resume
+                    if self._end is None:
+                        yield from self._sleep_until_ended(native).__await__()
+            except BaseException as exc:
+                if spinner is not None and self._end is None:
+                    spinner.spinner_left()  # closed or cancelled: another await takes over
+                if isinstance(exc, asyncio.CancelledError):
+                    self._cancelled_while_awaited()
                 raise
+            # The error raised below keeps this frame in its traceback, and
+            # the op keeps the error: no native op may be held from here.
+            native = spinner = None
         end = self._end
         if end is None:
             end = self._outcome()  # raises: a bug in ftcomm
@@ -459,48 +487,24 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             raise RuntimeError(f"{self!r}: outcome read before the op ended")
         return end
 
-    def _until_ended(self) -> Generator[Any, None, None]:
-        native = self._native
-        if native is None:
-            return
-        spinner: Batch | None = None
-        if type(native) is MemberOp and native.batch.take_spin(asyncio.get_running_loop()):
-            spinner = native.batch  # this await polls it; the others sleep on it
-        elif type(native) is MemberOp:
-            # Another await polls this op's batch: one look, then sleep until
-            # it is over (one future per await, woken together), rather than
-            # 1000 tasks polling it.
-            if native.poll():
-                self._complete(native.outcome())
-            else:
-                fut = native.batch.sleep(asyncio.get_running_loop())
-                # _end_locked sets _end before it wakes the sleepers (under the
-                # batch's lock): an end that came before we slept is seen here.
-                if fut is not None and self._end is None:
-                    yield from fut
-            native = self._native
-            if native is None:
-                return
-        try:
-            spin_until = time.perf_counter() + getattr(native, "spin", SPIN_SECONDS)
-            while self._end is None:
-                if native.poll():
-                    self._complete(native.outcome())
-                    break  # ended, or being settled by another thread: see below
-                self._pending_at = now = time.perf_counter()
-                if now >= spin_until:
-                    break
-                # Give this core to a runnable thread first (the backend's own
-                # worker, usually): on 2 cores a spin that only yields to the event
-                # loop starves it and turns p90 from 0.2 ms into 4 ms.
-                sched_yield()
-                yield  # what asyncio.sleep(0) does: run the loop once, then resume
-            if self._end is None:
-                yield from self._sleep_until_ended(native).__await__()
-        except BaseException:
-            if spinner is not None and self._end is None:
-                spinner.spinner_left()  # closed or cancelled: another await takes over
-            raise
+    def _member_turn(self, native: MemberOp) -> Generator[Any, None, Batch | None]:
+        """An await of a fused op, before it polls: the batch if this await
+        is the one that polls it (then spins on it); else, with another
+        await polling the batch, one look at the op, then sleep until the
+        batch is over (one future per await, woken together, rather than
+        1000 tasks polling it), and ``None``."""
+        loop = asyncio.get_running_loop()
+        if native.batch.take_spin(loop):
+            return native.batch
+        if native.poll():
+            self._complete(native.outcome())
+        else:
+            fut = native.batch.sleep(loop)
+            # _end_locked sets _end before it wakes the sleepers (under the
+            # batch's lock): an end that came before we slept is seen here.
+            if fut is not None and self._end is None:
+                yield from fut
+        return None
 
     async def _sleep_until_ended(self, native: NativeOp) -> None:
         loop = asyncio.get_running_loop()
@@ -727,7 +731,8 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         wakeups = self._settle_quietly(error, breaks)
         if wakeups is None:
             return False
-        _wake_all(wakeups)
+        if wakeups:
+            _wake_all(wakeups)
         return True
 
     def _settle_quietly(
@@ -865,7 +870,10 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             else:  # the backend's: exact (a worker's reply), or to within an event's poll
                 window = getattr(native, "end_window", None) or 0.0
             latency = ended_at - self._issued
-            observer.op_ended_locked(self, latency, timed(latency, window), end.error)
+            if end.error is None and not observer.subscribers:
+                observer.succeeded_locked(self.op, latency, window)  # stats_on: see above
+            else:
+                observer.op_ended_locked(self, latency, timed(latency, window), end.error)
         return waiters or []
 
     def _publish_by(self, seconds: float, error: BaseException) -> None:
