@@ -597,3 +597,94 @@ async def test_the_loops_poll_keeps_nothing_alive_once_the_op_ended(table: OpTab
         assert gone() is None
     finally:
         gc.enable()
+
+
+# -- the await's spin: holding the loop only when alone ----------------------------------
+class _CountedPolls(ScriptedOp):
+    """A native op that ends at its ``ends_at``-th poll."""
+
+    def __init__(self, ends_at: int) -> None:
+        super().__init__()
+        self.polls, self.ends_at = 0, ends_at
+
+    def poll(self) -> bool:
+        self.polls += 1
+        if self.polls >= self.ends_at and not self._done:
+            self.finish()
+        return self._done
+
+
+async def _loop_turns_during(*awaitables: Any) -> int:
+    """How many times the loop ran another task's step while ``awaitables`` ran."""
+    turns, over = 0, False
+
+    async def count() -> None:
+        nonlocal turns
+        while not over:
+            turns += 1
+            await asyncio.sleep(0)
+
+    counter = asyncio.create_task(count())
+    try:
+        await asyncio.gather(*(asyncio.create_task(_awaited(a)) for a in awaitables))
+    finally:
+        over = True
+        await counter
+    return turns
+
+
+async def _awaited(work: Any) -> Any:
+    return await work
+
+
+@pytest.mark.asyncio
+async def test_a_lone_await_polls_between_turns_of_the_loop(table: OpTable) -> None:
+    """Alone in spinning on its loop, an await polls for a while before the
+    loop runs once (HOLD_SECONDS); the spinning count is back to 0 after."""
+    from ftcomm._runtime.loop import spinners
+
+    op = _CountedPolls(ends_at=200)
+    turns = await _loop_turns_during(issue(table, op, 30.0))
+    assert op.polls == 200
+    assert turns < 100  # one poll per turn would take 200 turns
+    assert spinners()[0] == 0
+
+
+@pytest.mark.asyncio
+async def test_awaits_spinning_together_poll_once_per_turn(table: OpTable) -> None:
+    """With two awaits spinning on one loop, neither holds it: each turn of the
+    loop is one poll of each op, so other tasks run as often as before."""
+    from ftcomm._runtime.loop import spinners
+
+    ops = [_CountedPolls(ends_at=10**9), _CountedPolls(ends_at=10**9)]
+    tasks = [asyncio.create_task(_awaited(issue(table, ops[0], 30.0)))]
+    await asyncio.sleep(0)  # the first await's first step: alone, it may hold
+    tasks.append(asyncio.create_task(_awaited(issue(table, ops[1], 30.0))))
+    await asyncio.sleep(0)
+    assert spinners()[0] == 2
+    before = [op.polls for op in ops]
+    for _ in range(20):  # 20 turns of the loop
+        await asyncio.sleep(0)
+    assert all(abs(op.polls - n - 20) <= 1 for op, n in zip(ops, before, strict=True))
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert spinners()[0] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_spin_counts_itself_out(table: OpTable) -> None:
+    """An await cancelled mid-spin leaves the count (its ``finally`` runs)."""
+    from ftcomm._runtime.loop import spinners
+
+    op = _CountedPolls(ends_at=10**9)
+    work = issue(table, op, 30.0)
+    task = asyncio.create_task(_awaited(work))
+    await asyncio.sleep(0)  # the task's first step: it spins, then lets the loop run
+    assert op.polls >= 1
+    assert spinners()[0] == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert isinstance(work.exception(), CommAborted)  # the cancel aborted the op
+    assert spinners()[0] == 0

@@ -72,6 +72,26 @@ sched_yield: Callable[[], object] = getattr(os, "sched_yield", lambda: None)
 ``sched_yield``)."""
 
 
+HOLD_SECONDS = 50e-6
+"""How long an await that is alone in spinning on its loop polls before it
+lets the loop run once (``Work._spin``): the loop is held that long at most."""
+
+
+class _Spinners(threading.local):
+    def __init__(self) -> None:
+        self.count = [0]
+
+
+_SPINNERS = _Spinners()
+
+
+def spinners() -> list[int]:
+    """This thread's count of awaits spinning on an op, in a box: a spin whose
+    generator is closed on another thread (by a garbage collection) counts
+    down the box of the thread it counted up."""
+    return _SPINNERS.count
+
+
 class LoopPoller:
     """Call ``poll()`` once per iteration of ``loop``, yielding the core in
     between, until it returns true or ``spin`` seconds have passed; then, if

@@ -60,7 +60,7 @@ from ..errors import CommAborted, CommError, CommFailed, CommTimeout
 from .deadline import to_seconds
 from .driven import Drivers, TaskDriven
 from .fuse import AloneMark, MemberOp
-from .loop import LoopPoller, require_asyncio, sched_yield, wake_threadsafe
+from .loop import HOLD_SECONDS, LoopPoller, require_asyncio, sched_yield, spinners, wake_threadsafe
 from .native import NativeOp
 from .observe import timed
 from .table import Broken, LoopCall, OpTable, ThreadCall, _peek, _wake_all, log
@@ -423,9 +423,9 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         return None if mark is None else mark[0]
 
     def __await__(self) -> Generator[Any, None, R]:
-        # A plain generator, not a coroutine chain, with the spin inline: it
-        # resumes once per loop iteration, and every frame it passes costs
-        # time measured in the small-op bench.
+        # A plain generator, not a coroutine chain: it resumes once per loop
+        # iteration while it spins, and every frame it passes costs time
+        # measured in the small-op bench.
         if self._batch is not None:  # a look, ended or not: a cut point either way
             self._flush()
         if self._end is None:
@@ -438,20 +438,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
                     spinner = yield from self._member_turn(native)
                     native = self._native
                 if native is not None:
-                    spin_until = time.perf_counter() + getattr(native, "spin", SPIN_SECONDS)
-                    while self._end is None:
-                        if native.poll():
-                            self._complete(native.outcome())
-                            break  # ended, or being settled by another thread: see below
-                        self._pending_at = now = time.perf_counter()
-                        if now >= spin_until:
-                            break
-                        # Give this core to a runnable thread first (the backend's
-                        # own worker, usually): on 2 cores a spin that only yields
-                        # to the event loop starves it and turns p90 from 0.2 ms
-                        # into 4 ms.
-                        sched_yield()
-                        yield  # what asyncio.sleep(0) does: run the loop once, then resume
+                    yield from self._spin(native)
                     if self._end is None:
                         yield from self._sleep_until_ended(native).__await__()
             except BaseException as exc:
@@ -486,6 +473,38 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         if end is None:  # a caller skipped the wait: a bug in ftcomm, not the user's
             raise RuntimeError(f"{self!r}: outcome read before the op ended")
         return end
+
+    def _spin(self, native: NativeOp) -> Generator[None, None, None]:
+        """Poll the op until it ends or its spin (:data:`SPIN_SECONDS`) is
+        over, yielding the core between polls and running the event loop
+        once per turn. An await that is the only one spinning on this
+        thread's loop keeps polling for up to :data:`HOLD_SECONDS` before
+        each turn of the loop (measured, 2 ranks each pinned to a core: a
+        lone op 10 µs faster, as fast as a thread's spin); with several,
+        each turn is one poll, so that none holds the others up."""
+        spinning = spinners()
+        spinning[0] += 1
+        try:
+            spin_until = time.perf_counter() + getattr(native, "spin", SPIN_SECONDS)
+            while True:
+                hold_until = time.perf_counter() + HOLD_SECONDS if spinning[0] == 1 else 0.0
+                while True:
+                    if native.poll():
+                        self._complete(native.outcome())
+                        return  # ended, or being settled by another thread
+                    self._pending_at = now = time.perf_counter()
+                    if now >= spin_until:
+                        return
+                    # Give this core to a runnable thread first (the backend's
+                    # own worker, usually): on 2 cores a spin that only yields
+                    # to the event loop starves it and turns p90 from 0.2 ms
+                    # into 4 ms.
+                    sched_yield()
+                    if now >= hold_until:
+                        break
+                yield  # what asyncio.sleep(0) does: run the loop once, then resume
+        finally:
+            spinning[0] -= 1
 
     def _member_turn(self, native: MemberOp) -> Generator[Any, None, Batch | None]:
         """An await of a fused op, before it polls: the batch if this await
