@@ -85,6 +85,8 @@ class Plan:
     rounds: int
     cases: tuple[str, ...]
     workloads: tuple[Workload, ...]
+    pin: bool = False
+    """Each rank on one CPU of its own (``--pin``; see :func:`pin_rank`)."""
 
 
 @dataclass
@@ -545,10 +547,32 @@ async def _measure(rank: int, port: int, plan: Plan, store: Store) -> Report:
     return report
 
 
+def pin_rank(rank: int) -> int:
+    """Pin this process, and every thread it starts from now on (Gloo's, the
+    event loop's), to one of the CPUs it may use: the ``rank``-th, cycling.
+    Returns that CPU. Linux only (``os.sched_setaffinity``)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    cpu = cpus[rank % len(cpus)]
+    os.sched_setaffinity(0, {cpu})
+    return cpu
+
+
+def _unpinnable() -> str | None:
+    """Why ``--pin`` cannot work here, or ``None``."""
+    if not hasattr(os, "sched_setaffinity"):
+        return "--pin needs os.sched_setaffinity (Linux)"
+    usable = len(os.sched_getaffinity(0))
+    if usable < WORLD_SIZE:
+        return f"--pin needs {WORLD_SIZE} CPUs, one per rank; this process may use {usable}"
+    return None
+
+
 def _child(rank: int, port: int, plan: Plan, conn: Connection) -> None:
     """A rank's process: measure, send its report (times: rank 0's only), exit
     (at once on failure)."""
     try:
+        if plan.pin:  # first: the threads started below inherit it
+            pin_rank(rank)
         os.environ[_LOOP_ENV] = plan.loop  # ftcomm's owner loop matches the caller's
         store = TCPStore(
             host_name=HOST,
@@ -683,7 +707,7 @@ def format_table(plan: Plan, report: Report, notes: Sequence[str]) -> str:
     )
     lines = [
         f"ftcomm bench: {WORLD_SIZE} ranks, gloo, loopback, loop={plan.loop}, "
-        f"torch {torch.__version__}",
+        f"torch {torch.__version__}" + (", each rank pinned to a CPU" if plan.pin else ""),
         head,
     ]
     for w, impl, lat, base_p50 in _measured(plan, report):
@@ -871,6 +895,7 @@ def results(
         "transport": "loopback",
         "plan": {
             "loop": plan.loop,
+            "pin": plan.pin,
             "rounds": plan.rounds,
             "cases": list(plan.cases),
             "baseline": BASELINE,
@@ -1153,6 +1178,12 @@ def parser() -> argparse.ArgumentParser:
         help="add an optional row: stats-off (ftcomm with Group(stats=False))",
     )
     p.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin each rank (with its threads) to a CPU of its own: steadier small-op "
+        "figures on a small machine, where unpinned runs swing with thread placement",
+    )
+    p.add_argument(
         "--recovery-samples",
         type=_non_negative,
         default=5,
@@ -1219,6 +1250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             None if plot_path is None or missing else _unplottable(plot_path),
             None if plot_path is None else _unwritable(plot_path),
             None if json_path in (None, "-") else _unwritable(json_path),
+            _unpinnable() if args.pin else None,
         )
         if why is not None
     ]
@@ -1239,7 +1271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cases.append(case.impl)
         else:
             notes.append(f"{case.impl} rows skipped: {why}")
-    plan = Plan(loop, args.rounds, tuple(cases), workloads(args))
+    plan = Plan(loop, args.rounds, tuple(cases), workloads(args), pin=args.pin)
     started = time.monotonic()
     try:
         report = _run_children(plan, args.timeout)

@@ -4,6 +4,7 @@ its ``--json`` and ``--plot`` outputs; how it ends torchft's subprocess groups."
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import subprocess
@@ -174,3 +175,61 @@ def test_no_command_prints_usage_and_exits_2() -> None:
     )
     assert proc.returncode == 2
     assert "usage: python -m ftcomm" in proc.stderr
+
+
+_PIN_CHECK = """
+import os, threading
+from ftcomm._bench import pin_rank
+cpu = pin_rank(1)
+seen = []
+thread = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))
+thread.start()
+thread.join()
+print(cpu, sorted(os.sched_getaffinity(0)), seen[0])
+"""
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs os.sched_setaffinity and 2 usable CPUs",
+)
+def test_a_pinned_rank_and_the_threads_it_starts_run_on_one_cpu() -> None:
+    """--pin: rank r gets the r-th CPU the process may use, and the threads it
+    starts afterwards (Gloo's) inherit it."""
+    expected = sorted(os.sched_getaffinity(0))[1]
+    proc = subprocess.run(
+        [sys.executable, "-c", _PIN_CHECK], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert proc.stdout.split(" ", 1) == [str(expected), f"[{expected}] [{expected}]\n"]
+
+
+def test_pin_is_refused_before_running_where_each_rank_cannot_have_a_cpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def must_not_run(*_: object) -> _bench.Report:
+        raise AssertionError("the bench ran although --pin cannot pin")
+
+    monkeypatch.setattr(_bench, "_run_children", must_not_run)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert _bench.main(["--pin", "--recovery-samples", "0"]) == 2
+    assert "--pin needs 2 CPUs, one per rank; this process may use 1" in capsys.readouterr().err
+
+
+def test_a_pinned_run_says_so_in_its_table_and_its_json(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plans: list[_bench.Plan] = []
+
+    def fake_run(plan: _bench.Plan, timeout: float) -> _bench.Report:
+        plans.append(plan)
+        lat = {(w.label, c): [1e-4, 2e-4] for w in plan.workloads for c in plan.cases}
+        return _bench.Report(lat)
+
+    monkeypatch.setattr(_bench, "_run_children", fake_run)
+    monkeypatch.setattr(_bench, "_unpinnable", lambda: None)  # any machine
+    assert _bench.main(["--pin", "--json", "-", "--recovery-samples", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["pin"] is True
+    assert [p.pin for p in plans] == [True]
+    assert "each rank pinned to a CPU" in _bench.format_table(plans[0], _bench.Report(), [])
+    unpinned = _bench.Plan("asyncio", 1, ("raw",), ())
+    assert "pinned" not in _bench.format_table(unpinned, _bench.Report(), [])
