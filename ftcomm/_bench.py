@@ -548,12 +548,17 @@ async def _measure(rank: int, port: int, plan: Plan, store: Store) -> Report:
 
 
 def pin_rank(rank: int) -> int:
-    """Pin this process, and every thread it starts from now on (Gloo's, the
-    event loop's), to one of the CPUs it may use: the ``rank``-th, cycling.
-    Returns that CPU. Linux only (``os.sched_setaffinity``)."""
+    """Pin this process to one of the CPUs it may use, the ``rank``-th
+    (cycling): every thread it has (importing torch starts some) and, by
+    inheritance, every thread it starts later (Gloo's); torch's intra-op
+    pool is cut to one thread to match. Returns that CPU. Linux only."""
     cpus = sorted(os.sched_getaffinity(0))
     cpu = cpus[rank % len(cpus)]
-    os.sched_setaffinity(0, {cpu})
+    os.sched_setaffinity(0, {cpu})  # this thread, and so the ones it starts
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), {cpu})
+    torch.set_num_threads(1)
     return cpu
 
 

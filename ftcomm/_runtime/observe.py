@@ -461,7 +461,7 @@ class Observer:
         Measured, warm: 90 µs for 256 notes of one kind, where adding each
         to the histogram took 170 µs in all; the op whose end folds pays it."""
         noted, self._noted = self._noted, []
-        kinds = {op for op, _, _ in noted}
+        kinds = dict.fromkeys(op for op, _, _ in noted)  # the order of their ends
         for kind in kinds:
             mine = noted if len(kinds) == 1 else [note for note in noted if note[0] == kind]
             latencies = sorted([seconds for _, seconds, window in mine if timed(seconds, window)])

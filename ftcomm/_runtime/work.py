@@ -444,12 +444,14 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             except BaseException as exc:
                 if spinner is not None and self._end is None:
                     spinner.spinner_left()  # closed or cancelled: another await takes over
+                # A raised error keeps this frame in its traceback (a task
+                # keeps its cancel, the op its error): no native op may be
+                # held by the frame from here.
+                native = spinner = None
                 if isinstance(exc, asyncio.CancelledError):
                     self._cancelled_while_awaited()
                 raise
-            # The error raised below keeps this frame in its traceback, and
-            # the op keeps the error: no native op may be held from here.
-            native = spinner = None
+            native = spinner = None  # the op's error, raised below: as above
         end = self._end
         if end is None:
             end = self._outcome()  # raises: a bug in ftcomm
@@ -481,14 +483,16 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         thread's loop keeps polling for up to :data:`HOLD_SECONDS` before
         each turn of the loop (measured, 2 ranks each pinned to a core: a
         lone op 10 µs faster, as fast as a thread's spin); with several,
-        each turn is one poll, so that none holds the others up."""
+        each turn is one poll, so that no await holds another up. It stops
+        as soon as the op's end is out, whoever published it (a break, an
+        abort, the deadline's sweep)."""
         spinning = spinners()
         spinning[0] += 1
         try:
             spin_until = time.perf_counter() + getattr(native, "spin", SPIN_SECONDS)
-            while True:
+            while self._end is None:
                 hold_until = time.perf_counter() + HOLD_SECONDS if spinning[0] == 1 else 0.0
-                while True:
+                while self._end is None:
                     if native.poll():
                         self._complete(native.outcome())
                         return  # ended, or being settled by another thread
@@ -502,9 +506,12 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
                     sched_yield()
                     if now >= hold_until:
                         break
+                else:
+                    return  # ended by another party while this await held the loop
                 yield  # what asyncio.sleep(0) does: run the loop once, then resume
         finally:
             spinning[0] -= 1
+            del native  # a cancel's traceback keeps this frame
 
     def _member_turn(self, native: MemberOp) -> Generator[Any, None, Batch | None]:
         """An await of a fused op, before it polls: the batch if this await
@@ -519,6 +526,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             self._complete(native.outcome())
         else:
             fut = native.batch.sleep(loop)
+            del native  # a cancel's traceback keeps this frame
             # _end_locked sets _end before it wakes the sleepers (under the
             # batch's lock): an end that came before we slept is seen here.
             if fut is not None and self._end is None:
@@ -529,7 +537,9 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         loop = asyncio.get_running_loop()
         self._table.runtime.watch_caller()  # debug mode: a held loop delays this op
         fut: asyncio.Future[None] = loop.create_future()
-        if self._add_waiter(native, lambda: wake_threadsafe(loop, fut)):
+        waiting = self._add_waiter(native, lambda: wake_threadsafe(loop, fut))
+        del native  # a cancel's traceback keeps this frame
+        if waiting:
             await fut
 
     def _add_waiter(self, native: NativeOp | None, wake: Callable[[], object]) -> bool:
@@ -875,7 +885,8 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         if end.error is not None and type(native) is MemberOp:
             native.batch.wake_sleepers()  # its batch-mates look at their own ends
         observer = self._table.observer
-        if record and observer is not None and (observer.stats_on or observer.subscribers):
+        subscribers = None if observer is None else observer.subscribers  # read once
+        if record and observer is not None and (observer.stats_on or subscribers):
             # A native op that knows when it ended says so (a worker's reply);
             # else an end is timed only if it was seen as it happened, to
             # within 1 ms or 1/16 of its latency (an await or wait watching it,
@@ -889,7 +900,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             else:  # the backend's: exact (a worker's reply), or to within an event's poll
                 window = getattr(native, "end_window", None) or 0.0
             latency = ended_at - self._issued
-            if end.error is None and not observer.subscribers:
+            if end.error is None and not subscribers:
                 observer.succeeded_locked(self.op, latency, window)  # stats_on: see above
             else:
                 observer.op_ended_locked(self, latency, timed(latency, window), end.error)
