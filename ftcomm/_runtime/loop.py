@@ -74,7 +74,9 @@ sched_yield: Callable[[], object] = getattr(os, "sched_yield", lambda: None)
 
 HOLD_SECONDS = 50e-6
 """How long an await that is alone in spinning on its loop polls before it
-lets the loop run once (``Work._spin``): the loop is held that long at most."""
+lets the loop run once (``Work._spin``). The hold is checked after each
+poll's ``sched_yield``, so a turn may run a yield past it (on a loaded
+machine a yield can give the core away for a scheduler slice)."""
 
 
 class _Spinners(threading.local):
