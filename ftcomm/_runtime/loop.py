@@ -147,7 +147,7 @@ class LoopPoller:
         if time.perf_counter() >= self._until:
             self._stop(give_up=True)
             return
-        sched_yield()  # the backend's thread first (see Work._until_ended)
+        sched_yield()  # the backend's thread first (see Work._spin)
         self.start()
 
     def __del__(self) -> None:

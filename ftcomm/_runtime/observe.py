@@ -468,10 +468,15 @@ class Observer:
         for kind in kinds:
             mine = noted if len(kinds) == 1 else [note for note in noted if note[0] == kind]
             latencies = sorted([seconds for _, seconds, window in mine if timed(seconds, window)])
-            counters = self._counters(kind)
-            counters.count += len(mine)
-            counters.untimed += len(mine) - len(latencies)
-            counters.hist.add_sorted(latencies)
+            self._add_successes(kind, len(mine), latencies)
+
+    def _add_successes(self, op: str, count: int, timed_latencies: list[float]) -> None:
+        """Under the group's lock: ``count`` successes of kind ``op``, of which
+        those timed have ``timed_latencies`` (ascending); the rest are untimed."""
+        counters = self._counters(op)
+        counters.count += count
+        counters.untimed += count - len(timed_latencies)
+        counters.hist.add_sorted(timed_latencies)
 
     def _counters(self, op: str) -> _OpCounters:
         """Under the group's lock: ``op``'s counters, made on its first end."""
@@ -487,13 +492,10 @@ class Observer:
         :meth:`op_ended_locked` records for each of ``works``, ops of kind
         ``op`` that succeeded together (a fused batch, seen end at
         ``ended_at`` to within ``window``), in one pass."""
-        counters = self._counters(op)
-        counters.count += len(works)
         latencies = sorted([ended_at - work._issued for work in works])
         # timed() holds from some latency up: the untimed ones come first
         untimed = bisect.bisect_left(latencies, True, key=lambda v: timed(v, window))
-        counters.untimed += untimed
-        counters.hist.add_sorted(latencies[untimed:])
+        self._add_successes(op, len(works), latencies[untimed:])
 
     # -- configurations ----------------------------------------------------
     def configured(self, rank: int, world_size: int, store: str, seconds: float) -> None:

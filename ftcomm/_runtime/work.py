@@ -482,11 +482,10 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         once per turn. An await that is the only one spinning on this
         thread's loop keeps polling for up to :data:`HOLD_SECONDS` before
         each turn of the loop (measured, 2 ranks each pinned to a core: 0.16
-        turns of the loop per lone op instead of 20-50, and the op about 2.5 µs
-        faster); with several,
-        each turn is one poll, so that no await holds another up. It stops
-        as soon as the op's end is out, whoever published it (a break, an
-        abort, the deadline's sweep)."""
+        turns of the loop per lone op instead of 20-50, and the op about 2.5
+        µs faster); with several, each turn is one poll, so that no await
+        holds another up. It stops as soon as the op's end is out, whoever
+        published it (a break, an abort, the deadline's sweep)."""
         spinning = spinners()
         spinning[0] += 1
         try:
@@ -889,9 +888,9 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         native, self._native = self._native, None
         if end.error is not None and type(native) is MemberOp:
             native.batch.wake_sleepers()  # its batch-mates look at their own ends
-        observer = self._table.observer
+        observer = self._table.observer if record else None
         subscribers = None if observer is None else observer.subscribers  # read once
-        if record and observer is not None and (observer.stats_on or subscribers):
+        if observer is not None and (observer.stats_on or subscribers):
             # A native op that knows when it ended says so (a worker's reply);
             # else an end is timed only if it was seen as it happened, to
             # within 1 ms or 1/16 of its latency (an await or wait watching it,
