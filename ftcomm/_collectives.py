@@ -3,7 +3,9 @@
 Each method checks its arguments (``TypeError``/``ValueError`` naming the
 argument, before anything is sent: the group stays usable) and hands the
 native call to ``Group._issue``, which issues it on the calling thread at
-once, so issue order is call order on every rank.
+once, so issue order is call order on every rank. ``Group.allreduce`` takes
+the plain small op by a short path of its own, and hands every other call to
+:meth:`Collectives.allreduce`.
 """
 
 from __future__ import annotations

@@ -46,6 +46,8 @@ from ._runtime.native import countdown
 from .errors import CommAborted, CommError
 
 if TYPE_CHECKING:
+    import torch
+
     from ._runtime.fuse import AloneMark, Batch
     from ._runtime.table import Broken, OpTable
     from ._verify import Chain
@@ -103,6 +105,10 @@ class Config:
     came since the last one did (fuse.py; under the issue lock)."""
     alone_mark: AloneMark | None = None
     """What an op that went on its own holds: its first look is a cut point."""
+    short_dtypes: frozenset[torch.dtype] | None = None
+    """The dtypes ``Group.allreduce``'s short path takes (``None``: it has
+    none): set where the backend has one (:attr:`Backend.short_allreduce`,
+    CPU tensors) and ``verify=True`` is off."""
 
 
 class Attempt:

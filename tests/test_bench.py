@@ -61,6 +61,7 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     assert (doc["ftcomm"], doc["torch"]) == (ftcomm.__version__, torch.__version__)
     assert doc["plan"]["rounds"] == 2
     assert [w["iters"] for w in doc["plan"]["workloads"]] == [50, 2, 2]
+    assert [w["turn"] for w in doc["plan"]["workloads"]] == [25, 1, 1]  # 25 per round < 50
     rows = {(r["workload"], r["case"]): r for r in doc["rows"]}
     cases = ("raw", "ftcomm", "fused", "stats-off", "verify", "facade", "subproc", "sub+move")
     cases += ("baby",)
@@ -243,3 +244,13 @@ def test_a_pinned_run_says_so_in_its_table_and_its_json(
     assert "each rank pinned to a CPU" in _bench.format_table(plans[0], _bench.Report(), [])
     unpinned = _bench.Plan("asyncio", 1, ("raw",), ())
     assert "pinned" not in _bench.format_table(unpinned, _bench.Report(), [])
+
+
+def test_the_small_op_row_takes_turns_every_50_ops() -> None:
+    """The cases take turns within a round (see ``workloads``); a row with
+    no chunk, or one smaller than a chunk, is one turn."""
+    small = _bench.Workload("allreduce 1xfp32", "allreduce", 1, 500, 100, chunk=50)
+    assert _bench._turns(small) == [50] * 10
+    assert _bench._turns(_bench.Workload("a", "allreduce", 1, 120, 0, chunk=50)) == [50, 50, 20]
+    assert _bench._turns(_bench.Workload("a", "allreduce", 1, 30, 0, chunk=50)) == [30]
+    assert _bench._turns(_bench.Workload("b", "allreduce", 8, 4, 1)) == [4]

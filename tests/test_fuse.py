@@ -559,15 +559,22 @@ async def _sums(ctx: RankContext, n: int, subprocess: bool) -> dict[str, Any]:
 
 
 def _count_native(g: ftcomm.Group) -> Any:
+    """Count the group's native allreduces (a lone plain op's short path,
+    ``allreduce_sum``, included)."""
     backend = g._config.backend  # type: ignore[union-attr]
-    real = backend.allreduce
+    real, real_sum = backend.allreduce, backend.allreduce_sum
     count = [0]
 
     def counting(*args: Any) -> Any:
         count[0] += 1
         return real(*args)
 
+    def counting_sum(*args: Any) -> Any:
+        count[0] += 1
+        return real_sum(*args)
+
     backend.allreduce = counting  # type: ignore[method-assign]
+    backend.allreduce_sum = counting_sum  # type: ignore[method-assign]
     return lambda: count[0]
 
 

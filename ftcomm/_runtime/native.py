@@ -81,19 +81,20 @@ class WorkOp:
     ``sever``: how to stop the op's native group for real, if there is one.
     """
 
-    __slots__ = ("_sever", "_work")
+    __slots__ = ("_sever", "_work", "poll")
 
     def __init__(self, work: dist.Work, sever: Sever | None = None) -> None:
         self._work = work
         self._sever = sever
+        # NativeOp.poll: c10d's own is_completed (a bool), bound once; a
+        # spinning await calls it dozens of times per small op, and a Python
+        # frame around each call delays the one that sees the end.
+        self.poll: Callable[[], bool] = work.is_completed
 
     def abandon(self) -> bool:
         """Stop the native group (if it can be): the op then fails by itself
         within milliseconds; True if so (its end must be awaited)."""
         return self._sever is not None and self._sever()
-
-    def poll(self) -> bool:
-        return bool(self._work.is_completed())
 
     def outcome(self) -> BaseException | None:
         try:

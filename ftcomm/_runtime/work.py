@@ -60,7 +60,14 @@ from ..errors import CommAborted, CommError, CommFailed, CommTimeout
 from .deadline import to_seconds
 from .driven import Drivers, TaskDriven
 from .fuse import AloneMark, MemberOp
-from .loop import HOLD_SECONDS, LoopPoller, require_asyncio, sched_yield, spinners, wake_threadsafe
+from .loop import (
+    _SPINNERS,
+    HOLD_SECONDS,
+    LoopPoller,
+    require_asyncio,
+    sched_yield,
+    wake_threadsafe,
+)
 from .native import NativeOp
 from .observe import timed
 from .table import Broken, LoopCall, OpTable, ThreadCall, _peek, _wake_all, log
@@ -486,7 +493,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         µs faster); with several, each turn is one poll, so that no await
         holds another up. It stops as soon as the op's end is out, whoever
         published it (a break, an abort, the deadline's sweep)."""
-        spinning = spinners()
+        spinning = _SPINNERS.count  # spinners(), without the call
         spinning[0] += 1
         try:
             spin_until = time.perf_counter() + getattr(native, "spin", SPIN_SECONDS)
@@ -968,8 +975,10 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         breaking the table: that op's settler breaks it with the real cause,
         so ``errored()`` names the deadline (or cancel), not the stop.
         """
-        if native_error is None:
-            self._settle(None)
+        if native_error is None:  # _settle(None), one frame shorter (the small-op path)
+            wakeups = self._settle_quietly(None, False)
+            if wakeups:
+                _wake_all(wakeups)
             return
         breaks = not getattr(native_error, "_by_abandon", False)
         self._settle(self._native_failure(native_error), breaks=breaks)

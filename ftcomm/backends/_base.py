@@ -72,6 +72,10 @@ class Backend(abc.ABC):
     dtypes: ClassVar[frozenset[torch.dtype] | None] = None
     """The dtypes it can send (``None``: any)."""
     reduce_ops: ClassVar[frozenset[ReduceOp.RedOpType]]
+    short_allreduce: ClassVar[bool] = False
+    """Whether :meth:`allreduce_sum` is this backend's own short path, which
+    ``Group.allreduce`` takes for a plain op (see there); else every op goes
+    through :meth:`allreduce`."""
     stoppable_connect: ClassVar[bool] = True
     """Whether a connect ends soon once its ``cancel`` completes or its
     timeout passes (else connects run on a bounded pool of threads)."""
@@ -123,6 +127,13 @@ class Backend(abc.ABC):
     def allreduce(
         self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType, timeout: float
     ) -> NativeOp: ...
+
+    def allreduce_sum(self, tensor: torch.Tensor, timeout: float) -> NativeOp:
+        """``allreduce([tensor], ReduceOp.SUM, timeout)`` of a tensor the caller
+        has checked (dense, contiguous, on this backend's device, of a dtype
+        it sends); a backend with :attr:`short_allreduce` issues it in fewer
+        steps."""
+        return self.allreduce([tensor], ReduceOp.SUM, timeout)
 
     @abc.abstractmethod
     def allgather(

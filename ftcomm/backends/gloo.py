@@ -66,6 +66,7 @@ from ._gloo_pairs import (
 )
 
 log = logging.getLogger("ftcomm")
+_SUM = ReduceOp.SUM
 
 _MIN_NATIVE_TIMEOUT = 0.001
 
@@ -232,6 +233,8 @@ class GlooBackend(Backend):
         }
     )
 
+    short_allreduce: ClassVar[bool] = True
+
     def __init__(
         self,
         pg: Any,
@@ -245,6 +248,7 @@ class GlooBackend(Backend):
         self._pg: Any = pg
         self._store: object | None = store
         self._options: dict[tuple[object, ...], Any] = {}
+        self._sum_options: tuple[float, Any] | None = None  # allreduce_sum's: (timeout, options)
         self._pairs = pairs
         self._sever = None if pairs is None else pairs.abort  # not self.sever: no cycle
 
@@ -340,6 +344,17 @@ class GlooBackend(Backend):
             return WorkOp(self.pg.allreduce(list(tensors), opts), self._sever)
         copts = self._opts(AllreduceCoalescedOptions, timeout, op)
         return WorkOp(self.pg.allreduce_coalesced(list(tensors), copts), self._sever)
+
+    def allreduce_sum(self, tensor: torch.Tensor, timeout: float) -> NativeOp:
+        # The small-op path: one Python frame between Group.allreduce and c10d
+        # (Group.allreduce says what the layers it skips cost).
+        cached = self._sum_options
+        if cached is None or cached[0] != timeout:
+            cached = self._sum_options = (timeout, self._opts(AllreduceOptions, timeout, _SUM))
+        pg = self._pg
+        if pg is None:
+            raise RuntimeError("the Gloo group was closed")
+        return WorkOp(pg.allreduce([tensor], cached[1]), self._sever)
 
     def allgather(
         self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, timeout: float
