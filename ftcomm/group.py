@@ -796,10 +796,15 @@ class Group(Collectives):
         # skips cost ~10 µs on a ~120 µs op. It does what Collectives.allreduce
         # does for such an op (tests/test_short_path.py holds the two to one
         # outcome); any other call goes there.
+        # The batch and fuse_alone are read here without the issue lock, as
+        # hints that send an op that will join a batch straight to the long
+        # path (a fused burst's members pay no second check); both are read
+        # again under the lock before the short path issues.
         cfg = self._core._config  # GroupCore.config, read without its property's call
         if (
             cfg is not None
             and (dtypes := cfg.short_dtypes) is not None
+            and cfg.batch is None
             and op is _SUM
             and timeout is None
             and not _BATCH_SCOPES.get()
@@ -816,6 +821,8 @@ class Group(Collectives):
             fusible = (
                 self._fuse and tensor.nelement() * tensor.element_size() <= self._fuse_op_bytes
             )
+            if fusible and not cfg.fuse_alone:
+                return Collectives.allreduce(self, tensor, op, timeout=timeout)  # joins a batch
             table = cfg.table
             not_issued: tuple[CommError, Broken] | None = None
             with self._issue_lock:
