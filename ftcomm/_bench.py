@@ -50,6 +50,8 @@ _STORE_TIMEOUT = timedelta(seconds=60)
 _OP_TIMEOUT = 60.0
 _SMALL_CHUNK = 50
 """Ops per turn of a case in the 1-float row (see :func:`workloads`)."""
+_TURN_WARMUP = 2
+"""Untimed ops before each turn but a round's first (which has ``warmup``)."""
 _LOOP_ENV = "FTCOMM_LOOP"
 
 Seconds = list[float]
@@ -75,7 +77,8 @@ class Workload:
     tensor (the ``"allreduce_burst"`` op); its ratio is a speed-up over raw."""
     chunk: int = 0
     """``> 0``: within a round, the cases take turns every ``chunk`` ops
-    (warm-up in the first turn only), not one block of ``iters`` each."""
+    (``warmup`` ops before the first turn, two before each later one), not
+    one block of ``iters`` each."""
 
     @property
     def nbytes(self) -> int:
@@ -550,8 +553,11 @@ async def _measure(rank: int, port: int, plan: Plan, store: Store) -> Report:
                             continue
                         barrier()
                         tensor = tensors[(w.label, impl)]
-                        if w.warmup and turn == 0:
-                            await runner.time_ops(w.op, tensor, w.warmup)
+                        # a later turn starts after the other cases' turns:
+                        # a couple of untimed ops, so that p99 is not its start
+                        warm = w.warmup if turn == 0 else min(w.warmup, _TURN_WARMUP)
+                        if warm:
+                            await runner.time_ops(w.op, tensor, warm)
                         lat = await runner.time_ops(w.op, tensor, n)
                         report.latencies.setdefault((w.label, impl), []).extend(lat)
         barrier()  # nobody tears down while a peer is still in an op

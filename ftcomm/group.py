@@ -790,16 +790,18 @@ class Group(Collectives):
     ) -> Work[torch.Tensor]:
         # The short path: the common small op (a dense contiguous CPU tensor of
         # a dtype the backend sends, the default op and deadline, no verify,
-        # no batch() block, no fault seam; with fuse=True, one that goes on
-        # its own) is checked and issued here, in one frame and one call into
-        # the backend. Measured, 2 ranks each pinned to a core: the layers it
-        # skips cost ~10 µs on a ~120 µs op. It does what Collectives.allreduce
-        # does for such an op (tests/test_short_path.py holds the two to one
-        # outcome); any other call goes there.
+        # no batch() block; with fuse=True, one that goes on its own) is
+        # checked and issued here, in one frame and one call into the backend
+        # (through the fault seam where a test set one). Measured, 2 ranks each
+        # pinned to a core: the layers it skips cost ~10 µs on a ~120 µs op. It
+        # does what Collectives.allreduce does for such an op
+        # (tests/test_short_path.py holds the two to one outcome); any other
+        # call goes there.
+        #
         # The batch and fuse_alone are read here without the issue lock, as
-        # hints that send an op that will join a batch straight to the long
-        # path (a fused burst's members pay no second check); both are read
-        # again under the lock before the short path issues.
+        # hints that send an op that will join a batch to the long path early
+        # (once a batch is open, its members skip the checks below); both are
+        # read again under the lock before the short path issues.
         cfg = self._core._config  # GroupCore.config, read without its property's call
         if (
             cfg is not None
@@ -808,7 +810,6 @@ class Group(Collectives):
             and op is _SUM
             and timeout is None
             and not _BATCH_SCOPES.get()
-            and faults.injector is None
             and type(tensor) is torch.Tensor
             and tensor.is_cpu
             and not tensor.is_nested
@@ -836,8 +837,15 @@ class Group(Collectives):
                     seconds = self._timeout
                     issued = time.perf_counter()  # for its latency
                     deadline = time.monotonic() + seconds
+                    backend = cfg.backend
+                    inject = faults.injector  # tests: the fault seam, as on the long path
                     try:
-                        native = cfg.backend.allreduce_sum(tensor, seconds)
+                        if inject is None:
+                            native = backend.allreduce_sum(tensor, seconds)
+                        else:
+                            native = inject(
+                                "allreduce", lambda: backend.allreduce_sum(tensor, seconds), backend
+                            )
                     except (CommError, RuntimeError) as exc:
                         not_issued = self._not_issued_locked(table, "allreduce", exc)
                     else:

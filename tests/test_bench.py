@@ -23,7 +23,18 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 @pytest.mark.timeout(120)
 def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
-    tiny = ["--iters", "50", "--big-iters", "2", "--big-mib", "1", "--rounds", "2", "--warmup", "5"]
+    tiny = [
+        "--iters",
+        "240",
+        "--big-iters",
+        "2",
+        "--big-mib",
+        "1",
+        "--rounds",
+        "2",
+        "--warmup",
+        "5",
+    ]
     tiny += ["--burst", "20", "--burst-iters", "2"]
     tiny += ["--recovery-samples", "1", "--no-torchft"]  # torchft's rows: make bench
     tiny += ["--with", "stats-off"]
@@ -60,8 +71,8 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     doc = json.loads(out_json.read_text())
     assert (doc["ftcomm"], doc["torch"]) == (ftcomm.__version__, torch.__version__)
     assert doc["plan"]["rounds"] == 2
-    assert [w["iters"] for w in doc["plan"]["workloads"]] == [50, 2, 2]
-    assert [w["turn"] for w in doc["plan"]["workloads"]] == [25, 1, 1]  # 25 per round < 50
+    assert [w["iters"] for w in doc["plan"]["workloads"]] == [240, 2, 2]
+    assert [w["turn"] for w in doc["plan"]["workloads"]] == [50, 1, 1]
     rows = {(r["workload"], r["case"]): r for r in doc["rows"]}
     cases = ("raw", "ftcomm", "fused", "stats-off", "verify", "facade", "subproc", "sub+move")
     cases += ("baby",)
@@ -77,6 +88,8 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
         assert row["p50_us"] <= row["p90_us"] <= row["p99_us"]
         raw_p50 = rows[(row["workload"], "raw")]["p50_us"]
         assert row["ratio_p50_vs_raw"] == pytest.approx(row["p50_us"] / raw_p50, rel=1e-3)
+    for case in cases:  # 120 per round, in turns of 50, 50 and 20: every op timed
+        assert rows[("allreduce 1xfp32", case)]["ops"] == 240, case
     assert rows[("allreduce 1MiB fp32", "ftcomm")]["gb_per_s"] > 0
     assert rows[("allreduce 1xfp32", "ftcomm")]["gb_per_s"] is None
     assert "dead worker noticed" in {r["what"] for r in doc["recovery"]}

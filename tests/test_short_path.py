@@ -1,15 +1,20 @@
 """``Group.allreduce``'s short path: the plain small op, issued in one frame.
 
 It must do exactly what the long path (``Collectives.allreduce``) does for
-such an op, and every other call must take the long path. Each test runs the
-same program with the short path on and off (``Config.short_dtypes = None``:
-what a backend without one has) and compares what the caller can see.
+such an op, and every other call must take the long path. The equivalence
+and refusal tests run the same program with the short path on and off
+(``Config.short_dtypes = None``: what a backend without one has) and compare
+what the caller can see; the others check which path a call takes, and two
+force the interleaving where another task changes the group's fusion state
+between the short path's unlocked checks and its lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+import warnings
 from typing import Any
 
 import pytest
@@ -19,6 +24,7 @@ from torch.distributed import ReduceOp
 import ftcomm
 from ftcomm import CommAborted
 from ftcomm._collectives import Collectives
+from ftcomm._runtime import faults
 from ftcomm.testing import Fault, FaultPlan, RankContext, run_world
 
 
@@ -87,6 +93,9 @@ async def _routes(ctx: RankContext) -> dict[str, Any]:
         for name, bad in {
             "non-contiguous": torch.full((3, 2), x).t(),
             "conj view": torch.full((3,), complex(x, 1.0)).conj(),
+            "neg view": torch._neg_view(torch.full((3,), x)),
+            "int16": torch.full((3,), 1, dtype=torch.int16),
+            "nested": _nested(x),
             "not a tensor": [x],
         }.items():
             del calls[:]
@@ -97,6 +106,13 @@ async def _routes(ctx: RankContext) -> dict[str, Any]:
         await route("after", plain)
         out["errored"] = g.errored()
     return out
+
+
+def _nested(x: float) -> torch.Tensor:
+    """A nested tensor of the strided layout (torch warns it is a prototype)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.full((2,), x)])
 
 
 def _values(result: Any) -> list[float]:
@@ -119,8 +135,18 @@ def test_only_the_plain_op_takes_the_short_path() -> None:
         )
         assert r["conj view"][0] == "ValueError"
         assert "conjugate" in r["conj view"][1]
+        assert r["neg view"][0] == "ValueError"
+        assert "negative" in r["neg view"][1]
+        assert r["int16"][:2] == (
+            "ValueError",
+            "tensor has dtype torch.int16, which this backend cannot send "
+            + "(bfloat16, bool, complex128, complex64, float16, float32, float64, "
+            + "int32, int64, int8, uint8)",
+        )
+        assert r["nested"][0] == "ValueError"
+        assert "dense (strided)" in r["nested"][1]
         assert r["not a tensor"][0] == "TypeError"
-        for name in ("non-contiguous", "conj view", "not a tensor"):
+        for name in ("non-contiguous", "conj view", "neg view", "int16", "nested", "not a tensor"):
             assert r[name][2] == [], name  # nothing was sent
         assert r["after"][1] == [("sum", 3)]
         assert r["errored"] is None
@@ -141,16 +167,44 @@ def test_verify_takes_the_long_path() -> None:
         assert value == 3.0
 
 
-def test_the_fault_seam_takes_the_long_path() -> None:
-    """A plan installs the process's injector: every op goes through it (so
-    fault drills exercise the long path only; see test_fuse's drill for the
-    short path's cut points)."""
-    plan = FaultPlan.of(Fault.delay(0, 0, 0.01))
-    for calls, value in run_world(
-        _plain_op_calls, 2, mode="thread", args=(False,), plan=plan, timeout=60
-    ):
-        assert calls == [("allreduce", 2)]
+def test_the_short_path_goes_through_the_fault_seam() -> None:
+    """A test's injector sees the short path's ops as it sees the long
+    path's (so fault drills, test_fuse's determinism drill among them, run
+    the short path too), and decides how they are issued."""
+    seen: list[str] = []
+
+    def injector(op: str, issue: Any, backend: object) -> Any:
+        seen.append(op)
+        return issue()
+
+    old = faults.set_injector(injector)
+    try:
+        results = run_world(_plain_op_calls, 2, mode="thread", args=(False,), timeout=60)
+    finally:
+        faults.set_injector(old)
+    for calls, value in results:
+        assert calls == [("sum", 2)]
         assert value == 3.0
+    assert seen.count("allreduce") == 2  # one per rank
+
+
+async def _delayed(ctx: RankContext) -> list[float]:
+    async with ftcomm.Group("gloo", timeout=20) as g:
+        await g.configure(ctx.addr("d"), ctx.rank, ctx.world_size)
+        calls = _spy(g)
+        t = await g.allreduce(torch.full((2,), float(ctx.rank + 1)))
+        assert calls == [("sum", 2)]
+        return _values(t)
+
+
+def test_a_fault_plan_hurts_a_short_path_op() -> None:
+    """A plan's fault lands on the short path's op: a 0.5 s delay on rank 0's
+    first op shows in rank 1's wait for it."""
+    plan = FaultPlan.of(Fault.delay(0, 0, 0.5))
+    started = time.monotonic()
+    results = run_world(_delayed, 2, mode="thread", plan=plan, timeout=60)
+    assert results == [[3.0, 3.0], [3.0, 3.0]]
+    assert time.monotonic() - started >= 0.5
 
 
 # -- the same outcome either way --------------------------------------------------------
@@ -412,3 +466,59 @@ def test_a_batch_opened_while_a_plain_op_waits_for_the_lock_goes_first() -> None
     the batch before it."""
     [r] = run_world(_batch_opened_meanwhile, 1, mode="thread", timeout=60)
     assert r == {"order": [("allreduce", 1), ("allreduce", 2)], "plain": [5.0, 5.0], "held": [7.0]}
+
+
+async def _lone_op_meanwhile(ctx: RankContext) -> dict[str, Any]:
+    async with ftcomm.Group("gloo", timeout=20, fuse=True) as g:
+        await g.configure(ctx.addr("f"), ctx.rank, ctx.world_size)
+        calls = _spy(g)
+        gate = _GateLock(g._issue_lock, "plain-op")
+        g._issue_lock = gate  # type: ignore[assignment]
+        late = torch.full((2,), 5.0)
+        box: list[ftcomm.Work[torch.Tensor]] = []
+        thread = threading.Thread(target=lambda: box.append(g.allreduce(late)), name="plain-op")
+        thread.start()  # it sees fuse_alone set: a lone op, by its unlocked hint
+        assert await asyncio.to_thread(gate.arrived.wait, 10)
+        lone = g.allreduce(torch.full((1,), 7.0))  # meanwhile another op goes alone
+        gate.go.set()
+        await asyncio.to_thread(thread.join, 10)
+        mark = type(box[0]._batch).__name__
+        order = list(calls)
+        await lone
+        await box[0]
+    return {"order": order, "mark": mark, "late": _values(late)}
+
+
+def test_an_op_that_must_join_a_batch_is_not_sent_alone_on_a_stale_hint() -> None:
+    """Forced interleaving: with fuse=True, a plain op passed its unlocked
+    checks as the first fusible op since a cut point; another op went alone
+    before it got the lock, so under the lock it joins a batch (sent at its
+    await) instead of going alone."""
+    [r] = run_world(_lone_op_meanwhile, 1, mode="thread", timeout=60)
+    assert r == {"order": [("sum", 1)], "mark": "Batch", "late": [5.0, 5.0]}
+
+
+async def _marks_and_deadlines(ctx: RankContext, short: bool) -> dict[str, Any]:
+    async with ftcomm.Group("gloo", timeout=20, fuse=True, fuse_bytes=4096) as g:
+        await g.configure(ctx.addr(f"k{short}"), ctx.rank, ctx.world_size)
+        if not short:
+            _long_only(g)
+        assert g._fuse_op_bytes == 256
+        marks, lefts = [], []
+        for n in (64, 65, 64):  # 256 bytes: fusible; 260: not (a cut point)
+            issued = time.monotonic()
+            w = g.allreduce(torch.ones(n))
+            marks.append(type(w._batch).__name__)
+            lefts.append(w.deadline - issued)
+            await w
+        # the op's deadline: its issue plus the group's timeout
+        return {"marks": marks, "deadlines": [20.0 <= left < 21.0 for left in lefts]}
+
+
+def test_the_fusible_bound_and_the_deadline_are_the_long_paths() -> None:
+    async def both(ctx: RankContext) -> tuple[Any, Any]:
+        return await _marks_and_deadlines(ctx, True), await _marks_and_deadlines(ctx, False)
+
+    [(short, long)] = run_world(both, 1, mode="thread", timeout=60)
+    assert short == long
+    assert short == {"marks": ["AloneMark", "NoneType", "AloneMark"], "deadlines": [True] * 3}
