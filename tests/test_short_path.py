@@ -438,17 +438,26 @@ class _GateLock:
         self.real.release()
 
 
+async def _plain_op_at_the_gate(
+    g: ftcomm.Group, tensor: torch.Tensor
+) -> tuple[_GateLock, threading.Thread, list[ftcomm.Work[torch.Tensor]]]:
+    """Start ``g.allreduce(tensor)`` on a thread; return once it has passed
+    the short path's unlocked checks and waits at the issue lock's gate."""
+    gate = _GateLock(g._issue_lock, "plain-op")
+    g._issue_lock = gate  # type: ignore[assignment]
+    box: list[ftcomm.Work[torch.Tensor]] = []
+    thread = threading.Thread(target=lambda: box.append(g.allreduce(tensor)), name="plain-op")
+    thread.start()
+    assert await asyncio.to_thread(gate.arrived.wait, 10)
+    return gate, thread, box
+
+
 async def _batch_opened_meanwhile(ctx: RankContext) -> dict[str, Any]:
     async with ftcomm.Group("gloo", timeout=20) as g:
         await g.configure(ctx.addr("m"), ctx.rank, ctx.world_size)
         calls = _spy(g)
-        gate = _GateLock(g._issue_lock, "plain-op")
-        g._issue_lock = gate  # type: ignore[assignment]
         plain = torch.full((2,), 5.0)
-        box: list[ftcomm.Work[torch.Tensor]] = []
-        thread = threading.Thread(target=lambda: box.append(g.allreduce(plain)), name="plain-op")
-        thread.start()
-        assert await asyncio.to_thread(gate.arrived.wait, 10)
+        gate, thread, box = await _plain_op_at_the_gate(g, plain)
         async with g.batch():  # a batch opens while the plain op waits for the lock
             held = g.allreduce(torch.full((1,), 7.0))
             assert calls == []
@@ -472,13 +481,8 @@ async def _lone_op_meanwhile(ctx: RankContext) -> dict[str, Any]:
     async with ftcomm.Group("gloo", timeout=20, fuse=True) as g:
         await g.configure(ctx.addr("f"), ctx.rank, ctx.world_size)
         calls = _spy(g)
-        gate = _GateLock(g._issue_lock, "plain-op")
-        g._issue_lock = gate  # type: ignore[assignment]
-        late = torch.full((2,), 5.0)
-        box: list[ftcomm.Work[torch.Tensor]] = []
-        thread = threading.Thread(target=lambda: box.append(g.allreduce(late)), name="plain-op")
-        thread.start()  # it sees fuse_alone set: a lone op, by its unlocked hint
-        assert await asyncio.to_thread(gate.arrived.wait, 10)
+        late = torch.full((2,), 5.0)  # it sees fuse_alone set: a lone op, by its unlocked hint
+        gate, thread, box = await _plain_op_at_the_gate(g, late)
         lone = g.allreduce(torch.full((1,), 7.0))  # meanwhile another op goes alone
         gate.go.set()
         await asyncio.to_thread(thread.join, 10)
