@@ -545,8 +545,7 @@ async def _measure(rank: int, port: int, plan: Plan, store: Store) -> Report:
         for rnd in range(plan.rounds):
             order = list(plan.cases) if rnd % 2 == 0 else list(reversed(plan.cases))
             for w in plan.workloads:
-                turns = _turns(w)
-                for turn, n in enumerate(turns):
+                for turn, n in enumerate(_turns(w)):
                     for impl in order:
                         runner = runners[impl]
                         if w.op not in runner.ops:  # a workload only some cases run
@@ -765,7 +764,7 @@ def format_table(plan: Plan, report: Report, notes: Sequence[str]) -> str:
         f"({plan.rounds} rounds, cases alternating; per case: "
         + ", ".join(
             f"{w.label}: {w.iters * plan.rounds} ops"
-            + (f" in turns of {w.chunk}" if 0 < w.chunk < w.iters else "")
+            + (f" in turns of {w.chunk}" if len(_turns(w)) > 1 else "")
             for w in plan.workloads
         )
         + "; rank 0's times)"
@@ -949,7 +948,7 @@ def results(
                     "bytes": w.nbytes,
                     "iters_per_round": w.iters,
                     "warmup_per_round": w.warmup,
-                    "turn": min(w.chunk, w.iters) if w.chunk > 0 else w.iters,
+                    "turn": _turns(w)[0],
                     "iters": w.iters * plan.rounds,
                     "bandwidth": w.bandwidth,
                 }

@@ -919,7 +919,6 @@ class Group(Collectives):
                 else:
                     work = Work(table, op, table.next_seq(), deadline, native, result, issued)
                     table.track(work, seconds)
-                    not_issued = None
         finally:
             if sent is not None:
                 sent()

@@ -114,3 +114,25 @@ def add_callback_off_loop(work: Work[Any], fn: Callable[[Work[Any]], object]) ->
     thread.start()
     thread.join(30)
     assert not thread.is_alive(), "add_done_callback() blocked"
+
+
+def spy_allreduces(g: ftcomm.Group) -> list[tuple[str, int]]:
+    """Record the group's calls into its backend's allreduces (the device
+    call; the logic above it runs as it is), with the elements sent:
+    ("sum", n) for the short path's ``allreduce_sum``, ("allreduce", n) for
+    the long path's (a batch is one flat tensor)."""
+    backend = g._config.backend  # type: ignore[union-attr]
+    calls: list[tuple[str, int]] = []
+    real, real_sum = backend.allreduce, backend.allreduce_sum
+
+    def allreduce(tensors: Any, *args: Any) -> Any:
+        calls.append(("allreduce", sum(t.numel() for t in tensors)))
+        return real(tensors, *args)
+
+    def allreduce_sum(tensor: Any, timeout: float) -> Any:
+        calls.append(("sum", tensor.numel()))
+        return real_sum(tensor, timeout)
+
+    backend.allreduce = allreduce  # type: ignore[method-assign]
+    backend.allreduce_sum = allreduce_sum  # type: ignore[method-assign]
+    return calls

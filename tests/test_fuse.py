@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ScriptedOp, StoreServer, add_callback_off_loop
+from helpers import ScriptedOp, StoreServer, add_callback_off_loop, spy_allreduces
 from torch.distributed import ReduceOp
 
 import ftcomm
@@ -561,21 +561,8 @@ async def _sums(ctx: RankContext, n: int, subprocess: bool) -> dict[str, Any]:
 def _count_native(g: ftcomm.Group) -> Any:
     """Count the group's native allreduces (a lone plain op's short path,
     ``allreduce_sum``, included)."""
-    backend = g._config.backend  # type: ignore[union-attr]
-    real, real_sum = backend.allreduce, backend.allreduce_sum
-    count = [0]
-
-    def counting(*args: Any) -> Any:
-        count[0] += 1
-        return real(*args)
-
-    def counting_sum(*args: Any) -> Any:
-        count[0] += 1
-        return real_sum(*args)
-
-    backend.allreduce = counting  # type: ignore[method-assign]
-    backend.allreduce_sum = counting_sum  # type: ignore[method-assign]
-    return lambda: count[0]
+    calls = spy_allreduces(g)
+    return lambda: len(calls)
 
 
 def test_fused_sums_are_right_on_gloo() -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import spy_allreduces
 from torch.distributed import ReduceOp
 
 import ftcomm
@@ -26,28 +27,6 @@ from ftcomm import CommAborted
 from ftcomm._collectives import Collectives
 from ftcomm._runtime import faults
 from ftcomm.testing import Fault, FaultPlan, RankContext, run_world
-
-
-def _spy(g: ftcomm.Group) -> list[tuple[str, int]]:
-    """Record the group's calls into its backend's allreduces (the device
-    call; the logic above it runs as it is), with the elements sent:
-    ("sum", n) for the short path's ``allreduce_sum``, ("allreduce", n) for
-    the long path's (a batch is one flat tensor)."""
-    backend = g._config.backend  # type: ignore[union-attr]
-    calls: list[tuple[str, int]] = []
-    real, real_sum = backend.allreduce, backend.allreduce_sum
-
-    def allreduce(tensors: Any, *args: Any) -> Any:
-        calls.append(("allreduce", sum(t.numel() for t in tensors)))
-        return real(tensors, *args)
-
-    def allreduce_sum(tensor: torch.Tensor, timeout: float) -> Any:
-        calls.append(("sum", tensor.numel()))
-        return real_sum(tensor, timeout)
-
-    backend.allreduce = allreduce  # type: ignore[method-assign]
-    backend.allreduce_sum = allreduce_sum  # type: ignore[method-assign]
-    return calls
 
 
 def _long_only(g: ftcomm.Group) -> None:
@@ -63,7 +42,7 @@ async def _routes(ctx: RankContext) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with ftcomm.Group("gloo", timeout=20) as g:
         await g.configure(ctx.addr("g"), ctx.rank, ctx.world_size)
-        calls = _spy(g)
+        calls = spy_allreduces(g)
         x = float(ctx.rank + 1)  # sums to 3.0 on 2 ranks
 
         async def route(name: str, fn: Any) -> None:
@@ -155,7 +134,7 @@ def test_only_the_plain_op_takes_the_short_path() -> None:
 async def _plain_op_calls(ctx: RankContext, verify: bool) -> tuple[list[tuple[str, int]], float]:
     async with ftcomm.Group("gloo", timeout=20, verify=verify) as g:
         await g.configure(ctx.addr("v"), ctx.rank, ctx.world_size)
-        calls = _spy(g)
+        calls = spy_allreduces(g)
         t = await g.allreduce(torch.full((2,), float(ctx.rank + 1)))
         return [c for c in calls if c[1] == 2], float(t[0])
 
@@ -191,7 +170,7 @@ def test_the_short_path_goes_through_the_fault_seam() -> None:
 async def _delayed(ctx: RankContext) -> list[float]:
     async with ftcomm.Group("gloo", timeout=20) as g:
         await g.configure(ctx.addr("d"), ctx.rank, ctx.world_size)
-        calls = _spy(g)
+        calls = spy_allreduces(g)
         t = await g.allreduce(torch.full((2,), float(ctx.rank + 1)))
         assert calls == [("sum", 2)]
         return _values(t)
@@ -227,7 +206,7 @@ async def _program(ctx: RankContext, short: bool, fuse: bool) -> dict[str, Any]:
         await g.configure(ctx.addr(f"p{short}{fuse}"), ctx.rank, ctx.world_size)
         if not short:
             _long_only(g)
-        calls = _spy(g)
+        calls = spy_allreduces(g)
         sub = g.subscribe(on_event)
         x = float(ctx.rank + 1)
         works: list[ftcomm.Work[torch.Tensor]] = []
@@ -365,7 +344,7 @@ def test_an_errored_group_refuses_a_plain_op() -> None:
 async def _open_batch(ctx: RankContext) -> dict[str, Any]:
     async with ftcomm.Group("gloo", timeout=20) as g:
         await g.configure(ctx.addr("b"), ctx.rank, ctx.world_size)
-        calls = _spy(g)
+        calls = spy_allreduces(g)
         x = float(ctx.rank + 1)
         entered, leave = asyncio.Event(), asyncio.Event()
         held: list[ftcomm.Work[torch.Tensor]] = []
@@ -455,7 +434,7 @@ async def _plain_op_at_the_gate(
 async def _batch_opened_meanwhile(ctx: RankContext) -> dict[str, Any]:
     async with ftcomm.Group("gloo", timeout=20) as g:
         await g.configure(ctx.addr("m"), ctx.rank, ctx.world_size)
-        calls = _spy(g)
+        calls = spy_allreduces(g)
         plain = torch.full((2,), 5.0)
         gate, thread, box = await _plain_op_at_the_gate(g, plain)
         async with g.batch():  # a batch opens while the plain op waits for the lock
@@ -480,7 +459,7 @@ def test_a_batch_opened_while_a_plain_op_waits_for_the_lock_goes_first() -> None
 async def _lone_op_meanwhile(ctx: RankContext) -> dict[str, Any]:
     async with ftcomm.Group("gloo", timeout=20, fuse=True) as g:
         await g.configure(ctx.addr("f"), ctx.rank, ctx.world_size)
-        calls = _spy(g)
+        calls = spy_allreduces(g)
         late = torch.full((2,), 5.0)  # it sees fuse_alone set: a lone op, by its unlocked hint
         gate, thread, box = await _plain_op_at_the_gate(g, late)
         lone = g.allreduce(torch.full((1,), 7.0))  # meanwhile another op goes alone

@@ -248,7 +248,8 @@ class GlooBackend(Backend):
         self._pg: Any = pg
         self._store: object | None = store
         self._options: dict[tuple[object, ...], Any] = {}
-        self._sum_options: tuple[float, Any] | None = None  # allreduce_sum's: (timeout, options)
+        # allreduce_sum's (timeout, options); like _options, under the group's issue lock
+        self._sum_options: tuple[float, Any] | None = None
         self._pairs = pairs
         self._sever = None if pairs is None else pairs.abort  # not self.sever: no cycle
 
