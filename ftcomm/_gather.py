@@ -102,7 +102,11 @@ class Gathering(TaskDriven, collections.abc.Coroutine[Any, Any, list[Any]]):
             _abort(works[at + 1 :])  # works[at]: its own await aborted it
             raise
         if first is not None and not self._return_exceptions:
-            raise first
+            # The error is the op's own, kept by its group's errored() until
+            # configure(), and keeps this frame (its traceback): the frame
+            # lets go of the ops and their results before it raises.
+            del self, works, results, work
+            raise first.with_traceback(None)
         return results
 
     def _cancel_before_start(self) -> None:

@@ -102,7 +102,8 @@ class Config:
     group's issue lock."""
     fuse_alone: bool = True
     """Whether the next fusible op goes at once, on its own: no cut point
-    came since the last one did (fuse.py; under the issue lock)."""
+    came since the last one did (fuse.py; issues read and write it under
+    the issue lock; a look sets it without: see ``AloneMark.flush``)."""
     alone_mark: AloneMark | None = None
     """What an op that went on its own holds: its first look is a cut point."""
     short_dtypes: frozenset[torch.dtype] | None = None

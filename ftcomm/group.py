@@ -514,7 +514,7 @@ class Group(Collectives):
             )
         sum_ok = _SUM in backend.reduce_ops
         config = Config(backend, table, str(spec.store), sum_ok, chain)
-        config.alone_mark = AloneMark(self._issue_lock, config)
+        config.alone_mark = AloneMark(config)
         if backend.short_allreduce and sum_ok and chain is None and backend.device_type == "cpu":
             config.short_dtypes = backend.dtypes
 
@@ -1086,7 +1086,11 @@ class Group(Collectives):
                 cfg,
                 "allreduce",
                 lambda b, s: b.allreduce([flat], rop, s),
-                (flat,),
+                # verify=True checks the members, not the flat buffer: ranks
+                # whose batches differ but add up to as many elements would
+                # otherwise mix their data unseen (and a lone op of 5 elements
+                # would pass for a batch of 2 and 3).
+                batch.tensors,
                 reduce_code(rop),
                 deadline,
                 seconds,
@@ -1151,7 +1155,12 @@ class Group(Collectives):
         """The error of an op the native group refused to issue. Arguments
         were checked before, so this is a broken group (Gloo: "Application
         timeout caused pair closure"); a CommError from below (a dead worker)
-        says what broke."""
+        says what broke.
+
+        The error is kept (``errored()``, until ``configure()``): ``exc``
+        loses its traceback, whose frames hold the refused op's tensors (a
+        batch's members and flat buffer) and the native group."""
+        exc = exc.with_traceback(None)
         if isinstance(exc, CommError):
             return exc._located(table.rank, op, None)
         failed = CommFailed(f"{op} could not be issued: {exc}", rank=table.rank, op=op)

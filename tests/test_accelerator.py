@@ -218,6 +218,30 @@ async def test_await_returns_once_the_event_completes_not_at_enqueue(
 
 
 @pytest.mark.asyncio
+async def test_a_c10d_wait_on_a_lone_fused_op_is_a_cut_however_far_it_got(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    """c10d's wait() orders the caller's stream and returns while the op
+    still runs (the CPU fake's ops fuse, as host tensors): it is a look all
+    the same, so the next fusible op goes on its own on every rank, not
+    only on one whose op had ended by then."""
+    from ftcomm.c10d._work import OpWork
+
+    async with ftcomm.Group("nccl", timeout=10.0, fuse=True) as g:
+        await g.configure(_addr(store), 0, 1)
+        fake.hold()
+        lone = g.allreduce(torch.ones(2))  # the first fusible op goes at once
+        cfg = g._config
+        assert cfg is not None
+        assert cfg.fuse_alone is False  # the next one would join a batch
+        assert OpWork(lone, None).wait() is True  # ordered on the stream
+        assert cfg.fuse_alone is True  # a cut point: the next op goes at once
+        assert not lone.done()  # it was still running
+        fake.release()
+        await lone
+
+
+@pytest.mark.asyncio
 async def test_an_awaited_event_is_timed_by_the_poll_that_saw_it_complete(
     fake: FakeDevice, store: StoreServer
 ) -> None:

@@ -9,6 +9,7 @@ Gloo worlds.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import random
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,52 @@ async def test_ops_issued_together_go_as_one_op_when_one_is_awaited(
             assert w.done()
             assert await w is t
         assert g.stats().ops["allreduce"].count == 5  # each op is counted as itself
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("shape", [(3,), (2, 2)])  # the copy back's two ways
+async def test_inference_tensors_fuse_as_they_go_alone(
+    store: StoreServer, calls: list[tuple[str, list[int]]], shape: tuple[int, ...]
+) -> None:
+    async with await _dummy(store, fuse=True) as g:
+        with torch.inference_mode():  # an eval loop's metrics
+            ts = [torch.full(shape, float(i)) for i in range(4)]
+        model = torch.nn.Parameter(torch.zeros(shape))  # and a parameter, in the same batch
+        got = await asyncio.gather(*[g.allreduce(t) for t in [*ts, model]])
+        assert [x is t for x, t in zip(got, [*ts, model], strict=True)] == [True] * 5
+        assert len(calls) == 2  # the first alone, the others fused
+        assert g.errored() is None
+        assert [float(t.flatten()[0]) for t in ts] == [0.0, 1.0, 2.0, 3.0]
+        assert model.requires_grad  # written as c10d writes it
+        assert model.grad_fn is None
+        model.sum().backward()  # and still a leaf autograd can use
+        assert model.grad is not None
+
+
+@pytest.mark.asyncio
+async def test_a_look_at_a_lone_op_while_this_thread_issues_does_not_deadlock(
+    store: StoreServer,
+) -> None:
+    """A look may come from a callback that runs while its thread holds the
+    issue lock (a verified op's break ends ops and calls their callbacks);
+    the look's cut point is made without that lock."""
+    async with await _dummy(store, fuse=True) as g:
+        lone = g.allreduce(torch.ones(1))  # goes on its own: its first look is a cut
+        cfg = g._config
+        assert cfg is not None
+        assert cfg.fuse_alone is False  # the next one would join a batch
+        seen: list[bool] = []
+
+        def callback_under_the_issue_lock() -> None:
+            with g._issue_lock:
+                seen.append(lone.done())
+
+        thread = threading.Thread(target=callback_under_the_issue_lock, daemon=True)
+        thread.start()
+        thread.join(5.0)
+        assert not thread.is_alive(), "a look under the issue lock deadlocked"
+        assert seen == [True]
+        assert cfg.fuse_alone is True
 
 
 @pytest.mark.asyncio
@@ -281,6 +329,43 @@ async def test_cancelling_one_member_aborts_the_group(store: StoreServer) -> Non
         assert isinstance(g.errored(), CommAborted)
 
 
+@pytest.mark.asyncio
+async def test_cancelling_an_unsent_member_drops_its_batch(
+    store: StoreServer, calls: list[tuple[str, list[int]]]
+) -> None:
+    """cancel() is not a look: a member waiting in an open batch is aborted
+    with its batch-mates, and the batch never goes on the wire (a peer
+    could otherwise complete an op this rank reports aborted)."""
+    async with await _dummy(store, fuse=True) as g:
+        g.allreduce(torch.ones(1))  # goes on its own
+        ts = [torch.ones(2) for _ in range(3)]
+        works = [g.allreduce(t) for t in ts]
+        assert works[1].cancel() is True
+        assert calls == [("allreduce", [1])]  # the lone op only
+        assert works[1].cancelled()
+        for w in works:
+            assert type(w.exception()) is CommAborted
+        assert isinstance(g.errored(), CommAborted)
+        assert calls == [("allreduce", [1])]
+        assert all(torch.equal(t, torch.ones(2)) for t in ts)
+
+
+@pytest.mark.asyncio
+async def test_a_task_of_an_unsent_member_cancelled_before_it_ran_drops_its_batch(
+    store: StoreServer, calls: list[tuple[str, list[int]]]
+) -> None:
+    async with await _dummy(store, fuse=True) as g:
+        g.allreduce(torch.ones(1))  # goes on its own
+        works = [g.allreduce(torch.ones(2)) for _ in range(3)]
+        task = asyncio.create_task(works[1])
+        task.cancel()  # before its first step: the await never looked
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert calls == [("allreduce", [1])]
+        assert [type(w.exception()) for w in works] == [CommAborted] * 3
+        assert calls == [("allreduce", [1])]
+
+
 def _sent_batch(g: ftcomm.Group, native: object) -> tuple[Any, list[Any]]:
     """A lone first op, then a batch of three sent as ``native``: (lone, batch)."""
     lone = g.allreduce(torch.ones(1))  # goes on its own
@@ -395,6 +480,63 @@ async def test_a_batch_that_cannot_be_sent_fails_its_ops_not_the_look(
             assert other.value.seq == w.seq
         assert isinstance(g.errored(), CommFailed)
         g.flush()  # nothing open, a broken group: raises nothing
+
+
+@pytest.mark.asyncio
+async def test_the_error_of_a_refused_batch_keeps_none_of_its_tensors(store: StoreServer) -> None:
+    """errored() keeps a refused batch's error until configure(): it must not
+    keep the batch (its members' tensors, the flat buffer) through the
+    frames of the refusal's traceback."""
+    async with await _dummy(store, fuse=True) as g:
+        g.allreduce(torch.ones(1))  # goes on its own
+        ts = [torch.ones(4) for _ in range(3)]
+        works = [g.allreduce(t) for t in ts]
+        member = weakref.ref(ts[1])
+
+        def no_room(op: str, issue: Any, backend: object) -> Any:
+            raise OSError(28, "no room in /dev/shm")
+
+        old = faults.set_injector(no_room)
+        try:
+            g.flush()
+        finally:
+            faults.set_injector(old)
+        errors = [w.exception() for w in works]  # no await: nothing else holds them
+        assert [type(e) for e in errors] == [CommFailed] * 3
+        del works, ts, errors
+        gc.collect()
+        assert isinstance(g.errored(), CommFailed)  # kept, with its causes
+        assert member() is None
+
+
+@pytest.mark.asyncio
+async def test_a_failed_copy_back_keeps_no_native_op(store: StoreServer) -> None:
+    """A copy back that fails (a member resized while its batch was in
+    flight) fails the members with CommFailed; its error, kept by errored(),
+    holds neither the batch's native op nor its tensors."""
+    async with await _dummy(store, fuse=True) as g:
+        g.allreduce(torch.ones(1))  # goes on its own
+        ts = [torch.ones(4) for _ in range(3)]
+        works = [g.allreduce(t) for t in ts]
+        box = [ScriptedOp()]  # the batch's native op: the batch holds the only reference
+        sent, member = weakref.ref(box[0]), weakref.ref(ts[0])
+        old = faults.set_injector(lambda op, issue, backend: box.pop())
+        try:
+            g.flush()
+        finally:
+            faults.set_injector(old)
+        ts[1].resize_(2)  # the caller resizes a member while it is in flight
+        native = sent()
+        assert native is not None
+        native.finish()
+        del native
+        errors = [w.exception() for w in works]
+        assert [type(e) for e in errors] == [CommFailed] * 3
+        del works, ts, errors
+        gc.collect()
+        assert isinstance(g.errored(), CommFailed)
+        assert sent() is None
+        assert member() is None
 
 
 @pytest.mark.asyncio
@@ -811,6 +953,25 @@ async def test_gather_raises_the_first_error_once_every_op_ended(store: StoreSer
             await ftcomm.gather(done, *works)
         assert first.value.seq == works[0].seq  # the first in argument order
         assert all(w.done() for w in works)
+
+
+@pytest.mark.asyncio
+async def test_the_error_gather_raises_keeps_none_of_the_other_results(store: StoreServer) -> None:
+    """errored() keeps the raised error until configure(): the traceback it
+    got from gather must not keep the ops that succeeded, nor their tensors."""
+    async with await _dummy(store, fuse=True) as g:
+        native = ScriptedOp()
+        done, works = _sent_batch(g, native)  # the lone first op succeeds
+        native.finish(RuntimeError("Connection closed by peer"))
+        succeeded = weakref.ref(await done)
+        with pytest.raises(CommFailed) as first:
+            await ftcomm.gather(done, *works)
+        error = first.value
+        del done, works, first
+        gc.collect()
+        assert g.errored() is not None
+        assert error.__traceback__ is not None  # raised, with this await's frames
+        assert succeeded() is None
 
 
 @pytest.mark.asyncio

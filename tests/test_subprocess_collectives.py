@@ -229,6 +229,20 @@ async def caller_tensors_rank(ctx: RankContext) -> list[str]:
         assert_same(inp2, torch.full((2,), -7), "allgather input changed after issue")
         checked.append("allgather input")
 
+        # Written back as a native op writes: into tensors made in inference
+        # mode (an eval loop's metrics), and into a parameter, unrecorded.
+        with torch.inference_mode():
+            metric = torch.full((3,), float(r + 1))
+        weight = torch.nn.Parameter(torch.full((2, 2), float(r + 1)))
+        want_sum = float(sum(k + 1 for k in ranks))
+        assert (await g.allreduce(metric)) is metric
+        assert_same(metric, torch.full((3,), want_sum), "inference tensor")
+        assert (await g.allreduce(weight)) is weight
+        assert weight.requires_grad
+        assert weight.grad_fn is None
+        assert_same(weight.detach(), torch.full((2, 2), want_sum), "parameter")
+        checked.append("inference and parameters")
+
         assert g.num_active_work() == 0
         assert g.errored() is None
         assert subprocess_backend(g).worker.dropped == 0
@@ -237,7 +251,14 @@ async def caller_tensors_rank(ctx: RankContext) -> list[str]:
 
 def test_caller_tensors_are_copied_in_and_out_correctly() -> None:
     results = run_world(caller_tensors_rank, 2, timeout=90)
-    want = ["offset views", "zero elements", "non-contiguous", "send input", "allgather input"]
+    want = [
+        "offset views",
+        "zero elements",
+        "non-contiguous",
+        "send input",
+        "allgather input",
+        "inference and parameters",
+    ]
     assert results == [want, want]
 
 

@@ -87,6 +87,43 @@ def test_mismatched_allgather_with_subprocess_is_no_garbage_success() -> None:
     _assert_named(results, names)
 
 
+async def _fused_batches(ctx: RankContext) -> dict[str, Any]:
+    """Batches that add up to as many elements on both ranks, but differ."""
+    r = ctx.rank
+    out: dict[str, Any] = {}
+    cases = {
+        "members in another order": ([(2,), (3,)], [(3,), (2,)]),
+        "a lone op against a batch": ([(5,)], [(2,), (3,)]),
+        "the same batch": ([(2,), (3,)], [(2,), (3,)]),
+    }
+    for name, shapes in cases.items():
+        async with ftcomm.Group("gloo", timeout=10, verify=True, fuse=True) as g:
+            await g.configure(ctx.addr(f"fb{len(out)}"), r, 2)
+            ts = [torch.full(shape, float(r + 1)) for shape in shapes[r]]
+            async with g.batch():
+                works = [g.allreduce(t) for t in ts]
+            got = await asyncio.gather(*works, return_exceptions=True)
+            errored = g.errored()
+            out[name] = (
+                [type(x).__name__ if isinstance(x, BaseException) else x.tolist() for x in got],
+                None if errored is None else (type(errored).__name__, str(errored)),
+            )
+    return out
+
+
+def test_fused_batches_are_checked_member_by_member() -> None:
+    for result in run_world(_fused_batches, 2, mode="thread", timeout=60):
+        for name in ("members in another order", "a lone op against a batch"):
+            ops, errored = result[name]
+            # every member fails: by the check, or aborted by the break it made
+            assert set(ops) <= {"CommFailed", "CommAborted"}, (name, ops)
+            assert errored is not None, name
+            kind, message = errored
+            assert kind == "CommFailed", (name, message)
+            assert "issued" in message, message  # the check's own words: who issued what
+        assert result["the same batch"] == ([[3.0, 3.0], [3.0, 3.0, 3.0]], None)
+
+
 async def matching(ctx: RankContext) -> dict[str, Any]:
     r = ctx.rank
     async with ftcomm.Group("gloo", timeout=10, verify=True) as g:

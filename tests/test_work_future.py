@@ -6,10 +6,12 @@ them cancels it (its group is aborted), as they do for futures."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import random
 import threading
+import traceback
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -18,7 +20,7 @@ import torch
 from helpers import ScriptedOp, StoreServer, issue
 
 import ftcomm
-from ftcomm import CommAborted, CommTimeout
+from ftcomm import CommAborted, CommFailed, CommTimeout
 from ftcomm._runtime import faults
 from ftcomm._runtime import table as table_module
 from ftcomm._runtime import work as work_module
@@ -208,6 +210,57 @@ async def test_shield_keeps_the_op_going_when_its_awaiter_is_cancelled(table: Op
     assert not work.cancelled()
 
 
+def test_a_poller_let_go_under_the_lock_never_takes_it_for_an_ended_op(table: OpTable) -> None:
+    """A loop stopped with an op's poll queued: the poller's finalizer gives
+    up (arms the op's callback) on whatever thread lets it go last -- for a
+    loop dropped unclosed, a garbage collection, maybe on a thread in the
+    middle of ending another op, holding the group's lock. For an op that
+    has ended it must not take that lock; and the op lets go of the loop."""
+    slow = ScriptedOp()
+    work = issue(table, slow, 30.0)
+    loop = asyncio.new_event_loop()
+    try:
+
+        async def give_up_at_once() -> None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(work), 0.0005)  # shield: the op goes on
+
+        loop.run_until_complete(give_up_at_once())
+        queued = loop._ready  # type: ignore[attr-defined]  # asyncio's own queue
+        assert queued, "the poll is still queued on the stopped loop"
+        slow.finish()
+        assert work.done()
+        assert work._poll_loop is None  # let go at its end
+
+        def let_go_under_the_lock() -> None:
+            with table._lock:
+                queued.clear()  # the poller's last reference: its finalizer runs here
+
+        thread = threading.Thread(target=let_go_under_the_lock, daemon=True)
+        thread.start()
+        thread.join(5.0)
+        assert not thread.is_alive(), "the finalizer took the lock its thread held"
+    finally:
+        loop.close()
+
+
+@pytest.mark.asyncio
+async def test_asyncio_wait_takes_tasks_of_works_as_documented(table: OpTable) -> None:
+    """asyncio.wait refuses works themselves (they are coroutines too, for
+    create_task), as the Work docs say; tasks of them it takes."""
+    ops = [ScriptedOp(), ScriptedOp()]
+    works = [issue(table, op, 30.0) for op in ops]
+    with pytest.raises(TypeError, match="coroutines is forbidden"):
+        await asyncio.wait(works)
+    tasks = [asyncio.create_task(w) for w in works]
+    ops[1].finish()
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {tasks[1]}
+    assert pending == {tasks[0]}
+    ops[0].finish()
+    assert await tasks[0] == "result"
+
+
 @pytest.mark.asyncio
 async def test_as_completed_yields_works_in_the_order_they_end(table: OpTable) -> None:
     first, second = ScriptedOp(), ScriptedOp()
@@ -306,6 +359,69 @@ def test_without_a_running_loop_a_callback_runs_on_the_thread_that_ends_the_op(
     assert seen == [ender]
     with pytest.raises(RuntimeError, match="no event loop runs in this thread"):
         work.get_loop()
+
+
+def test_callbacks_sharing_a_context_all_run_though_one_ends_the_other_op(
+    table: OpTable, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where no loop runs, a callback given ``context=`` runs in it; one that
+    ends another op whose callback has the same context (already entered,
+    here) has that callback run in a copy, not dropped. A callback that
+    raises RuntimeError is still run once, its error logged."""
+    a, b, c = ScriptedOp(), ScriptedOp(), ScriptedOp()
+    wa, wb, wc = (issue(table, op, 30.0) for op in (a, b, c))
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var")
+    ctx = contextvars.copy_context()
+    ctx.run(var.set, "given")
+    ran: list[tuple[str, str]] = []
+
+    def on_a(_: Any) -> None:
+        ran.append(("a", var.get()))
+        b.finish()
+        wb.done()  # ends b on this thread, inside ctx
+
+    wa.add_done_callback(on_a, context=ctx)
+    wb.add_done_callback(lambda _: ran.append(("b", var.get())), context=ctx)
+    a.finish()
+    assert wa.done()
+    assert ran == [("a", "given"), ("b", "given")]
+
+    def raising(_: Any) -> None:
+        ran.append(("c", var.get()))
+        raise RuntimeError("the callback's own")
+
+    wc.add_done_callback(raising, context=ctx)
+    with caplog.at_level("ERROR", logger="ftcomm"):
+        c.finish()
+        assert wc.done()
+    assert ran[2:] == [("c", "given")]  # once
+    assert "the callback's own" in caplog.text
+
+
+@pytest.mark.asyncio
+async def test_each_raise_of_an_ops_error_starts_its_traceback_afresh(table: OpTable) -> None:
+    """One error object per op, raised by every look and kept by errored():
+    frames do not pile up on it, raise after raise (as with asyncio's futures)."""
+    op = ScriptedOp()
+    work = issue(table, op, 30.0)
+    op.finish(RuntimeError("Connection closed by peer"))
+
+    def frames(error: BaseException) -> int:
+        return len(traceback.extract_tb(error.__traceback__))
+
+    async def awaited() -> object:
+        return await work
+
+    seen = []
+    for _ in range(2):
+        with pytest.raises(CommFailed) as by_await:
+            await awaited()
+        with pytest.raises(CommFailed) as by_result:
+            work.result()
+        with pytest.raises(CommFailed) as by_wait:
+            work.wait()
+        seen.append([frames(r.value) for r in (by_await, by_result, by_wait)])
+    assert seen[0] == seen[1]
 
 
 @pytest.mark.asyncio

@@ -75,8 +75,10 @@ def copy_back_cpu(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
     ``_foreach_copy_``."""
     sizes = [t.numel() for t in tensors]
     # As a native op writes them: not recorded by autograd (a parameter that
-    # requires grad is written as c10d writes it, whatever its shape).
-    with torch.no_grad():
+    # requires grad is written as c10d writes it, whatever its shape), and in
+    # inference mode, where tensors made in it (an eval loop's metrics) may
+    # be written as well as any other.
+    with torch.inference_mode():
         if all(t.dim() == 1 for t in tensors):
             torch.split_with_sizes_copy(flat, sizes, out=tensors)
             return
@@ -423,7 +425,10 @@ class Batch:
                 try:
                     self._copy_back(self.tensors, flat)
                 except Exception as exc:  # a device error: the members fail with it
-                    error = exc
+                    # Without its traceback: its frames (this one's native op,
+                    # the flat buffer, the batch and its tensors) would live
+                    # as long as the error, in errored() until configure().
+                    error = exc.with_traceback(None)
             self._error = error
             self._timed_out = error is not None and time.monotonic() >= self.deadline - _EARLY
             ended_at = getattr(native, "ended_at", None)
@@ -515,17 +520,23 @@ class AloneMark:
     look at it is a cut point, after which the next fusible op goes at once
     again (docs/design.md, "Fusing small collectives")."""
 
-    __slots__ = ("_config", "_lock")
+    __slots__ = ("_config",)
 
-    def __init__(self, lock: threading.Lock, config: Any) -> None:
-        self._lock = lock  # the group's issue lock
+    def __init__(self, config: Any) -> None:
         self._config = weakref.ref(config)  # an op kept must not keep its group
 
     def flush(self) -> None:
+        # Without the issue lock: a look may come from a callback that runs
+        # while this thread holds it (a break during a verified op's issue
+        # ends ops and calls their callbacks), and must not deadlock there.
+        # None is needed: a look only ever sets the flag, and each issue
+        # reads it once (under the lock) before it may write it, so a look
+        # during an issue acts as if made just before or just after it --
+        # which of the two is timing either way for a look from another
+        # thread than the one issuing, lock or no lock.
         config = self._config()
         if config is not None:
-            with self._lock:
-                config.fuse_alone = True
+            config.fuse_alone = True
 
 
 def _set_all(futures: list[asyncio.Future[None]]) -> None:

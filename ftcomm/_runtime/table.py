@@ -109,7 +109,9 @@ class LoopCall:
 
 class ThreadCall:
     """A done-callback registered where no event loop runs: ``fn(work)`` on
-    the thread that ends the op (in ``context`` if one was given)."""
+    the thread that ends the op (in ``context`` if one was given; in a copy
+    of it if it is in use, by a callback running on another thread or one
+    that ended this op)."""
 
     __slots__ = ("context", "fn", "work")
 
@@ -121,10 +123,27 @@ class ThreadCall:
         self.context = context
 
     def __call__(self) -> None:
-        if self.context is None:
+        context = self.context
+        if context is None:
             self.fn(self.work)
-        else:
-            self.context.run(self.fn, self.work)
+            return
+        # Two such callbacks may share a context and run nested (one ends
+        # another op) or at once (ops ending on two threads); a context is
+        # entered once at a time, so the second runs in a copy of it rather
+        # than not at all. Told apart from an error of ``fn`` by whether it ran.
+        ran = False
+
+        def call() -> None:
+            nonlocal ran
+            ran = True
+            self.fn(self.work)
+
+        try:
+            context.run(call)
+        except RuntimeError:
+            if ran:
+                raise
+            context.copy().run(self.fn, self.work)
 
 
 def _post(loop: asyncio.AbstractEventLoop, calls: list[LoopCall]) -> None:

@@ -124,6 +124,9 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
     (``asyncio.isfuture`` is true): ``asyncio.gather(*works)``,
     ``asyncio.wait_for(work, t)``, ``asyncio.shield(work)`` and
     ``asyncio.as_completed`` use it as it is, with no task per op.
+    ``asyncio.wait`` refuses works (it refuses anything that is also a
+    coroutine, and a work is one, for ``create_task``): give it tasks
+    (``asyncio.create_task(work)``), or use ``as_completed``.
     Cancelling ``gather`` cancels its works (:meth:`cancel`: the group is
     aborted); ``shield`` keeps the op going.
 
@@ -277,7 +280,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         or two for Gloo, at most about 1.5 s).
         """
         self._cancel_requested = (msg,)  # one cancel's break ends ops it was asked of
-        if self.done():
+        if self._done():  # not a look: a member of an open batch is dropped, never sent
             return False
         why = "" if msg is None else f": {msg}"
         error = CommAborted(f"{self.op} was cancelled with Work.cancel(){why}", **self._ctx())
@@ -327,7 +330,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
                 cancelled = self._make_cancelled_error()
                 cancelled.__context__ = error
                 raise cancelled
-            raise error
+            raise error.with_traceback(None)  # see __await__
         return self._result
 
     def exception(self) -> BaseException | None:
@@ -380,8 +383,10 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
 
         Elsewhere (a thread without a running loop): ``fn`` is called now, on
         this thread, if the op has ended, else on the thread that ends it (a
-        backend's thread, the owner loop), in ``context`` if one is given,
-        else in that thread's; it must be quick and must not block.
+        backend's thread, the owner loop), in ``context`` if one is given
+        (in a copy of it if it is in use just then: by another callback, on
+        another thread or around this one), else in that thread's; it must
+        be quick and must not block.
         Exceptions it raises there are logged (called now, they propagate).
 
         A look at the op: its open batch, if any, is sent.
@@ -463,7 +468,10 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         if end is None:
             end = self._outcome()  # raises: a bug in ftcomm
         if end.error is not None:
-            raise end.error
+            # One error object, raised by every look at the op and kept by
+            # errored(): each raise starts its traceback afresh (as asyncio's
+            # futures do), or every raise would add its frames to it.
+            raise end.error.with_traceback(None)
         return self._result
 
     # -- awaiting ----------------------------------------------------------
@@ -472,8 +480,9 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
 
     def _cancelled_while_awaited(self) -> None:
         """An awaiting task was cancelled: abort the op (and its group) unless
-        it has ended."""
-        if not self.done():
+        it has ended (not a look: a member of an open batch is dropped, never
+        sent)."""
+        if not self._done():
             self._abort(CommAborted(f"{self.op} was cancelled while in flight", **self._ctx()))
             self._until_published()
 
@@ -597,7 +606,14 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             self._arming = False
 
     def _arm_once(self, native: NativeOp) -> None:
-        """:meth:`_arm`, unless another waiter did."""
+        """:meth:`_arm`, unless another waiter did.
+
+        Also a ``LoopPoller``'s give-up from its finalizer, which a garbage
+        collection may run on a thread that holds the group's lock: an op
+        claimed already (so ended, or ending) needs nothing, and the lock
+        is not taken for it (``_claimed`` only ever turns true)."""
+        if self._claimed:
+            return
         with self._table._lock:
             arm = not self._cb_armed and not self._claimed
             self._cb_armed = True
@@ -685,7 +701,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             self._block(None)  # published at once, or by the thread settling it
         error = self._outcome().error
         if error is not None:
-            raise error
+            raise error.with_traceback(None)  # see __await__
         return self._result
 
     def _block(self, timeout: float | None) -> bool:
@@ -740,7 +756,10 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
     def _order_stream(self) -> bool:
         """c10d's ``wait()`` for an accelerator op that has not ended: make the
         calling thread's current stream wait for its device work, instead of
-        the CPU (the owner loop still holds its deadline). Whether it did."""
+        the CPU (the owner loop still holds its deadline). Whether it did.
+        A look at the op either way, whether it waits or not."""
+        if self._batch is not None:
+            self._flush()
         native = self._native
         if self._end is not None or native is None or not getattr(native, "stream_ordered", False):
             return False
@@ -893,6 +912,7 @@ class Work(TaskDriven, collections.abc.Coroutine[Any, Any, R]):
             self._batch = None  # its batch was sent (or dropped): let go of it
         waiters, self._waiters = self._waiters, None
         native, self._native = self._native, None
+        self._poll_loop = None  # a loop that polled it is not kept by an op kept
         if end.error is not None and type(native) is MemberOp:
             native.batch.wake_sleepers()  # its batch-mates look at their own ends
         observer = self._table.observer if record else None

@@ -218,7 +218,7 @@ class ChainedWork(dist.Work):
     def wait(self, timeout: object = None) -> bool:
         error = self._finish(timeout)
         if error is not None and self._wait_raises:
-            raise error
+            raise error.with_traceback(None)  # kept: each raise starts afresh
         return True
 
     def is_completed(self) -> bool:

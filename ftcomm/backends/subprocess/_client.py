@@ -40,6 +40,8 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from ..._protocol import (
     Configure,
     Done,
@@ -529,14 +531,17 @@ class WorkerProcess:
         unless (and until) the op is abandoned; then end the call."""
         error: Exception | None = None
         try:
-            for dst, src in call.staged.copy_back:
-                flat_dst, flat_src = dst.view(-1), src.view(-1)
-                step = max(1, _CHUNK // max(1, dst.element_size()))
-                for start in range(0, flat_dst.numel(), step):
-                    with call._copy_lock:
-                        if call._abandoned:
-                            return  # it has ended already, with an error
-                        flat_dst[start : start + step].copy_(flat_src[start : start + step])
+            # As a native op writes them: unrecorded by autograd, and into
+            # tensors made in inference mode (an eval loop's metrics) too.
+            with torch.inference_mode():
+                for dst, src in call.staged.copy_back:
+                    flat_dst, flat_src = dst.view(-1), src.view(-1)
+                    step = max(1, _CHUNK // max(1, dst.element_size()))
+                    for start in range(0, flat_dst.numel(), step):
+                        with call._copy_lock:
+                            if call._abandoned:
+                                return  # it has ended already, with an error
+                            flat_dst[start : start + step].copy_(flat_src[start : start + step])
         except Exception as exc:  # pragma: no cover - a copy between valid views
             log.exception("ftcomm worker %d: copying op %d's outputs failed", self.pid, call.op_id)
             # This op fails; the other replies of the batch go on. Without its
