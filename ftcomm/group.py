@@ -34,7 +34,7 @@ from ._runtime.deadline import Timeout, resolve, to_seconds
 from ._runtime.driven import Drivers, TaskDriven
 from ._runtime.fuse import MAX_OP_FRACTION, AloneMark, Batch, MemberOp, copy_back_cpu
 from ._runtime.loop import get_runtime, require_asyncio, wake_threadsafe
-from ._runtime.native import NativeOp
+from ._runtime.native import NativeOp, without_tracebacks
 from ._runtime.observe import Event, GroupStats, Observer, Subscription
 from ._runtime.table import Broken, OpTable
 from ._runtime.work import Work, aborted_by
@@ -1158,9 +1158,10 @@ class Group(Collectives):
         says what broke.
 
         The error is kept (``errored()``, until ``configure()``): ``exc``
-        loses its traceback, whose frames hold the refused op's tensors (a
-        batch's members and flat buffer) and the native group."""
-        exc = exc.with_traceback(None)
+        and the errors chained to it lose their tracebacks, whose frames
+        hold the refused op's tensors (a batch's members and flat buffer, a
+        staging segment) and the native group."""
+        exc = without_tracebacks(exc)
         if isinstance(exc, CommError):
             return exc._located(table.rank, op, None)
         failed = CommFailed(f"{op} could not be issued: {exc}", rank=table.rank, op=op)

@@ -177,6 +177,23 @@ def test_every_op_at_world_size_1_gloo(gloo1: c10d.ProcessGroupGloo) -> None:
     assert isinstance(gloo1.parent, ftcomm.Group)
 
 
+def test_the_dummy_writes_lists_sized_for_another_world_into_any_output(
+    dummy: c10d.ProcessGroupDummy,
+) -> None:
+    """A call sized for another world (torchft's managed dummy) copies each
+    input to its output as a native op writes: into a parameter, unrecorded,
+    and into a tensor made in inference mode."""
+    with torch.inference_mode():
+        made_in_inference = torch.zeros(2)
+    weight = torch.nn.Parameter(torch.zeros(2))
+    src = torch.tensor([1.0, 2.0])
+    for out in (made_in_inference, weight):
+        dummy.allgather([[out, torch.zeros(2)]], [src]).wait()  # lists for a world of 2
+        assert out.tolist() == [1.0, 2.0]  # paired with the one input
+    assert weight.grad_fn is None
+    assert dummy.errored() is None
+
+
 def test_dummy_is_world_size_1_only() -> None:
     with pytest.raises(ValueError, match="rank 0 and world size 1"):
         c10d.ProcessGroupDummy(0, 2)

@@ -140,3 +140,44 @@ async def test_dummy_backend_gives_world_of_one_results() -> None:
         assert (await g.broadcast(torch.tensor([9.0]))).tolist() == [9.0]
         assert await g.barrier() is None
         assert g.errored() is None
+
+
+async def _outputs_of_every_kind(g: ftcomm.Group, every: bool) -> dict[str, list[float]]:
+    """The ops whose outputs ftcomm writes itself (before or instead of the
+    native op), into outputs made in inference mode and parameters; with
+    ``every``, also those the dummy writes and Gloo writes natively (c10d's
+    own allgather cannot write into an inference tensor: raw c10d fails
+    there as well)."""
+
+    def outputs() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():  # an eval loop's buffers
+            made_in_inference = torch.zeros(2)
+        return made_in_inference, torch.nn.Parameter(torch.zeros(2))
+
+    got: dict[str, list[float]] = {}
+    for i, out in enumerate(outputs()):
+        src = torch.tensor([3.0, 4.0])
+        got[f"reduce_scatter {i}"] = (await g.reduce_scatter(out, [src])).tolist()
+        (rst,) = await g.reduce_scatter_tensor_coalesced([outputs()[i]], [src])
+        got[f"reduce_scatter_tensor {i}"] = rst.tolist()
+        if every:
+            (ag,) = await g.allgather(src, out=[outputs()[i]])
+            got[f"allgather {i}"] = ag.tolist()
+            got[f"alltoall_base {i}"] = (await g.alltoall_base(outputs()[i], src)).tolist()
+    return got
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["gloo", "dummy"])
+async def test_outputs_made_in_inference_mode_or_parameters_are_written(
+    backend: str, store: Any
+) -> None:
+    """Written as a native op writes them: unrecorded by autograd, and into
+    tensors made under torch.inference_mode() too; no op fails, the group
+    stays sound."""
+    async with ftcomm.Group(backend, timeout=20) as g:
+        await g.configure(f"127.0.0.1:{store.port}/outputs", 0, 1)
+        got = await _outputs_of_every_kind(g, every=backend == "dummy")
+        assert len(got) == (8 if backend == "dummy" else 4)
+        assert set(map(tuple, got.values())) == {(3.0, 4.0)}, got
+        assert g.errored() is None

@@ -493,8 +493,16 @@ async def test_the_error_of_a_refused_batch_keeps_none_of_its_tensors(store: Sto
         works = [g.allreduce(t) for t in ts]
         member = weakref.ref(ts[1])
 
-        def no_room(op: str, issue: Any, backend: object) -> Any:
+        staged = {"tensors": ts}
+
+        def stage(tensors: list[torch.Tensor]) -> None:  # a frame holding the tensors
             raise OSError(28, "no room in /dev/shm")
+
+        def no_room(op: str, issue: Any, backend: object) -> Any:
+            try:
+                stage(staged["tensors"])
+            except OSError as exc:  # as the subprocess backend says it: chained
+                raise OSError(28, "no room for the batch") from exc
 
         old = faults.set_injector(no_room)
         try:
@@ -504,6 +512,7 @@ async def test_the_error_of_a_refused_batch_keeps_none_of_its_tensors(store: Sto
         errors = [w.exception() for w in works]  # no await: nothing else holds them
         assert [type(e) for e in errors] == [CommFailed] * 3
         del works, ts, errors
+        staged.clear()
         gc.collect()
         assert isinstance(g.errored(), CommFailed)  # kept, with its causes
         assert member() is None
@@ -971,6 +980,25 @@ async def test_the_error_gather_raises_keeps_none_of_the_other_results(store: St
         gc.collect()
         assert g.errored() is not None
         assert error.__traceback__ is not None  # raised, with this await's frames
+        assert succeeded() is None
+
+
+@pytest.mark.asyncio
+async def test_a_gather_run_as_a_task_keeps_none_of_the_other_results(store: StoreServer) -> None:
+    """As above, for a gather handed to asyncio.create_task (its docs say it
+    may be): the task's steps pass through frames of their own."""
+    async with await _dummy(store, fuse=True) as g:
+        native = ScriptedOp()
+        done, works = _sent_batch(g, native)  # the lone first op succeeds
+        native.finish(RuntimeError("Connection closed by peer"))
+        succeeded = weakref.ref(await done)
+        task = asyncio.create_task(ftcomm.gather(done, *works))
+        with pytest.raises(CommFailed):
+            await task
+        del done, works, task
+        await asyncio.sleep(0)  # the loop lets go of the handle that woke us
+        gc.collect()
+        assert g.errored() is not None
         assert succeeded() is None
 
 

@@ -105,6 +105,10 @@ class TaskDriven:
             return call(gen)
         except BaseException:  # StopIteration (the await ended), or its error
             self._drop(key)
+            # The error may be kept (an op's, in errored()) with this frame
+            # in its traceback: it must not keep the object awaited (a
+            # gather's ops and their results), nor the task driving it.
+            del self, gen, call, key
             raise
 
     def send(self, value: Any) -> Any:
@@ -123,6 +127,7 @@ class TaskDriven:
             return gen.send(value)
         except BaseException:  # StopIteration (the await ended), or its error
             self._drop(key)
+            del self, gen, drivers, key  # as in _step
             raise
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
@@ -132,9 +137,13 @@ class TaskDriven:
         )
         if cancel and not self._driven_by(_task_key()):
             self._cancel_before_start()
-        if val is None and tb is None:  # throw(exc): what asyncio calls
-            return self._step(lambda gen: gen.throw(typ))
-        return self._step(lambda gen: gen.throw(typ, val, tb))
+        try:
+            if val is None and tb is None:  # throw(exc): what asyncio calls
+                return self._step(lambda gen: gen.throw(typ))
+            return self._step(lambda gen: gen.throw(typ, val, tb))
+        except BaseException:
+            del self  # as in _step
+            raise
 
     def _driven_by(self, key: object) -> bool:
         drivers = self._drivers

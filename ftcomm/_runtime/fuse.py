@@ -41,7 +41,7 @@ import torch
 
 from ..errors import CommAborted
 from .loop import LoopPoller
-from .native import Done, NativeOp
+from .native import Done, NativeOp, without_tracebacks
 from .table import _peek
 
 if TYPE_CHECKING:
@@ -428,7 +428,7 @@ class Batch:
                     # Without its traceback: its frames (this one's native op,
                     # the flat buffer, the batch and its tensors) would live
                     # as long as the error, in errored() until configure().
-                    error = exc.with_traceback(None)
+                    error = without_tracebacks(exc)
             self._error = error
             self._timed_out = error is not None and time.monotonic() >= self.deadline - _EARLY
             ended_at = getattr(native, "ended_at", None)

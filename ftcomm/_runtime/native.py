@@ -12,7 +12,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,26 @@ def _bare(exc: BaseException | None) -> BaseException | None:
     # Drop the traceback: its frames hold the native works (and through them
     # the group's sockets) for as long as anyone holds the error.
     return None if exc is None else exc.with_traceback(None)
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def without_tracebacks(exc: E) -> E:
+    """``exc``, with it and every exception chained to it (cause and context)
+    stripped of their tracebacks. For an error kept after it was raised
+    (``errored()`` keeps one until ``configure()``): the frames it passed
+    through would keep their tensors, native ops and groups as long."""
+    stack: list[BaseException | None] = [exc]
+    seen: set[int] = set()
+    while stack:
+        error = stack.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        error.__traceback__ = None
+        stack += (error.__cause__, error.__context__)
+    return exc
 
 
 def _future_error(fut: torch.futures.Future[Any]) -> BaseException | None:

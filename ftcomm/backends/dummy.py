@@ -18,6 +18,14 @@ from .._runtime.native import DoneOp, NativeOp
 from ._base import Backend, ConnectSpec
 
 
+def _write(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each source into its output, as a native op writes: unrecorded by
+    autograd, and into tensors made in inference mode as into any other."""
+    with torch.inference_mode():
+        for out, src in pairs:
+            out.copy_(src)
+
+
 class DummyBackend(Backend):
     name: ClassVar[str] = "dummy"
     device_type = "*"  # any device: nothing leaves the tensor
@@ -50,14 +58,13 @@ class DummyBackend(Backend):
     def allgather(
         self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, timeout: float
     ) -> NativeOp:
-        outputs[0].copy_(tensor)
+        _write([(outputs[0], tensor)])
         return DoneOp()
 
     def allgather_into_tensor(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], timeout: float
     ) -> NativeOp:
-        for out, inp in zip(outputs, inputs, strict=True):
-            out.copy_(inp.reshape(out.shape))
+        _write([(out, inp.reshape(out.shape)) for out, inp in zip(outputs, inputs, strict=True)])
         return DoneOp()
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout: float) -> NativeOp:
@@ -70,7 +77,7 @@ class DummyBackend(Backend):
         op: ReduceOp.RedOpType,
         timeout: float,
     ) -> NativeOp:
-        output.copy_(inputs[0])
+        _write([(output, inputs[0])])
         return DoneOp()
 
     def reduce_scatter_tensor(
@@ -80,8 +87,7 @@ class DummyBackend(Backend):
         op: ReduceOp.RedOpType,
         timeout: float,
     ) -> NativeOp:
-        for out, inp in zip(outputs, inputs, strict=True):
-            out.copy_(inp.reshape(out.shape))
+        _write([(out, inp.reshape(out.shape)) for out, inp in zip(outputs, inputs, strict=True)])
         return DoneOp()
 
     def alltoall_base(
@@ -92,7 +98,7 @@ class DummyBackend(Backend):
         input_split_sizes: list[int],
         timeout: float,
     ) -> NativeOp:
-        output.copy_(tensor)
+        _write([(output, tensor)])
         return DoneOp()
 
     def barrier(self, timeout: float) -> NativeOp:

@@ -188,8 +188,9 @@ def _scatter_buffers(
         mine = chunks[rank]
         shared = mine.untyped_storage().data_ptr() in outputs and mine is not output
         own.append(mine.clone() if shared else mine)
-    for (output, _), mine in zip(pairs, own, strict=True):
-        output.copy_(mine)
+    with torch.inference_mode():  # as Gloo writes: unrecorded, into inference tensors too
+        for (output, _), mine in zip(pairs, own, strict=True):
+            output.copy_(mine)
     return [b for pair in bufs for b in pair]
 
 

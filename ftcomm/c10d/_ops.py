@@ -245,8 +245,9 @@ class DummyOps(GroupOps):
                     f"{op}: output {i} has the shape {tuple(out.shape)}, its input "
                     f"{tuple(inp.shape)} (the dummy copies each input to its output)"
                 )
-        for out, inp in pairs:
-            out.copy_(inp)
+        with torch.inference_mode():  # as a native op writes (unrecorded)
+            for out, inp in pairs:
+                out.copy_(inp)
         return DoneWork(value)
 
     def allgather(
