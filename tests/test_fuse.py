@@ -85,17 +85,31 @@ async def test_ops_issued_together_go_as_one_op_when_one_is_awaited(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("shape", [(3,), (2, 2)])  # the copy back's two ways
 async def test_inference_tensors_fuse_as_they_go_alone(
-    store: StoreServer, calls: list[tuple[str, list[int]]], shape: tuple[int, ...]
+    store: StoreServer,
+    calls: list[tuple[str, list[int]]],
+    shape: tuple[int, ...],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    recorded = dummy.DummyBackend.allreduce
+
+    def as_two_equal_ranks(self: Any, tensors: list[torch.Tensor], *args: Any) -> Any:
+        with torch.inference_mode():  # a native op writes in place, as c10d does
+            for t in tensors:
+                t.mul_(2)  # the sum over two ranks holding the same values
+        return recorded(self, tensors, *args)
+
+    monkeypatch.setattr(dummy.DummyBackend, "allreduce", as_two_equal_ranks)
     async with await _dummy(store, fuse=True) as g:
         with torch.inference_mode():  # an eval loop's metrics
             ts = [torch.full(shape, float(i)) for i in range(4)]
-        model = torch.nn.Parameter(torch.zeros(shape))  # and a parameter, in the same batch
+        model = torch.nn.Parameter(torch.ones(shape))  # and a parameter, in the same batch
         got = await asyncio.gather(*[g.allreduce(t) for t in [*ts, model]])
         assert [x is t for x, t in zip(got, [*ts, model], strict=True)] == [True] * 5
         assert len(calls) == 2  # the first alone, the others fused
         assert g.errored() is None
-        assert [float(t.flatten()[0]) for t in ts] == [0.0, 1.0, 2.0, 3.0]
+        # written: the lone op in place, the batch's members by the copy back
+        assert [float(t.flatten()[0]) for t in ts] == [0.0, 2.0, 4.0, 6.0]
+        assert torch.equal(model.detach(), torch.full(shape, 2.0))
         assert model.requires_grad  # written as c10d writes it
         assert model.grad_fn is None
         model.sum().backward()  # and still a leaf autograd can use

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
@@ -57,12 +57,6 @@ class NativeOp(Protocol):
         ...
 
 
-def _bare(exc: BaseException | None) -> BaseException | None:
-    # Drop the traceback: its frames hold the native works (and through them
-    # the group's sockets) for as long as anyone holds the error.
-    return None if exc is None else exc.with_traceback(None)
-
-
 E = TypeVar("E", bound=BaseException)
 
 
@@ -81,6 +75,21 @@ def without_tracebacks(exc: E) -> E:
         error.__traceback__ = None
         stack += (error.__cause__, error.__context__)
     return exc
+
+
+def _bare(exc: BaseException | None) -> BaseException | None:
+    # Drop the tracebacks: their frames hold the native works (and through
+    # them the group's sockets) for as long as anyone holds the error.
+    return None if exc is None else without_tracebacks(exc)
+
+
+def write_outputs(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each source into its output, as a native op writes: unrecorded by
+    autograd, and into tensors made under ``torch.inference_mode()`` (an eval
+    loop's metrics) as into any other. For the outputs ftcomm writes itself."""
+    with torch.inference_mode():
+        for out, src in pairs:
+            out.copy_(src)
 
 
 def _future_error(fut: torch.futures.Future[Any]) -> BaseException | None:

@@ -14,16 +14,8 @@ from typing import Any, ClassVar
 import torch
 from torch.distributed import ReduceOp
 
-from .._runtime.native import DoneOp, NativeOp
+from .._runtime.native import DoneOp, NativeOp, write_outputs
 from ._base import Backend, ConnectSpec
-
-
-def _write(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each source into its output, as a native op writes: unrecorded by
-    autograd, and into tensors made in inference mode as into any other."""
-    with torch.inference_mode():
-        for out, src in pairs:
-            out.copy_(src)
 
 
 class DummyBackend(Backend):
@@ -58,13 +50,15 @@ class DummyBackend(Backend):
     def allgather(
         self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, timeout: float
     ) -> NativeOp:
-        _write([(outputs[0], tensor)])
+        write_outputs([(outputs[0], tensor)])
         return DoneOp()
 
     def allgather_into_tensor(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], timeout: float
     ) -> NativeOp:
-        _write([(out, inp.reshape(out.shape)) for out, inp in zip(outputs, inputs, strict=True)])
+        write_outputs(
+            [(out, inp.reshape(out.shape)) for out, inp in zip(outputs, inputs, strict=True)]
+        )
         return DoneOp()
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout: float) -> NativeOp:
@@ -77,7 +71,7 @@ class DummyBackend(Backend):
         op: ReduceOp.RedOpType,
         timeout: float,
     ) -> NativeOp:
-        _write([(output, inputs[0])])
+        write_outputs([(output, inputs[0])])
         return DoneOp()
 
     def reduce_scatter_tensor(
@@ -87,7 +81,9 @@ class DummyBackend(Backend):
         op: ReduceOp.RedOpType,
         timeout: float,
     ) -> NativeOp:
-        _write([(out, inp.reshape(out.shape)) for out, inp in zip(outputs, inputs, strict=True)])
+        write_outputs(
+            [(out, inp.reshape(out.shape)) for out, inp in zip(outputs, inputs, strict=True)]
+        )
         return DoneOp()
 
     def alltoall_base(
@@ -98,7 +94,7 @@ class DummyBackend(Backend):
         input_split_sizes: list[int],
         timeout: float,
     ) -> NativeOp:
-        _write([(output, tensor)])
+        write_outputs([(output, tensor)])
         return DoneOp()
 
     def barrier(self, timeout: float) -> NativeOp:

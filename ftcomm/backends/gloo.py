@@ -52,7 +52,7 @@ from torch._C._distributed_c10d import (
 from torch.distributed import ReduceOp
 
 from .._runtime.loop import get_runtime
-from .._runtime.native import NativeOp, Sever, ThreadOp, WorkOp, WorksOp
+from .._runtime.native import NativeOp, Sever, ThreadOp, WorkOp, WorksOp, write_outputs
 from .._store import StoreAddr, connect_store, meet
 from ._base import NUMERIC_DTYPES, Backend, ConnectSpec
 from ._gloo_pairs import (
@@ -188,9 +188,7 @@ def _scatter_buffers(
         mine = chunks[rank]
         shared = mine.untyped_storage().data_ptr() in outputs and mine is not output
         own.append(mine.clone() if shared else mine)
-    with torch.inference_mode():  # as Gloo writes: unrecorded, into inference tensors too
-        for (output, _), mine in zip(pairs, own, strict=True):
-            output.copy_(mine)
+    write_outputs((output, mine) for (output, _), mine in zip(pairs, own, strict=True))
     return [b for pair in bufs for b in pair]
 
 
