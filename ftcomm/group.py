@@ -36,8 +36,9 @@ from ._runtime.fuse import MAX_OP_FRACTION, AloneMark, Batch, MemberOp, copy_bac
 from ._runtime.loop import get_runtime, require_asyncio, wake_threadsafe
 from ._runtime.native import NativeOp, without_tracebacks
 from ._runtime.observe import Event, GroupStats, Observer, Subscription
+from ._runtime.settle import aborted_by
 from ._runtime.table import Broken, OpTable
-from ._runtime.work import Work, aborted_by
+from ._runtime.work import Work
 from ._state import Attempt, Config, GroupCore, State, Teardown, all_of
 from ._store import ENV_SCHEME, StoreAddr, env_int, parse_env_addr, parse_store_addr
 from ._verify import Chain, VerifiedOp, describe, reduce_code

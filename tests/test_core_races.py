@@ -830,9 +830,9 @@ def test_a_stopped_op_that_never_ends_is_published_after_stop_wait(
 ) -> None:
     """Gloo sometimes leaves a big send blocked after the shutdown, until its
     own timeout: no observer may wait that long."""
-    from ftcomm._runtime import work as work_mod
+    from ftcomm._runtime import settle
 
-    monkeypatch.setattr(work_mod, "STOP_WAIT", 0.2)
+    monkeypatch.setattr(settle, "STOP_WAIT", 0.2)
     native = _Stoppable()
     work = issue(table, native, 30.0)
     started = time.monotonic()
@@ -851,9 +851,9 @@ def test_cancel_on_the_owner_loop_does_not_hold_it(
     """Review finding: cancel() of a stopped op waits for its publication,
     which the owner loop itself may have to make (_overdue): there it must
     not block."""
-    from ftcomm._runtime import work as work_mod
+    from ftcomm._runtime import settle
 
-    monkeypatch.setattr(work_mod, "STOP_WAIT", 0.3)
+    monkeypatch.setattr(settle, "STOP_WAIT", 0.3)
     native = _Stoppable()
     work = issue(table, native, 30.0)
 

@@ -210,12 +210,17 @@ async def test_shield_keeps_the_op_going_when_its_awaiter_is_cancelled(table: Op
     assert not work.cancelled()
 
 
-def test_a_poller_let_go_under_the_lock_never_takes_it_for_an_ended_op(table: OpTable) -> None:
+def test_a_poller_let_go_under_the_lock_never_takes_it_for_an_ended_op(
+    table: OpTable, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A loop stopped with an op's poll queued: the poller's finalizer gives
     up (arms the op's callback) on whatever thread lets it go last -- for a
     loop dropped unclosed, a garbage collection, maybe on a thread in the
     middle of ending another op, holding the group's lock. For an op that
     has ended it must not take that lock; and the op lets go of the loop."""
+    # A spin longer than the test: on a loaded machine the loop may stop
+    # later than a 2 ms spin lasts, and the poll would be over, not queued.
+    monkeypatch.setattr(work_module, "SPIN_SECONDS", 60.0)
     slow = ScriptedOp()
     work = issue(table, slow, 30.0)
     loop = asyncio.new_event_loop()

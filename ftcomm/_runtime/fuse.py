@@ -42,11 +42,11 @@ import torch
 from ..errors import CommAborted
 from .loop import LoopPoller
 from .native import Done, NativeOp, without_tracebacks
-from .table import _peek
+from .settle import EARLY, CutPoint, OpRecord, end_all
+from .table import peek
 
 if TYPE_CHECKING:
     from .table import OpTable
-    from .work import Work
 
 OPEN, SENT, DONE, DROPPED = "open", "sent", "done", "dropped"
 
@@ -59,8 +59,6 @@ TRANSITIONS: dict[tuple[str, str], str] = {
 MAX_OP_FRACTION = 16
 """An allreduce joins a batch only if its tensor holds at most 1/16 of the
 batch's byte cap (``fuse_bytes``): larger ops go on the wire at once."""
-
-_EARLY = 0.005  # as work.py: a native error this close to a deadline is that deadline
 
 CopyBack = Callable[[list[torch.Tensor], torch.Tensor], None]
 """``copy_back(tensors, flat)``: write each tensor's slice of ``flat`` into it
@@ -86,7 +84,7 @@ def copy_back_cpu(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
         torch._foreach_copy_([t.view(-1) for t in tensors], views)
 
 
-class Batch:
+class Batch(CutPoint):
     """An open run of fusible allreduces of one key (dtype and reduce op; host
     tensors only), and then the one native op they share."""
 
@@ -134,7 +132,7 @@ class Batch:
         self.op = op  # the reduce op
         self.sender = sender  # sends this batch in program order (the group's issue lock)
         self._copy_back = copy_back
-        self.members: list[Work[Any]] = []
+        self.members: list[OpRecord[Any]] = []
         self.tensors: list[torch.Tensor] = []
         self.nbytes = 0
         self.deadline = float("inf")  # the earliest of its members'
@@ -142,7 +140,7 @@ class Batch:
         self._lock = threading.Lock()
         self._native: NativeOp | None = None
         self._flat: torch.Tensor | None = None
-        self._first: Work[Any] | None = None  # the earliest deadline's member, once asked
+        self._first: OpRecord[Any] | None = None  # the earliest deadline's member, once asked
         self._error: BaseException | None = None  # the native op's, or its refusal
         self._abandoned = False  # a member's settler gave up on it while SENT
         self._timed_out = False  # its native op failed at the batch's deadline
@@ -170,7 +168,7 @@ class Batch:
         self.state = to
 
     # -- the group's side (under its issue lock) -----------------------------
-    def add(self, work: Work[Any], tensor: torch.Tensor, nbytes: int) -> None:
+    def add(self, work: OpRecord[Any], tensor: torch.Tensor, nbytes: int) -> None:
         """A member joins (OPEN); its native op is a :class:`MemberOp` of this."""
         self.members.append(work)
         self.tensors.append(tensor)
@@ -262,7 +260,7 @@ class Batch:
         native = self._native
         if native is None:  # OPEN, being issued, or concluded just now
             return self._over()
-        if not _peek(native):
+        if not peek(native):
             return False
         self._conclude()  # the copy back, if it succeeded; callbacks come from its own
         return True
@@ -430,7 +428,7 @@ class Batch:
                     # as long as the error, in errored() until configure().
                     error = without_tracebacks(exc)
             self._error = error
-            self._timed_out = error is not None and time.monotonic() >= self.deadline - _EARLY
+            self._timed_out = error is not None and time.monotonic() >= self.deadline - EARLY
             ended_at = getattr(native, "ended_at", None)
             if ended_at is not None:  # the native op's own (a worker's reply, an event's poll)
                 self.ended_at = ended_at
@@ -446,7 +444,7 @@ class Batch:
         self.wake_sleepers()
         return True
 
-    def _earliest(self) -> Work[Any]:
+    def _earliest(self) -> OpRecord[Any]:
         """The member whose deadline is the batch's (the first such)."""
         first = self._first
         if first is None:
@@ -465,8 +463,6 @@ class Batch:
             succeeded = self.state is DONE and self._error is None and not self._abandoned
             failed = self.state is DONE and self._error is not None and not self._abandoned
         if succeeded:
-            from .work import end_all
-
             ended_at, window = self.ended_at, self.end_window
             assert ended_at is not None  # set when it concluded
             end_all(self.table, self.members, ended_at, window or 0.0)
@@ -483,7 +479,7 @@ class Batch:
         # must not keep the whole batch's.
         self.tensors = []
 
-    def outcome_for(self, work: Work[Any]) -> BaseException | None:
+    def outcome_for(self, work: OpRecord[Any]) -> BaseException | None:
         """A member's outcome (DONE or DROPPED): ``None`` only if the batch
         succeeded, was copied back, and nobody abandoned it."""
         state = self.state
@@ -515,12 +511,13 @@ def _sent(batch: Batch) -> None:
     """A sent (or dropped) batch's sender: nothing left to send."""
 
 
-class AloneMark:
+class AloneMark(CutPoint):
     """Held by a fusible op that went on its own (``Work._batch``): the first
     look at it is a cut point, after which the next fusible op goes at once
     again (docs/design.md, "Fusing small collectives")."""
 
     __slots__ = ("_config",)
+    kept_after_end = True
 
     def __init__(self, config: Any) -> None:
         self._config = weakref.ref(config)  # an op kept must not keep its group
@@ -569,7 +566,7 @@ class MemberOp:
 
     def __init__(self, batch: Batch) -> None:
         self.batch = batch
-        self.work: Work[Any]  # set once its Work is made
+        self.work: OpRecord[Any]  # set once its Work is made
 
     def poll(self) -> bool:
         return self.batch.poll()
@@ -585,6 +582,11 @@ class MemberOp:
 
     def abandon(self) -> bool:
         return self.batch.abandon()
+
+    def member_failed(self) -> None:
+        """Its op ended with an error (``OpRecord``'s end): the batch's
+        sleeping awaits wake and look at their own ops."""
+        self.batch.wake_sleepers()
 
     def wait(self, seconds: float) -> bool:
         return self.batch.wait(seconds)

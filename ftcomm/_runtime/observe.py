@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CommAborted, CommError, CommTimeout, WorkerDied
 
 if TYPE_CHECKING:
-    from .work import Work
+    from .settle import OpRecord
 
 log = logging.getLogger("ftcomm")
 
@@ -417,7 +417,7 @@ class Observer:
             self._post(lambda: _safely(log.log, level, message, *args, extra=extra))
 
     # -- ops ---------------------------------------------------------------
-    def issued_locked(self, work: Work[Any]) -> None:
+    def issued_locked(self, work: OpRecord[Any]) -> None:
         """Under the group's lock: queue ``work``'s ``"issued"`` event, once."""
         if not work._announced:
             work._announced = True
@@ -425,7 +425,7 @@ class Observer:
             self.emit(Event("issued", table.rank, table.store, work.op, work.seq))
 
     def op_ended_locked(
-        self, work: Work[Any], seconds: float, timed: bool, error: BaseException | None
+        self, work: OpRecord[Any], seconds: float, timed: bool, error: BaseException | None
     ) -> None:
         """Under the group's lock: record an op's end (``seconds`` from its
         issue to its end as seen; ``timed``: seen as it happened, see the
@@ -486,7 +486,7 @@ class Observer:
         return counters
 
     def batch_ended_locked(
-        self, op: str, works: list[Work[Any]], ended_at: float, window: float
+        self, op: str, works: list[OpRecord[Any]], ended_at: float, window: float
     ) -> None:
         """Under the group's lock, with statistics on and no subscriber: what
         :meth:`op_ended_locked` records for each of ``works``, ops of kind

@@ -1,10 +1,25 @@
 """The ops in flight on one group configuration: :class:`OpTable`.
 
-It holds every op's record until the op ends, one deadline timer on the owner
-loop (rule 3 of ``work.py``), and the table's break: the first error marks
-it (the group's ERRORED state, under the group's lock), then every op in
-flight ends, and the native group is handed over, once. The ops themselves,
-and how each one ends, are in ``work.py``.
+Owns: every op's record until the op ends, one deadline timer on the owner
+loop (rule 3 below), and the table's break: the first error marks it (the
+group's ERRORED state, under the group's lock), then every op in flight ends,
+and the native group is handed over, once. How each op ends is
+``settle.py``'s; what a caller holds is ``work.py``'s. Also the two shapes
+of a done-callback (:class:`LoopCall`, :class:`ThreadCall`) and
+:func:`wake_all`, which runs the wake-ups an end collects. Imports:
+``loop``, ``native`` and ``ftcomm.errors``.
+
+Rule this module keeps (rules 1-2 are ``settle.py``'s):
+
+3. The deadline is enforced twice: the native op gets the remaining time as
+   its own timeout, and the owner loop keeps **one** timer per table, armed at
+   the earliest deadline in flight, or, with nothing in flight, one op-timeout
+   ahead as a sentinel. A caller wakes the owner loop only when its op's
+   deadline comes before the armed time (and at most one wake-up is queued),
+   so a steady stream of ops costs the owner loop one wake-up per timeout and
+   the timer count stays at one per group however many ops run. A sentinel
+   that finds its table idle for a whole timeout lets go, so the owner loop
+   never keeps a dropped group alive.
 """
 
 from __future__ import annotations
@@ -24,7 +39,7 @@ from .native import NativeOp
 
 if TYPE_CHECKING:
     from .observe import Observer
-    from .work import Work
+    from .settle import OpRecord
 
 log = logging.getLogger("ftcomm")
 
@@ -36,7 +51,7 @@ class Broken:
     __slots__ = ("cause", "first", "pending", "why")
 
     def __init__(
-        self, cause: CommError, first: bool, pending: list[Work[Any]], why: str = "break"
+        self, cause: CommError, first: bool, pending: list[OpRecord[Any]], why: str = "break"
     ) -> None:
         self.cause = cause
         self.first = first
@@ -46,7 +61,7 @@ class Broken:
         worker), ``"abort"``, ``"begin"`` (a reconfigure), ``"shutdown"``."""
 
 
-def _wake_all(wakeups: list[Callable[[], object]]) -> None:
+def wake_all(wakeups: list[Callable[[], object]]) -> None:
     """Run every wake-up, whatever one of them raises: a user's done-callback
     that fails must not leave the waiters after it asleep, nor escape into
     whoever ended the op (an ``abort()``, the owner loop, a Gloo thread).
@@ -86,7 +101,7 @@ class LoopCall:
     ``fn(work)`` in ``context``, from a callback of ``loop`` (never from
     inside whatever ends the op, even on the loop's own thread), or, if
     ``loop`` is closed by then, on the thread that ends the op. Called
-    alone, it posts itself; :func:`_wake_all` posts all of one loop's calls
+    alone, it posts itself; :func:`wake_all` posts all of one loop's calls
     at once."""
 
     __slots__ = ("context", "fn", "loop", "work")
@@ -156,7 +171,7 @@ def _post(loop: asyncio.AbstractEventLoop, calls: list[LoopCall]) -> None:
         else:
             loop.call_soon_threadsafe(_run_calls, loop, calls)
     except RuntimeError:  # closed
-        _wake_all([ThreadCall(call.fn, call.work, call.context) for call in calls])
+        wake_all([ThreadCall(call.fn, call.work, call.context) for call in calls])
 
 
 def _run_calls(loop: asyncio.AbstractEventLoop, calls: list[LoopCall]) -> None:
@@ -186,7 +201,7 @@ def _independent(error: CommError) -> bool:
     return isinstance(error, (WorkerDied, ProtocolError))
 
 
-def _peek(native: NativeOp) -> bool:
+def peek(native: NativeOp) -> bool:
     """Whether ``native`` has ended, without side effects (see NativeOp)."""
     peek = getattr(native, "peek", None)
     return bool(peek()) if peek is not None else native.poll()
@@ -233,7 +248,7 @@ class OpTable:
         # ERRORED state, under the one lock that guards all of it.
         self._lock = threading.Lock() if lock is None else lock
         self._on_error = on_error  # called under the lock when the table breaks
-        self._inflight: dict[int, Work[Any]] = {}
+        self._inflight: dict[int, OpRecord[Any]] = {}
         self._seq = 0
         self._armed_at: float | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -258,7 +273,7 @@ class OpTable:
         self._seq += 1
         return self._seq
 
-    def track(self, work: Work[Any], timeout: float) -> None:
+    def track(self, work: OpRecord[Any], timeout: float) -> None:
         """Register an issued op (caller's thread).
 
         The table may have broken while the op was being issued (a deadline,
@@ -275,7 +290,7 @@ class OpTable:
             if self.observer is not None and self.observer.subscribers:
                 self.observer.issued_locked(work)
         if error is not None:
-            _wake_all(work._end_after_break(error))
+            wake_all(work._end_after_break(error))
             return
         self._horizon = timeout
         armed = self._armed_at  # read after the insert: see _rearm
@@ -316,7 +331,7 @@ class OpTable:
 
         ``until``: the latest deadline of a native op the group may still hold.
         """
-        _wake_all(self._end_broken(broken, until))
+        wake_all(self._end_broken(broken, until))
 
     def _end_broken(self, broken: Broken, until: float) -> list[Callable[[], object]]:
         """End the ops of ``broken`` (and, the first time, hand the native group
@@ -338,7 +353,7 @@ class OpTable:
             # an errored configuration shut down is a shutdown too
             observer.broke(broken.cause, broken.why, self.store, self.rank, len(broken.pending))
         if interrupted is not None:
-            _wake_all(wakeups)
+            wake_all(wakeups)
             raise interrupted
         return wakeups
 
