@@ -11,7 +11,8 @@ from helpers import StoreServer
 from torch._C._distributed_c10d import TCPStore
 
 from ftcomm._runtime.loop import get_runtime, new_event_loop
-from ftcomm.testing._world import _children, _fds, _mp_context, _segments, _threads
+from ftcomm.testing._base import _children, _fds, _segments, _threads
+from ftcomm.testing._world import _mp_context
 
 os.environ.setdefault("FTCOMM_DEBUG", "1")
 # c10d's TCPStore resolves every peer address to a name for its logs (a DNS

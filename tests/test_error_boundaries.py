@@ -17,7 +17,7 @@ from helpers import StoreServer, peers_came
 import ftcomm
 from ftcomm._runtime.loop import get_runtime
 from ftcomm.backends import gloo as gloo_mod
-from ftcomm.testing._world import _fds
+from ftcomm.testing._base import _fds
 
 
 class _Refused(dist.ProcessGroupGloo):  # type: ignore[misc]

@@ -31,7 +31,7 @@ from ftcomm._runtime.loop import get_runtime
 from ftcomm.backends.subprocess._client import WorkerProcess
 from ftcomm.backends.subprocess._shm import Pool
 from ftcomm.testing import Fault, FaultPlan, Kind, RankContext, run_world
-from ftcomm.testing._world import _segments
+from ftcomm.testing._base import _segments
 
 # What these check runs on ftcomm's owner loop and in the worker: asyncio only.
 pytestmark = pytest.mark.one_loop

@@ -5,13 +5,13 @@ and returns their values; a :class:`FaultPlan` kills, stops, hangs, delays or
 fails chosen ops of chosen ranks without touching the code under test.
 """
 
+from ._base import RankContext as RankContext
+from ._base import RankFailure as RankFailure
+from ._base import WorldError as WorldError
 from ._faults import Fault as Fault
 from ._faults import FaultPlan as FaultPlan
 from ._faults import Kind as Kind
 from ._world import LOOPS as LOOPS
-from ._world import RankContext as RankContext
-from ._world import RankFailure as RankFailure
-from ._world import WorldError as WorldError
 from ._world import run_world as run_world
 
 __all__ = [

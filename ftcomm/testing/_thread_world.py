@@ -5,6 +5,8 @@ its ftcomm groups are ordinary Gloo groups (torch allows one per thread). No
 process starts, so a world costs milliseconds instead of seconds. What a
 thread cannot do: be killed or stopped, so plans with those faults are
 refused. A rank still running at the world's bound has its task cancelled.
+Imports: ``_base`` (what both kinds of world share) and ``_faults``; never
+``_world``, which imports this.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ from typing import Any
 from .._runtime import faults as _seam
 from .._runtime.loop import get_runtime, new_event_loop
 from .._runtime.native import NativeOp
-from ._faults import FaultPlan, Injector, Kind
-from ._world import (
+from ._base import (
     RankContext,
     RankFn,
     _children,
@@ -31,6 +32,7 @@ from ._world import (
     _world_error,
     rank_coroutine,
 )
+from ._faults import FaultPlan, Injector, Kind
 
 
 class _DirectControl:
