@@ -22,13 +22,13 @@ import torch.distributed as dist
 from helpers import ScriptedOp, StoreServer, add_callback_off_loop, issue
 
 import ftcomm
-from ftcomm import group as group_mod
+from ftcomm import _configure as configure_mod
 from ftcomm._runtime import faults
 from ftcomm._runtime.loop import get_runtime
 from ftcomm._runtime.table import OpTable
 from ftcomm._runtime.work import Work
 from ftcomm.c10d._work import OpWork
-from ftcomm.testing._world import _children
+from ftcomm.testing._base import _children
 
 # How long an observer gets to (wrongly) see an op end while its settler is
 # paused. On the code under test it blocks for all of it; it only bounds how
@@ -289,7 +289,7 @@ class _PausingTable(OpTable):
 def pausing_table(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[_PausingTable]]:
     _PausingTable.paused = threading.Event()
     _PausingTable.go = threading.Event()
-    monkeypatch.setattr(group_mod, "OpTable", _PausingTable)
+    monkeypatch.setattr(configure_mod, "OpTable", _PausingTable)
     yield _PausingTable
     _PausingTable.go.set()
 

@@ -19,9 +19,9 @@ import torch
 from torch.distributed import PrefixStore, TCPStore
 
 import ftcomm
+from ftcomm._configure import _store_and_ranks
 from ftcomm._store import parse_env_addr
 from ftcomm.backends._gloo_pairs import LISTENER_KEY, decode_addr
-from ftcomm.group import _store_and_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
