@@ -29,7 +29,7 @@ from ftcomm import CommAborted, CommTimeout, NotConfigured, ProtocolError, Worke
 from ftcomm._protocol import Done, Ready
 from ftcomm._runtime.loop import get_runtime
 from ftcomm.backends.subprocess._client import WorkerProcess
-from ftcomm.backends.subprocess._shm import Pool
+from ftcomm.backends.subprocess._pool import Pool
 from ftcomm.testing import Fault, FaultPlan, Kind, RankContext, run_world
 from ftcomm.testing._base import _segments
 
@@ -751,7 +751,7 @@ def test_an_op_waits_for_a_move_of_its_storage(monkeypatch: pytest.MonkeyPatch) 
 def test_an_interrupted_move_leaves_nothing_marked_moving(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from ftcomm.backends.subprocess import _shm
+    from ftcomm.backends.subprocess import _pool
 
     pool = Pool(share_min_bytes=1024)
     a, b = torch.ones(1024), torch.ones(1024)
@@ -764,7 +764,7 @@ def test_an_interrupted_move_leaves_nothing_marked_moving(monkeypatch: pytest.Mo
     try:
         with pytest.raises(KeyboardInterrupt):
             pool.stage([(a, "in"), (b, "in")])  # the first move is interrupted
-        assert not _shm._moving
+        assert not _pool._moving
         monkeypatch.undo()
         staged: list[object] = []
         thread = threading.Thread(target=lambda: staged.append(pool.stage([(b, "in")])))

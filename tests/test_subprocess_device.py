@@ -43,7 +43,7 @@ from ftcomm.backends.subprocess._device import (
     IpcRecord,
     PoolClosed,
 )
-from ftcomm.backends.subprocess._shm import Pool
+from ftcomm.backends.subprocess._pool import Pool
 from ftcomm.backends.subprocess._worker import Worker
 
 # What these check runs on ftcomm's owner loop and in the worker: asyncio only.

@@ -41,7 +41,7 @@ import ftcomm
 from ftcomm import CommFailed, ProtocolError
 from ftcomm._protocol import Op, TensorDesc
 from ftcomm._runtime.loop import get_runtime
-from ftcomm.backends.subprocess import _shm
+from ftcomm.backends.subprocess import _pool, _shm
 from ftcomm.backends.subprocess._channel import Channel
 from ftcomm.backends.subprocess._client import Call, WorkerProcess
 from ftcomm.backends.subprocess._device import DeviceStorages
@@ -87,8 +87,8 @@ def small_shm(monkeypatch: pytest.MonkeyPatch) -> SmallShm:
 
 # -- /dev/shm full ----------------------------------------------------------------------------
 def test_a_full_dev_shm_is_an_oserror_that_leaves_nothing_behind(small_shm: SmallShm) -> None:
-    pool = _shm.Pool()
-    before, pins = _mine(), dict(_shm._pins)
+    pool = _pool.Pool()
+    before, pins = _mine(), dict(_pool._pins)
     try:
         t = torch.ones(1 << 20)  # 4 MiB
         with pytest.raises(OSError, match="no room") as info:
@@ -100,7 +100,7 @@ def test_a_full_dev_shm_is_an_oserror_that_leaves_nothing_behind(small_shm: Smal
         assert small_shm.calls == [(0, 4 << 20)]  # reserved up front, before any copy
         assert _mine() == before  # the segment's name is gone
         assert pool.segments == 0
-        assert _shm._pins == pins  # nothing pinned
+        assert _pool._pins == pins  # nothing pinned
         staged = pool.stage([(torch.full((4,), 2.0), "inout")])  # a smaller op fits
         assert torch.equal(staged.copy_back[0][1], torch.full((4,), 2.0))
         staged.unpin()
@@ -109,7 +109,7 @@ def test_a_full_dev_shm_is_an_oserror_that_leaves_nothing_behind(small_shm: Smal
 
 
 def test_a_reused_segment_reserves_what_a_larger_op_needs(small_shm: SmallShm) -> None:
-    pool = _shm.Pool()
+    pool = _pool.Pool()
     try:
         first = pool.stage([(torch.ones(160 * 1024), "in")])  # 640 KiB: a 1 MiB segment
         assert first.segment is not None
@@ -134,9 +134,9 @@ def test_a_reused_segment_reserves_what_a_larger_op_needs(small_shm: SmallShm) -
 _STAGE_ON_A_SMALL_TMPFS = """
 import errno, json, os, sys
 import torch
-from ftcomm.backends.subprocess import _shm
+from ftcomm.backends.subprocess import _pool, _shm
 _shm.SHM_DIR = sys.argv[1]
-pool = _shm.Pool()
+pool = _pool.Pool()
 out = {}
 try:
     pool.stage([(torch.ones(1 << 20), "inout")])  # 4 MiB into 1 MiB
@@ -144,7 +144,7 @@ try:
 except OSError as exc:
     out["big"] = [exc.errno, str(exc)]
 out["files"] = os.listdir(sys.argv[1])
-out["pins"] = len(_shm._pins)
+out["pins"] = len(_pool._pins)
 staged = pool.stage([(torch.full((1024,), 2.0), "inout")])
 out["small"] = staged.copy_back[0][1][:2].tolist()
 staged.unpin()
@@ -200,7 +200,7 @@ async def test_a_full_dev_shm_reaches_the_caller_and_a_smaller_op_works(
 ) -> None:
     worker = subprocess_backend(group).worker
     assert torch.equal(await group.allreduce(torch.ones(2)), torch.ones(2))
-    segments, pins = worker.pool.segments, dict(_shm._pins)
+    segments, pins = worker.pool.segments, dict(_pool._pins)
     with pytest.raises(OSError, match="no room") as info:
         group.allreduce(torch.ones(1 << 20))  # 4 MiB
     assert info.value.errno == errno.ENOSPC
@@ -212,7 +212,7 @@ async def test_a_full_dev_shm_reaches_the_caller_and_a_smaller_op_works(
     assert group.errored() is None  # nothing was sent: the group is usable
     assert worker.in_flight == 0
     assert worker.pool.segments == segments
-    assert _shm._pins == pins
+    assert _pool._pins == pins
     assert torch.equal(await group.allreduce(torch.full((1024,), 3.0)), torch.full((1024,), 3.0))
 
 
@@ -231,13 +231,13 @@ async def test_more_tensors_than_an_op_carries_is_a_clear_value_error(
     group: ftcomm.Group,
 ) -> None:
     worker = subprocess_backend(group).worker
-    pins = dict(_shm._pins)
+    pins = dict(_pool._pins)
     grads = [torch.ones(1) for _ in range(5000)]
     with pytest.raises(ValueError, match=r"allreduce: tensors: 5000 tensors, more than the 4096"):
         group.allreduce_coalesced(grads)
     assert worker.in_flight == 0
     assert worker.pool.segments == 0  # refused before anything was staged
-    assert _shm._pins == pins
+    assert _pool._pins == pins
     assert group.errored() is None
     out = await group.allreduce_coalesced(grads[:3])
     assert all(torch.equal(t, torch.ones(1)) for t in out)
@@ -259,11 +259,11 @@ async def test_an_op_that_fails_to_encode_leaves_nothing_behind(
         raise ProtocolError("a payload of 2000000 bytes is over the cap")
 
     monkeypatch.setattr(_client, "encode_op", broken)
-    segments, pins = worker.pool.segments, dict(_shm._pins)
+    segments, pins = worker.pool.segments, dict(_pool._pins)
     with pytest.raises(ValueError, match="does not fit in a frame to the worker"):
         group.allreduce_coalesced([torch.ones(8), shared])
     assert worker._calls == {}
-    assert _shm._pins == pins
+    assert _pool._pins == pins
     assert worker.pool.segments == segments  # the first op's, reused
     assert sum(map(len, worker.pool._free.values())) == segments  # and back in the pool
     assert worker.pool.shared._sent == {}  # the fd never went out
@@ -276,7 +276,7 @@ async def test_an_op_that_fails_to_encode_leaves_nothing_behind(
 
 def test_an_unsent_device_op_gives_back_its_shares_releases_and_acks() -> None:
     calls = FakeCalls()
-    pool = _shm.Pool()
+    pool = _pool.Pool()
     pool.device = DeviceStorages(calls)
     try:
         old = calls.cuda(torch.ones(4))

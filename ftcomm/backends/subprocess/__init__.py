@@ -5,8 +5,10 @@ the group's worker process is killed, and nothing writes anywhere any more.
 Pieces, each in its own module:
 
 * :mod:`._channel` -- the codec on a socketpair that only the worker inherits;
-* :mod:`._shm` -- CPU tensors travel through shared memory: copied in and
-  out, or in place when their storage is shared;
+* :mod:`._shm` -- the shared-memory segments CPU tensors travel through;
+  :mod:`._pool` -- the parent's side of them: tensors copied in and out, or
+  used in place when their storage is shared; :mod:`._mappings` -- the
+  worker's side: the segments and storages it maps;
 * :mod:`._device` -- CUDA tensors travel by IPC handle, ordered by events;
 * :mod:`._layout` -- dtype names and bounds checks for both;
 * :mod:`._client` -- the parent's handle on a worker: ops in flight by op id,
@@ -17,7 +19,9 @@ Pieces, each in its own module:
 :class:`Launcher` is what :class:`~ftcomm.Group` holds with
 ``subprocess=True``: every ``configure()`` gets a fresh worker, by default
 one started ahead of time (a *spare*), since starting Python and importing
-torch takes 1.5-2 s on the CI machine.
+torch takes 1.5-2 s on the CI machine. Imports: its own modules, the
+backends' contract (``backends/_base.py``), the runtime, ``_protocol`` and
+``ftcomm.errors``.
 """
 
 from __future__ import annotations
@@ -235,7 +239,7 @@ class Launcher:
         share_min_bytes: move a CPU storage into shared memory, in place, when
             a tensor of at least this many bytes brings it back for another
             op, and use it in place from then on (``None``, the default:
-            always copy; see ``_shm.py``).
+            always copy; see ``_pool.py``, rule 3).
 
     Raises:
         ValueError, NotImplementedError: as :func:`~ftcomm.backends.backend_class`.

@@ -57,7 +57,7 @@ from ...errors import CommAborted, CommError, CommFailed, ProtocolError, WorkerD
 from .._base import ConnectSpec
 from . import _worker
 from ._channel import Channel
-from ._shm import Pool, Staged
+from ._pool import Pool, Staged
 
 log = logging.getLogger("ftcomm")
 

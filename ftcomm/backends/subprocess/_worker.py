@@ -58,7 +58,7 @@ from .._base import Backend, ConnectSpec
 from . import _ops
 from ._channel import Channel
 from ._device import IPC_PREFIX, DeviceMappings, cuda_index
-from ._shm import Mappings
+from ._mappings import Mappings
 
 SPIN = float(os.environ.get("FTCOMM_WORKER_SPIN_US", "2000")) / 1e6
 """How long the worker polls an op it issued (yielding the core between
