@@ -17,6 +17,7 @@ import torch
 
 import ftcomm
 from ftcomm import _bench
+from ftcomm._bench import report, runner, torchft_rows
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -109,7 +110,7 @@ def test_plot_without_matplotlib_exits_2_before_running(
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
 
-    def must_not_run(*_: object) -> _bench.Report:
+    def must_not_run(*_: object) -> runner.Report:
         raise AssertionError("the bench ran although --plot cannot be drawn")
 
     monkeypatch.setattr(_bench, "_run_children", must_not_run)
@@ -122,9 +123,9 @@ def test_plot_without_matplotlib_exits_2_before_running(
 def test_json_to_stdout_alone_and_a_failure_exits_1(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def fake_run(plan: _bench.Plan, timeout: float) -> _bench.Report:
+    def fake_run(plan: runner.Plan, timeout: float) -> runner.Report:
         lat = {(w.label, c): [1e-4, 2e-4, 4e-4] for w in plan.workloads for c in plan.cases}
-        return _bench.Report(lat, failures=["rank 1, baby: close failed: boom"])
+        return runner.Report(lat, failures=["rank 1, baby: close failed: boom"])
 
     monkeypatch.setattr(_bench, "_run_children", fake_run)
     code = _bench.main(["--json", "-", "--recovery-samples", "0", "--no-torchft"])
@@ -169,13 +170,13 @@ class _FakeBaby:
 
 def test_torchft_worker_killed_before_its_pipes_close_and_a_dead_one_reported() -> None:
     live: Any = _FakeBaby(exitcode=None)
-    _bench.close_torchft_baby(live)
+    torchft_rows.close_torchft_baby(live)
     assert live._future_pipe.closed
     assert live.order == ["shutdown (killed=True)"]  # killed first: it never reads an EOF
 
     dead: Any = _FakeBaby(exitcode=1)
     with pytest.raises(RuntimeError, match=r"exited on its own, code 1"):
-        _bench.close_torchft_baby(dead)
+        torchft_rows.close_torchft_baby(dead)
     assert dead.order == ["shutdown (killed=False)"]
 
 
@@ -193,7 +194,7 @@ def test_no_command_prints_usage_and_exits_2() -> None:
 
 _PIN_CHECK = """
 import contextlib, os, threading, torch
-from ftcomm._bench import pin_rank
+from ftcomm._bench.runner import pin_rank
 started = threading.Event()
 before = threading.Thread(target=started.wait)  # a thread started before the pin
 before.start()
@@ -230,7 +231,7 @@ def test_a_pinned_rank_and_the_threads_it_starts_run_on_one_cpu() -> None:
 def test_pin_is_refused_before_running_where_each_rank_cannot_have_a_cpu(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def must_not_run(*_: object) -> _bench.Report:
+    def must_not_run(*_: object) -> runner.Report:
         raise AssertionError("the bench ran although --pin cannot pin")
 
     monkeypatch.setattr(_bench, "_run_children", must_not_run)
@@ -242,28 +243,28 @@ def test_pin_is_refused_before_running_where_each_rank_cannot_have_a_cpu(
 def test_a_pinned_run_says_so_in_its_table_and_its_json(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    plans: list[_bench.Plan] = []
+    plans: list[runner.Plan] = []
 
-    def fake_run(plan: _bench.Plan, timeout: float) -> _bench.Report:
+    def fake_run(plan: runner.Plan, timeout: float) -> runner.Report:
         plans.append(plan)
         lat = {(w.label, c): [1e-4, 2e-4] for w in plan.workloads for c in plan.cases}
-        return _bench.Report(lat)
+        return runner.Report(lat)
 
     monkeypatch.setattr(_bench, "_run_children", fake_run)
     monkeypatch.setattr(_bench, "_unpinnable", lambda: None)  # any machine
     assert _bench.main(["--pin", "--json", "-", "--recovery-samples", "0"]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["pin"] is True
     assert [p.pin for p in plans] == [True]
-    assert "each rank pinned to a CPU" in _bench.format_table(plans[0], _bench.Report(), [])
-    unpinned = _bench.Plan("asyncio", 1, ("raw",), ())
-    assert "pinned" not in _bench.format_table(unpinned, _bench.Report(), [])
+    assert "each rank pinned to a CPU" in report.format_table(plans[0], runner.Report(), [])
+    unpinned = runner.Plan("asyncio", 1, ("raw",), ())
+    assert "pinned" not in report.format_table(unpinned, runner.Report(), [])
 
 
 def test_the_small_op_row_takes_turns_every_50_ops() -> None:
     """The cases take turns within a round (see ``workloads``); a row with
     no chunk, or one smaller than a chunk, is one turn."""
-    small = _bench.Workload("allreduce 1xfp32", "allreduce", 1, 500, 100, chunk=50)
-    assert _bench._turns(small) == [50] * 10
-    assert _bench._turns(_bench.Workload("a", "allreduce", 1, 120, 0, chunk=50)) == [50, 50, 20]
-    assert _bench._turns(_bench.Workload("a", "allreduce", 1, 30, 0, chunk=50)) == [30]
-    assert _bench._turns(_bench.Workload("b", "allreduce", 8, 4, 1)) == [4]
+    small = runner.Workload("allreduce 1xfp32", "allreduce", 1, 500, 100, chunk=50)
+    assert runner._turns(small) == [50] * 10
+    assert runner._turns(runner.Workload("a", "allreduce", 1, 120, 0, chunk=50)) == [50, 50, 20]
+    assert runner._turns(runner.Workload("a", "allreduce", 1, 30, 0, chunk=50)) == [30]
+    assert runner._turns(runner.Workload("b", "allreduce", 8, 4, 1)) == [4]

@@ -1,0 +1,264 @@
+"""``python -m ftcomm bench``: ftcomm against raw c10d Gloo, measured in one run.
+
+This module owns the command line: :func:`main`, its options and what is
+checked before a run. Imports: every other module of this package (none of
+them imports this one), ftcomm's store server.
+
+Two ranks run on loopback as two spawned processes. The parent owns the
+``TCPStore``; the children connect to it as clients. Every child builds one
+runner per *case* (an implementation: raw Gloo, ftcomm, torchft when it is
+installed), then measures every *workload* (an op at one size) in rounds,
+alternating the order of the cases from round to round, with a store barrier
+before every phase, so that drift on these noisy 2-core machines hits all the
+cases alike. Rank 0 sends its per-op latencies to the parent, which prints one
+table of medians, tails and ratios against raw Gloo; ``--json`` writes the same
+figures as one JSON object, ``--plot`` draws the latency distributions
+(matplotlib, ``pip install 'ftcomm[plot]'``).
+
+The modules, each importing only those listed below it:
+
+- ``cases``: the cases and workloads of a run, in the table's order (adding a
+  row or an op starts there);
+- ``recovery``: configure-to-first-op and dead-worker detection, world size 1;
+- ``latency``, ``fusion``, ``subproc``, ``torchft_rows``: the families of
+  cases, the functions that open each case's runner on a rank;
+- ``groups``: the runners on ftcomm's groups that the families share;
+- ``report``: the table, the JSON and the plot;
+- ``runner``: the plan, the report, the ranks, the rounds and the timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+
+from .._server import serve_store
+from .cases import CASES, workloads
+from .recovery import _recovery, format_recovery
+from .report import PLOT_HINT, format_table, matplotlib_missing, results, write_plot
+from .runner import HOST, BenchFailed, Plan, Seconds, _run_children, _unpinnable
+from .torchft_rows import _torchft_missing
+
+
+# -- CLI --------------------------------------------------------------------------------
+def _default_loop() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ftcomm bench",
+        description="Time ftcomm's collectives against raw torch.distributed Gloo "
+        "(and torchft when installed): 2 ranks on loopback, one run, ratios.",
+    )
+    p.add_argument("--iters", type=_positive, default=4000, help="1-float ops per case (4000)")
+    p.add_argument("--big-iters", type=_positive, default=32, help="big ops per case (32)")
+    p.add_argument("--big-mib", type=_positive, default=16, help="big tensor size in MiB (16)")
+    p.add_argument(
+        "--burst",
+        type=_positive,
+        default=1000,
+        help="1-float allreduces issued at once in the burst row: raw issues them one by one, "
+        "ftcomm awaits them with asyncio.gather(), fused with fuse=True, fused+fg with "
+        "fuse=True and ftcomm.gather() (1000)",
+    )
+    p.add_argument("--burst-iters", type=_positive, default=16, help="bursts per case (16)")
+    p.add_argument("--rounds", type=_positive, default=8, help="interleaved rounds (8)")
+    p.add_argument(
+        "--warmup", type=_non_negative, default=100, help="1-float warm-up ops per round (100)"
+    )
+    p.add_argument(
+        "--big-warmup", type=_non_negative, default=1, help="big warm-up ops per round (1)"
+    )
+    p.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default=None,
+        help="event loop of the ranks and of ftcomm's owner loop (default: uvloop if installed)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="give up after this many seconds (300)"
+    )
+    p.add_argument(
+        "--no-torchft", action="store_true", help="skip torchft's rows even where it is installed"
+    )
+    p.add_argument(
+        "--with",
+        dest="with_",
+        action="append",
+        default=[],
+        choices=[case.impl for case in CASES if case.opt_in],
+        help="add an optional row: stats-off (ftcomm with Group(stats=False))",
+    )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin each rank (with its threads) to a CPU of its own: steadier small-op "
+        "figures on a small machine, where unpinned runs swing with thread placement",
+    )
+    p.add_argument(
+        "--recovery-samples",
+        type=_non_negative,
+        default=5,
+        help="samples of configure-to-first-op and dead-worker detection (5; 0: skip)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="FILE|-",
+        default=None,
+        help="also write every figure (each row's p50/p90/p99 or GB/s and ratio to raw, the "
+        "recovery times, the plan, torch's and ftcomm's versions) as one JSON object to FILE; "
+        "'-': print only that JSON on stdout, no tables",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        default=None,
+        help="also draw each case's per-op latency distribution, side by side, raw Gloo as "
+        f"the reference, into FILE (.png; matplotlib: {PLOT_HINT})",
+    )
+    return p
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written (checked before the run, not after it)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"{path}: no such directory {folder}"
+    if os.path.isdir(path):
+        return f"{path} is a directory"
+    return None
+
+
+def _unplottable(path: str) -> str | None:
+    """Why matplotlib cannot write ``path``'s format (checked before the run)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    except Exception as exc:  # installed, but broken
+        return f"--plot: matplotlib does not work here ({type(exc).__name__}: {exc})"
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext not in formats:
+        known = ", ".join(sorted(formats))
+        return f"--plot {path}: write .png (or {known}), not {ext or 'no extension'!r}"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the bench; print the table (or the JSON). Returns the exit code."""
+    args = parser().parse_args(argv)
+    loop: str = args.loop or _default_loop()
+    if loop == "uvloop" and _default_loop() != "uvloop":
+        print("ftcomm bench: --loop uvloop but uvloop is not installed", file=sys.stderr)
+        return 2
+    json_path: str | None = args.json
+    plot_path: str | None = args.plot
+    missing = None if plot_path is None else matplotlib_missing()
+    problems = [
+        why
+        for why in (
+            missing,
+            None if plot_path is None or missing else _unplottable(plot_path),
+            None if plot_path is None else _unwritable(plot_path),
+            None if json_path in (None, "-") else _unwritable(json_path),
+            _unpinnable() if args.pin else None,
+        )
+        if why is not None
+    ]
+    if problems:
+        for problem in problems:
+            print(f"ftcomm bench: {problem}", file=sys.stderr)
+        return 2
+    tables = json_path != "-"  # '-': stdout carries the JSON alone
+    out = sys.stdout if tables else sys.stderr  # where "wrote FILE" goes
+    notes: list[str] = []
+    cases: list[str] = []
+    for case in CASES:
+        if case.opt_in and case.impl not in args.with_:
+            continue
+        torchft_row = case.missing is _torchft_missing
+        why = "--no-torchft" if torchft_row and args.no_torchft else case.missing()
+        if why is None:
+            cases.append(case.impl)
+        else:
+            notes.append(f"{case.impl} rows skipped: {why}")
+    opens = {case.impl: case.open for case in CASES if case.impl in cases}
+    plan = Plan(loop, args.rounds, tuple(cases), workloads(args), pin=args.pin, opens=opens)
+    started = time.monotonic()
+    try:
+        report = _run_children(plan, args.timeout)
+    except BenchFailed as exc:
+        print(f"ftcomm bench failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    notes.append(f"took {time.monotonic() - started:.1f} s")
+    if tables:
+        print(format_table(plan, report, notes), flush=True)
+    else:
+        for failure in report.failures:
+            print(f"ftcomm bench: FAILED: {failure}", file=sys.stderr)
+    failed = bool(report.failures)
+    if plot_path is not None:
+        try:
+            write_plot(plot_path, plan, report)
+        except Exception as exc:  # the measurements still go to the table and the JSON
+            print(f"ftcomm bench: cannot write the plot: {exc}", file=sys.stderr)
+            failed = True
+        else:
+            print(f"plot: {plot_path}", file=out, flush=True)
+    times: dict[str, Seconds] | None = None
+    if args.recovery_samples:
+        store = serve_store(HOST)  # loopback only
+        try:
+            torchft = not args.no_torchft and _torchft_missing() is None
+            times = asyncio.run(_recovery(store.port, args.recovery_samples, torchft))
+        except Exception as exc:
+            traceback.print_exc()
+            print(f"ftcomm bench: recovery failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            report.failures.append(f"recovery: {type(exc).__name__}: {exc}")
+            failed = True
+        finally:
+            store.close()
+        if times is not None and tables:
+            print(format_recovery(times), flush=True)
+    if json_path is not None:
+        text = json.dumps(results(plan, report, notes, times), indent=2)
+        if json_path == "-":
+            print(text, flush=True)
+        else:
+            try:
+                with open(json_path, "w", encoding="utf-8") as f:
+                    f.write(text + "\n")
+            except OSError as exc:
+                print(f"ftcomm bench: cannot write the JSON: {exc}", file=sys.stderr)
+                failed = True
+            else:
+                print(f"json: {json_path}", file=out, flush=True)
+    return 1 if failed else 0
