@@ -1,0 +1,251 @@
+"""The package's floors: imports point down, never in a circle, and every
+module is small, says what it owns, and is on the map in docs/design.md.
+
+Computed from the source with ``ast`` (no import runs). An import under
+``if TYPE_CHECKING:`` is for annotations only and does not count; an import
+inside a function does (it runs when the function does).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections.abc import Iterable, Mapping
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "ftcomm"
+DESIGN = ROOT / "docs" / "design.md"
+MAX_LINES = 700
+
+# The floors, lowest first. A module may import its own floor and those below
+# it; within a floor, imports only must not go round in a circle. A module is
+# on the floor of the longest prefix below that names it. docs/design.md
+# ("The map") says the same in words.
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "base",
+        (
+            "ftcomm.errors",
+            "ftcomm._validate",
+            "ftcomm._store",
+            "ftcomm._protocol",
+        ),
+    ),
+    ("runtime", ("ftcomm._runtime",)),
+    ("backends", ("ftcomm.backends",)),
+    (
+        "group",
+        (
+            "ftcomm._state",
+            "ftcomm._verify",
+            "ftcomm._collectives",
+            "ftcomm._configure",
+            "ftcomm._issue",
+            "ftcomm.group",
+            "ftcomm._gather",
+            "ftcomm._server",
+        ),
+    ),
+    ("facade", ("ftcomm.c10d",)),
+    ("testing", ("ftcomm.testing",)),
+    ("api", ("ftcomm",)),
+    ("tools", ("ftcomm.__main__", "ftcomm._bench", "ftcomm._doctor")),
+)
+
+
+def module_files(package: pathlib.Path = PACKAGE) -> dict[str, pathlib.Path]:
+    """Every module of the package by dotted name (a package by its own name)."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imported(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The dotted names an import statement in ``module`` names."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level:
+        base = module.split(".")
+        if not is_package:
+            base.pop()
+        base = base[: len(base) - (node.level - 1)]
+        prefix = ".".join([*base, *([node.module] if node.module else [])])
+    else:
+        prefix = node.module or ""
+    # ``from . import x`` names the module x where there is one, else the
+    # package's own name x (import_graph settles which)
+    return [f"{prefix}.{alias.name}" for alias in node.names]
+
+
+def import_graph(files: Mapping[str, pathlib.Path]) -> dict[str, set[str]]:
+    """Which of the package's modules each module imports (at run time)."""
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        is_package = path.name == "__init__.py"
+        edges: set[str] = set()
+        stack: list[ast.AST] = [ast.parse(path.read_text(), str(path))]
+        while stack:
+            for child in ast.iter_child_nodes(stack.pop()):
+                if _type_checking(child):
+                    stack.extend(getattr(child, "orelse", []))
+                    continue
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    for name in _imported(module, is_package, child):
+                        while name and name not in files:
+                            name = name.rpartition(".")[0]
+                        if name and name != module:
+                            edges.add(name)
+                stack.append(child)
+        graph[module] = edges
+    return graph
+
+
+def floor_of(module: str) -> int:
+    best, best_len = -1, -1
+    for i, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = i, len(prefix)
+    return best
+
+
+def upward_imports(graph: Mapping[str, Iterable[str]]) -> list[str]:
+    return sorted(
+        f"{a} ({FLOORS[floor_of(a)][0]}) imports {b} ({FLOORS[floor_of(b)][0]})"
+        for a, deps in graph.items()
+        for b in deps
+        if floor_of(b) > floor_of(a)
+    )
+
+
+def circles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The import circles: strongly connected sets of more than one module
+    (Tarjan's algorithm, without recursion)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+FILES = module_files()
+GRAPH = import_graph(FILES)
+
+
+def test_every_module_is_on_a_floor() -> None:
+    assert [m for m in FILES if floor_of(m) < 0] == []
+
+
+def test_no_import_circle() -> None:
+    assert circles(GRAPH) == []
+
+
+def test_imports_point_down() -> None:
+    assert upward_imports(GRAPH) == []
+
+
+@pytest.mark.parametrize("module", sorted(FILES))
+def test_a_module_is_small_and_says_what_it_is(module: str) -> None:
+    path = FILES[module]
+    source = path.read_text()
+    lines = source.count("\n")
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES})"
+    doc = ast.get_docstring(ast.parse(source))
+    if path.stat().st_size > 400:  # a package's bare marker or a tiny main may go without
+        assert doc, f"{path.relative_to(ROOT)} has no docstring saying what it owns"
+
+
+def _map_name(path: pathlib.Path) -> str:
+    """How the map names a module: its path under ``ftcomm/``; a package by
+    its folder (``_runtime/``), but for the top one (``__init__.py``)."""
+    rel = path.relative_to(PACKAGE)
+    if rel.name == "__init__.py" and rel.parent != pathlib.Path("."):
+        return f"{rel.parent}/"
+    return str(rel)
+
+
+def test_the_map_in_the_design_doc_names_every_module_and_floor() -> None:
+    text = DESIGN.read_text()
+    section = text.partition("## The map")[2].partition("\n## ")[0]
+    assert section, "docs/design.md has no '## The map' section"
+    missing = [name for name in map(_map_name, FILES.values()) if name not in section]
+    assert missing == [], f"docs/design.md's map does not name {missing}"
+    assert [name for name, _ in FLOORS if f"**{name}**" not in section] == []
+
+
+# -- the checks themselves catch what they are for --------------------------
+
+
+def test_a_circle_is_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_an_upward_import_is_found() -> None:
+    found = upward_imports({"ftcomm.errors": {"ftcomm.group"}, "ftcomm.group": {"ftcomm.errors"}})
+    assert found == ["ftcomm.errors (base) imports ftcomm.group (group)"]
+
+
+def test_the_graph_counts_lazy_imports_and_not_type_checking_ones(
+    tmp_path: pathlib.Path,
+) -> None:
+    pkg = tmp_path / "ftcomm"
+    (pkg / "_runtime").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "errors.py").write_text("")
+    (pkg / "group.py").write_text("from .errors import X\n")
+    (pkg / "_runtime" / "__init__.py").write_text("")
+    (pkg / "_runtime" / "work.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from ..group import Group\n"
+        "def f():\n    from . import fuse\n"
+    )
+    (pkg / "_runtime" / "fuse.py").write_text("from .work import f\n")
+    graph = import_graph(module_files(pkg))
+    assert graph["ftcomm.group"] == {"ftcomm.errors"}
+    assert graph["ftcomm._runtime.work"] == {"ftcomm._runtime.fuse"}
+    assert circles(graph) == [["ftcomm._runtime.fuse", "ftcomm._runtime.work"]]
