@@ -8,7 +8,6 @@ the survivors and carry on.
 
 from . import errors as errors
 from ._gather import gather as gather
-from ._issue import BatchScope as BatchScope
 from ._runtime.deadline import Timeout as Timeout
 from ._runtime.observe import Event as Event
 from ._runtime.observe import GroupStats as GroupStats
@@ -25,6 +24,7 @@ from .errors import CommTimeout as CommTimeout
 from .errors import NotConfigured as NotConfigured
 from .errors import ProtocolError as ProtocolError
 from .errors import WorkerDied as WorkerDied
+from .group import BatchScope as BatchScope
 from .group import Closing as Closing
 from .group import Group as Group
 

@@ -7,7 +7,7 @@ agreement before an op, and fusion's entry points (``fuse=True``,
 ``batch()``, ``flush()``: the open batch and when it is sent). The batch
 itself is ``_runtime/fuse.py``'s. :class:`Issuing` is a part of ``Group``,
 not a class to use alone. Imports: ``_collectives``, ``_state``,
-``_validate``, ``_verify``, the runtime, the backends and ``ftcomm.errors``.
+``_verify``, the runtime, the backends and ``ftcomm.errors``.
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ _STRIDED = torch.strided
 _BATCH_SCOPES: contextvars.ContextVar[tuple[BatchScope, ...]] = contextvars.ContextVar(
     "ftcomm_batch_scopes", default=()
 )
-"""The :meth:`Group.batch` blocks the current context is in (a task started
+"""The :meth:`~ftcomm.Group.batch` blocks the current context is in (a task started
 inside one copies it, and is in the block while the block lasts)."""
 
 
 class BatchScope:
-    """What :meth:`Group.batch` returns: a block (``async with`` or ``with``)
+    """What :meth:`~ftcomm.Group.batch` returns: a block (``async with`` or ``with``)
     in which the group's small allreduces are fused; leaving it flushes.
 
     Raises:

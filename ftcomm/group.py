@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _validate as v
 from ._configure import Configuring, _connect_in_process
+from ._issue import BatchScope as BatchScope  # ftcomm.group.BatchScope, as before
 from ._issue import Issuing
 from ._runtime.deadline import Timeout, resolve, to_seconds
 from ._runtime.driven import Drivers, TaskDriven

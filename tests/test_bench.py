@@ -17,11 +17,12 @@ import torch
 
 import ftcomm
 from ftcomm import _bench
-from ftcomm._bench import report, runner, torchft_rows
+from ftcomm._bench import latency, report, runner, torchft_rows
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     tiny = [
@@ -256,8 +257,15 @@ def test_a_pinned_run_says_so_in_its_table_and_its_json(
     assert json.loads(capsys.readouterr().out)["plan"]["pin"] is True
     assert [p.pin for p in plans] == [True]
     assert "each rank pinned to a CPU" in report.format_table(plans[0], runner.Report(), [])
-    unpinned = runner.Plan("asyncio", 1, ("raw",), ())
+    unpinned = runner.Plan("asyncio", 1, ("raw",), (), opens={"raw": latency._open_raw})
     assert "pinned" not in report.format_table(unpinned, runner.Report(), [])
+
+
+def test_a_plan_without_an_opener_for_a_case_is_refused_before_any_rank_starts() -> None:
+    with pytest.raises(ValueError, match=r"no opener for the cases \['raw'\] in the plan"):
+        runner.Plan("asyncio", 1, ("raw",), ())
+    plan = runner.Plan("asyncio", 1, ("raw",), (), opens={"raw": latency._open_raw})
+    assert hash(plan) == hash(runner.Plan("asyncio", 1, ("raw",), (), opens=dict(plan.opens)))
 
 
 def test_the_small_op_row_takes_turns_every_50_ops() -> None:

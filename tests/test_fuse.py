@@ -418,6 +418,54 @@ async def test_a_batch_that_fails_at_its_deadline_is_the_earliest_members_timeou
         assert isinstance(g.errored(), CommTimeout)
 
 
+class _Unstoppable(ScriptedOp):
+    """A sent batch's native op that never ends and cannot be stopped."""
+
+    def abandon(self) -> bool:
+        return False
+
+
+@pytest.mark.asyncio
+async def test_a_failed_member_wakes_the_awaits_asleep_on_its_batch(store: StoreServer) -> None:
+    """Two awaits of one sent batch: the first polls it, the second sleeps
+    until the batch is over. The group breaks while the native op never
+    ends: each member's failure (its end, published with an error) must
+    wake the sleeper, or it would sleep until the native op's own timeout."""
+    async with await _dummy(store, fuse=True) as g:
+        native = _Unstoppable()
+        _, works = _sent_batch(g, native)
+        tasks = [asyncio.ensure_future(_outcome(w)) for w in works[:2]]
+        for _ in range(3):  # both awaits are in: one polls, one sleeps
+            await asyncio.sleep(0)
+        assert not any(t.done() for t in tasks)
+        g.abort()
+        _, pending = await asyncio.wait(tasks, timeout=5)
+        assert not pending, "an await asleep on the batch was never woken"
+        assert [t.result() for t in tasks] == ["CommAborted", "CommAborted"]
+
+
+async def _outcome(work: Any) -> str:
+    try:
+        await work
+    except ftcomm.CommError as exc:
+        return type(exc).__name__
+    return "success"
+
+
+@pytest.mark.asyncio
+async def test_an_ended_member_lets_its_sent_batch_go(store: StoreServer) -> None:
+    """A member ended without a look (the group broke) keeps no reference to
+    its batch (and so to the batch's tensors and native op); an op that went
+    alone keeps its mark: its first look is still a cut point."""
+    async with await _dummy(store, fuse=True) as g:
+        lone, works = _sent_batch(g, _Unstoppable())
+        assert all(w._batch is not None for w in works)
+        g.abort()
+        assert all(w._end is not None for w in works)
+        assert [w._batch for w in works] == [None, None, None]
+        assert lone._batch is not None
+
+
 class _FailsWhenStopped(ScriptedOp):
     """Stopping it fails it at once, on the stopper's thread (a Gloo op whose
     sockets were shut, seen by Gloo before the stopper breaks the group)."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 
 import pytest
 
@@ -67,7 +68,29 @@ def module_files(package: pathlib.Path = PACKAGE) -> dict[str, pathlib.Path]:
 
 
 def _type_checking(node: ast.AST) -> bool:
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+    """``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``): its body is for
+    annotations only. Any other test (``not TYPE_CHECKING``, ``or``) runs."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    if isinstance(test, ast.Attribute):
+        return test.attr == "TYPE_CHECKING" and ast.unparse(test.value) == "typing"
+    return isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+
+
+def _runtime_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: anywhere in the module (in a
+    function, a ``try``, an ``else``), but in the body of ``if TYPE_CHECKING:``."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif _type_checking(node):
+            assert isinstance(node, ast.If)
+            stack.extend(node.orelse)  # the else branch runs
+        else:
+            stack.extend(ast.iter_child_nodes(node))
 
 
 def _imported(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> list[str]:
@@ -93,28 +116,24 @@ def import_graph(files: Mapping[str, pathlib.Path]) -> dict[str, set[str]]:
     for module, path in files.items():
         is_package = path.name == "__init__.py"
         edges: set[str] = set()
-        stack: list[ast.AST] = [ast.parse(path.read_text(), str(path))]
-        while stack:
-            for child in ast.iter_child_nodes(stack.pop()):
-                if _type_checking(child):
-                    stack.extend(getattr(child, "orelse", []))
-                    continue
-                if isinstance(child, (ast.Import, ast.ImportFrom)):
-                    for name in _imported(module, is_package, child):
-                        while name and name not in files:
-                            name = name.rpartition(".")[0]
-                        if name and name != module:
-                            edges.add(name)
-                stack.append(child)
+        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            for name in _imported(module, is_package, node):
+                while name and name not in files:
+                    name = name.rpartition(".")[0]
+                if name and name != module:
+                    edges.add(name)
         graph[module] = edges
     return graph
 
 
 def floor_of(module: str) -> int:
+    """The floor of the longest prefix that names ``module``; -1 if none.
+    The top package's name (``ftcomm``) names only itself."""
     best, best_len = -1, -1
     for i, (_, prefixes) in enumerate(FLOORS):
         for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+            below = prefix != "ftcomm" and module.startswith(prefix + ".")
+            if (module == prefix or below) and len(prefix) > best_len:
                 best, best_len = i, len(prefix)
     return best
 
@@ -207,13 +226,21 @@ def _map_name(path: pathlib.Path) -> str:
     return str(rel)
 
 
+def map_entries(text: str) -> tuple[set[str], set[str]]:
+    """The modules the map names (the first word of each line of its code
+    blocks) and its floors (``**name**``)."""
+    found = re.search(r"^## The map\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    section = found.group(1) if found else ""
+    blocks = re.findall(r"```text\n(.*?)```", section, re.S)
+    names = {line.split()[0] for block in blocks for line in block.splitlines() if line.strip()}
+    return names, set(re.findall(r"^\*\*(\w+)\*\*", section, re.M))
+
+
 def test_the_map_in_the_design_doc_names_every_module_and_floor() -> None:
-    text = DESIGN.read_text()
-    section = text.partition("## The map")[2].partition("\n## ")[0]
-    assert section, "docs/design.md has no '## The map' section"
-    missing = [name for name in map(_map_name, FILES.values()) if name not in section]
-    assert missing == [], f"docs/design.md's map does not name {missing}"
-    assert [name for name, _ in FLOORS if f"**{name}**" not in section] == []
+    names, floors = map_entries(DESIGN.read_text())
+    assert names, "docs/design.md has no '## The map' section with its modules"
+    assert names == {_map_name(path) for path in FILES.values()}
+    assert floors == {name for name, _ in FLOORS}
 
 
 # -- the checks themselves catch what they are for --------------------------
@@ -245,7 +272,31 @@ def test_the_graph_counts_lazy_imports_and_not_type_checking_ones(
         "def f():\n    from . import fuse\n"
     )
     (pkg / "_runtime" / "fuse.py").write_text("from .work import f\n")
+    (pkg / "_runtime" / "loop.py").write_text(
+        "import typing\nfrom typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    pass\nelse:\n    from . import a\n"
+        "if not TYPE_CHECKING:\n    from . import b\n"
+        "if typing.TYPE_CHECKING:\n    from . import c\n"
+        "if TYPE_CHECKING or x:\n    from . import d\n"
+        "if x:\n    pass\nelif TYPE_CHECKING:\n    from . import e\nelse:\n    from . import f\n"
+        "try:\n    from . import g\nexcept ImportError:\n    from . import h\n"
+    )
+    for name in "abcdefgh":
+        (pkg / "_runtime" / f"{name}.py").write_text("")
     graph = import_graph(module_files(pkg))
     assert graph["ftcomm.group"] == {"ftcomm.errors"}
     assert graph["ftcomm._runtime.work"] == {"ftcomm._runtime.fuse"}
+    assert graph["ftcomm._runtime.loop"] == {f"ftcomm._runtime.{n}" for n in "abdfgh"}
     assert circles(graph) == [["ftcomm._runtime.fuse", "ftcomm._runtime.work"]]
+
+
+def test_a_module_of_no_floor_is_found() -> None:
+    assert floor_of("ftcomm._brand_new") == -1
+    assert floor_of("ftcomm") == [name for name, _ in FLOORS].index("api")
+    assert floor_of("ftcomm._runtime.work") == 1
+
+
+def test_the_map_is_read_line_by_line() -> None:
+    text = "## The map\n**base** x\n```text\n_doctor/_record.py  a\n__init__.py  b\n```\n"
+    text += "## Next\n```text\nlater.py  not the map's\n```\n"
+    assert map_entries(text) == ({"_doctor/_record.py", "__init__.py"}, {"base"})

@@ -83,9 +83,15 @@ class Plan:
     workloads: tuple[Workload, ...]
     pin: bool = False
     """Each rank on one CPU of its own (``--pin``; see :func:`pin_rank`)."""
-    opens: Mapping[str, Opener] = field(default_factory=dict, repr=False)
+    opens: Mapping[str, Opener] = field(default_factory=dict, repr=False, compare=False)
     """How each case builds its runner on a rank, by name: the ``open`` of its
-    case (module-level functions: they are pickled by name)."""
+    case (module-level functions: they are pickled by name). Every case of
+    ``cases`` has one (checked before any rank starts)."""
+
+    def __post_init__(self) -> None:
+        missing = [case for case in self.cases if case not in self.opens]
+        if missing:  # a bug in the bench, said here rather than in a child
+            raise ValueError(f"no opener for the cases {missing} in the plan")
 
 
 @dataclass

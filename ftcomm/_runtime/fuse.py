@@ -512,7 +512,7 @@ def _sent(batch: Batch) -> None:
 
 
 class AloneMark(CutPoint):
-    """Held by a fusible op that went on its own (``Work._batch``): the first
+    """Held by a fusible op that went on its own (``OpRecord._batch``): the first
     look at it is a cut point, after which the next fusible op goes at once
     again (docs/design.md, "Fusing small collectives")."""
 

@@ -41,7 +41,11 @@ class NativeOp(Protocol):
     make the calling thread's current accelerator stream wait for the op's
     device work (c10d's ``Work.wait()``, which for NCCL orders streams and
     for Gloo returns at once); the subprocess worker calls it on its stream
-    before recording the event the caller's stream waits on.
+    before recording the event the caller's stream waits on. And
+    ``member_failed()``: the op ended with an error (called once, under the
+    group's lock, as its end is published, by ``OpRecord``); a fused op's
+    ``MemberOp`` wakes the awaits asleep on its batch with it, so that each
+    looks at its own op (``fuse.py``).
     """
 
     def poll(self) -> bool:

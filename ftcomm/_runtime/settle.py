@@ -4,9 +4,10 @@ Owns: the fields of one issued op that decide its end (its native op, its
 published outcome, its waiters) and every step of that end. What a caller
 does with an op (``await``, ``wait()``, done-callbacks, ``cancel()``) is the
 :class:`~ftcomm.Work` handle over it, in ``work.py``; the ops in flight and
-their deadline timer are ``table.py``'s. Imports: ``table``, ``native``,
-``observe``, ``deadline`` and ``ftcomm.errors`` (nothing of fusion: a fused
-op's batch is reached through its native op's hooks, see ``NativeOp``).
+their deadline timer are ``table.py``'s. Imports: ``table``, ``observe``
+and ``ftcomm.errors`` (nothing of fusion: a fused op's batch is reached
+through :class:`CutPoint` and its native op's ``member_failed()`` hook, see
+``NativeOp``).
 
 Rules this module keeps:
 
@@ -155,7 +156,7 @@ class OpRecord(Generic[R]):
         self._batch: CutPoint | None = None
 
     def _done(self) -> bool:
-        """:meth:`done` without sending its batch (ftcomm's own looks)."""
+        """:meth:`~ftcomm.Work.done` without sending its batch (ftcomm's own looks)."""
         native = self._native  # read once: a settler clears it once the end is out
         if self._end is None and native is not None:
             if native.poll():
