@@ -47,6 +47,12 @@ _SUM = ReduceOp.SUM
 _TIMEOUTS: tuple[type[BaseException], ...] = (TimeoutError, torch.distributed.DistStoreError)
 _TIMEOUT_NAMES = frozenset(t.__name__ for t in _TIMEOUTS)
 
+# The connect's steps whose own TimeoutError is configure's deadline passing
+# (each is given what is left of it): the store, meeting the other ranks, a
+# worker process's start. Which of the two timers fires first is the
+# machine's doing, and the error says the same either way.
+_OWN_DEADLINE_STEPS = frozenset({"store", "meet", "worker"})
+
 
 def _connect_error(exc: Exception, where: str, rank: int) -> CommError:
     """The one place a failed connect becomes an ftcomm error: by the type of
@@ -333,9 +339,10 @@ class Configuring:
             backend: Backend = wrapped.result()
             return backend
         except TimeoutError as exc:
-            if isinstance(exc, CommError) or spec.progress.step not in ("store", "meet"):
+            if isinstance(exc, CommError) or spec.progress.step not in _OWN_DEADLINE_STEPS:
                 raise _connect_error(exc, where, spec.rank) from exc
-            # the connect's own deadline in the store, a moment after ours: say it as ours
+            # the connect's own deadline (in the store, or a worker's start), a
+            # moment after ours: say it as ours
             raise _configure_timeout(seconds, spec, exc) from (spec.progress.cause or exc.__cause__)
         except Exception as exc:  # arguments were checked: this is the store or a peer
             if getattr(exc, "remote_type", None) in _TIMEOUT_NAMES:

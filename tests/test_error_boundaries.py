@@ -16,7 +16,9 @@ from helpers import StoreServer, peers_came
 
 import ftcomm
 from ftcomm._runtime.loop import get_runtime
+from ftcomm.backends import Backend, ConnectSpec
 from ftcomm.backends import gloo as gloo_mod
+from ftcomm.backends.subprocess._client import starting
 from ftcomm.testing._base import _fds
 
 
@@ -53,6 +55,32 @@ async def test_a_failed_configure_is_classified_by_type_and_keeps_the_cause(
         await g.configure(f"127.0.0.1:{store.port}/refused", 0, 2)
     assert type(info.value) is expected
     assert isinstance(info.value.__cause__, native)
+    assert info.value.op == "configure"
+    assert g.state is ftcomm.State.UNCONFIGURED
+    await g.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_workers_start_that_times_out_first_says_configures_timeout(
+    store: StoreServer,
+) -> None:
+    """A worker's start is given what is left of configure()'s deadline; its
+    own TimeoutError may land before configure()'s timer fires (seen on a
+    loaded box). Forced here: it comes at once, 30 s before ours. Either
+    way the error is configure()'s timeout, saying what it waited for."""
+    g = ftcomm.Group("gloo", timeout=30)
+
+    def worker_never_answers(spec: ConnectSpec, cancel: object) -> Backend:
+        starting(spec.progress)
+        raise TimeoutError("the worker did not answer in time")
+
+    g._connect = worker_never_answers  # type: ignore[assignment]
+    started = time.monotonic()
+    with pytest.raises(ftcomm.CommTimeout) as info:
+        await g.configure(f"127.0.0.1:{store.port}/slow-worker", 0, 2)
+    assert time.monotonic() - started < 10  # the worker's error, not our timer
+    assert str(info.value).startswith("configure timed out after 30 seconds: ")
+    assert "the worker process was still starting" in str(info.value)
     assert info.value.op == "configure"
     assert g.state is ftcomm.State.UNCONFIGURED
     await g.shutdown()
