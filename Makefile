@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml
 
 test: install lint typecheck unit
 
+# The suite on TEST_WORKERS processes (pytest-xdist; 3 on the 2-core CI box,
+# where many tests wait on deadlines and peers); TEST_WORKERS=0 runs it in
+# this process alone.
+TEST_WORKERS ?= 3
 unit: install
-	FTCOMM_DEBUG=1 $(PY) -m pytest -q
+	FTCOMM_DEBUG=1 $(PY) -m pytest -q -n $(TEST_WORKERS)
 
 lint: install
 	$(PY) -m ruff check ftcomm tests examples scripts

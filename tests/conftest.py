@@ -35,6 +35,13 @@ _mp_context()
 TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` run first (otherwise in file order): with
+    ``make test``'s workers (pytest-xdist) the longest start early, and the
+    short ones fill the gaps instead of a worker ending the run alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:

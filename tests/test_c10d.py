@@ -594,6 +594,7 @@ def collectives_rank(ctx: RankContext) -> dict[str, Any]:
         pg.shutdown()
 
 
+@pytest.mark.slow
 def test_every_collective_at_world_size_3() -> None:
     n = 3
     results = run_world(collectives_rank, n, timeout=90)
@@ -712,6 +713,7 @@ def hung_peer_rank(ctx: RankContext) -> dict[str, Any]:
         pg.shutdown()
 
 
+@pytest.mark.slow
 def test_hung_peer_every_deadline_kind() -> None:
     report = run_world(hung_peer_rank, 2, timeout=90)[0]
     assert set(report) == {"opts", "wait", "set_timeout", "future", "abort"}
@@ -914,6 +916,7 @@ def ddp_drill_rank(ctx: RankContext) -> dict[str, Any]:
         pg.shutdown()
 
 
+@pytest.mark.slow
 def test_ddp_survivors_recover_from_a_dead_peer() -> None:
     results = run_world(ddp_drill_rank, 3, expect_exit={2: -9}, timeout=90)
     for survivor in results[:2]:

@@ -110,6 +110,7 @@ def assert_same(got: Any, want: Any, where: str) -> None:
     assert torch.equal(got, want), f"{where}: {got} != {want}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_every_collective(world_size: int, loop: str) -> None:

@@ -409,6 +409,7 @@ def test_the_state_table_is_what_the_core_enforces() -> None:
                         core._go(event)
 
 
+@pytest.mark.slow
 def test_configure_shutdown_abort_and_ops_from_three_threads() -> None:
     """Thousands of configures, aborts, shutdowns and ops at once: every op
     ends, with one outcome for every observer, and no configuration that

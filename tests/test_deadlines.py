@@ -131,6 +131,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", LOOPS)
 def test_hung_peer_every_deadline_kind(loop: str) -> None:
     report = run_world(hung_peer, 2, loop=loop, timeout=90)[0]

@@ -89,6 +89,7 @@ async def abort_configure_cycles(ctx: RankContext, cycles: int) -> int:
     return ok
 
 
+@pytest.mark.slow
 def test_fifty_abort_configure_cycles_all_succeed_and_leak_nothing() -> None:
     # The harness's in-rank check fails the world on any fd, thread or blocked
     # worker left behind after the 50 cycles.
@@ -153,6 +154,7 @@ async def random_faults(ctx: RankContext) -> dict[str, Any]:
     return {**stats, "members": members, "attempted": attempted}
 
 
+@pytest.mark.slow
 def test_a_thousand_ops_under_a_seeded_random_plan() -> None:
     """Delays, errors and one kill: zero wrong results, zero hangs, all errors typed."""
     plan = FaultPlan.random(

@@ -784,6 +784,7 @@ def test_fused_sums_are_right_on_gloo() -> None:
         assert r == {"ok": True, "max": [1, 11, 21, 31], "native": 6}  # 2 per gather
 
 
+@pytest.mark.slow
 def test_a_subprocess_group_sends_one_frame_per_batch() -> None:
     results = run_world(_sums, 2, args=(100, True), timeout=60)
     for r in results:
@@ -888,6 +889,7 @@ async def _drill(ctx: RankContext, seeds: range) -> dict[str, int]:
         return {"checked": checked, "fusible": issued, "native": native()}
 
 
+@pytest.mark.slow
 def test_every_rank_fuses_alike_under_delays() -> None:
     """3 ranks, the same seeded mix, rank-specific delays of native ops (which
     change timing, never order): every result right, no hang."""
@@ -906,6 +908,7 @@ def test_every_rank_fuses_alike_under_delays() -> None:
     assert results[0]["native"] < results[0]["fusible"] * 0.6, results[0]
 
 
+@pytest.mark.slow
 def test_the_fused_statistics_example_runs() -> None:
     """examples/fused_statistics.py: 200 concurrent one-float allreduces per
     step, unfused and fused; every sum is checked by both ranks."""

@@ -34,6 +34,7 @@ def test_runs_once_per_backend(ftcomm_world, ftcomm_backend):
 """
 
 
+@pytest.mark.slow
 def test_loops_marker_and_plan_in_the_failure_report(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_user=FAILING)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
@@ -41,6 +42,7 @@ def test_loops_marker_and_plan_in_the_failure_report(pytester: pytest.Pytester) 
     result.stdout.fnmatch_lines(["*ftcomm fault plans*", "FaultPlan: delay(rank 1, op 0 0.01s)"])
 
 
+@pytest.mark.slow
 def test_an_unknown_loop_is_a_usage_error(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_user="""

@@ -146,6 +146,7 @@ def test_exactly_one_settler_wins_a_race(table: OpTable) -> None:
         assert len(table) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_timers_and_memory_stay_flat_over_100k_ops() -> None:
     """At most one deadline timer per table, whatever the op count; no growth.

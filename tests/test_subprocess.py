@@ -281,6 +281,7 @@ async def survive_worker_fault(ctx: RankContext, deadline: float) -> dict[str, A
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(EXPECTED))
 def test_drill_worker_fault_then_recover(kind: str) -> None:
     deadline = 2.0
@@ -330,6 +331,7 @@ async def stale_reply(ctx: RankContext) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_drill_stale_reply_never_reaches_a_later_op() -> None:
     r0, r1 = run_world(stale_reply, 2, timeout=60)
     assert r0["op1"] == "CommTimeout", r0

@@ -75,6 +75,7 @@ async def every_collective_in_a_worker(ctx: RankContext) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world_size", "loop"), [(1, "asyncio"), (3, "asyncio"), (2, "uvloop")], ids=str
 )

@@ -93,6 +93,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 def test_exit_while_a_store_connect_still_retries_is_clean() -> None:
     """The interpreter exits while c10d still retries the store connect.
 
