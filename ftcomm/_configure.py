@@ -48,10 +48,10 @@ _TIMEOUTS: tuple[type[BaseException], ...] = (TimeoutError, torch.distributed.Di
 _TIMEOUT_NAMES = frozenset(t.__name__ for t in _TIMEOUTS)
 
 # The connect's steps whose own TimeoutError is configure's deadline passing
-# (each is given what is left of it): the store, meeting the other ranks, a
-# worker process's start. Which of the two timers fires first is the
-# machine's doing, and the error says the same either way.
-_OWN_DEADLINE_STEPS = frozenset({"store", "meet", "worker"})
+# (each waits until that deadline): the store, meeting the other ranks, a
+# worker process's start and its connect. Which of the two timers fires
+# first is the machine's doing, and the error says the same either way.
+_OWN_DEADLINE_STEPS = frozenset({"store", "meet", "worker", "worker-connect"})
 
 
 def _connect_error(exc: Exception, where: str, rank: int) -> CommError:

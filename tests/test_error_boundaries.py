@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from helpers import StoreServer, peers_came
 
 import ftcomm
 from ftcomm._runtime.loop import get_runtime
+from ftcomm._store import ConnectProgress
 from ftcomm.backends import Backend, ConnectSpec
 from ftcomm.backends import gloo as gloo_mod
 from ftcomm.backends.subprocess._client import starting
@@ -60,18 +62,31 @@ async def test_a_failed_configure_is_classified_by_type_and_keeps_the_cause(
     await g.shutdown()
 
 
+def _worker_connecting(progress: ConnectProgress) -> None:
+    """As ``WorkerProcess.configure`` says once its worker is READY."""
+    progress.step, progress.detail = "worker-connect", "the worker process was still connecting"
+
+
 @pytest.mark.asyncio
-async def test_a_workers_start_that_times_out_first_says_configures_timeout(
-    store: StoreServer,
+@pytest.mark.parametrize(
+    ("step", "waited"),
+    [
+        (starting, "the worker process was still starting"),
+        (_worker_connecting, "the worker process was still connecting"),
+    ],
+    ids=["starting", "connecting"],
+)
+async def test_a_workers_timeout_that_comes_first_says_configures_timeout(
+    store: StoreServer, step: Callable[[ConnectProgress], None], waited: str
 ) -> None:
-    """A worker's start is given what is left of configure()'s deadline; its
-    own TimeoutError may land before configure()'s timer fires (seen on a
-    loaded box). Forced here: it comes at once, 30 s before ours. Either
-    way the error is configure()'s timeout, saying what it waited for."""
+    """A worker's start and its connect are given configure()'s deadline;
+    their own TimeoutError may land before configure()'s timer fires (seen
+    on a loaded box). Forced here: it comes at once, 30 s before ours.
+    Either way the error is configure()'s timeout, saying what it waited for."""
     g = ftcomm.Group("gloo", timeout=30)
 
     def worker_never_answers(spec: ConnectSpec, cancel: object) -> Backend:
-        starting(spec.progress)
+        step(spec.progress)
         raise TimeoutError("the worker did not answer in time")
 
     g._connect = worker_never_answers  # type: ignore[assignment]
@@ -80,7 +95,7 @@ async def test_a_workers_start_that_times_out_first_says_configures_timeout(
         await g.configure(f"127.0.0.1:{store.port}/slow-worker", 0, 2)
     assert time.monotonic() - started < 10  # the worker's error, not our timer
     assert str(info.value).startswith("configure timed out after 30 seconds: ")
-    assert "the worker process was still starting" in str(info.value)
+    assert waited in str(info.value)
     assert info.value.op == "configure"
     assert g.state is ftcomm.State.UNCONFIGURED
     await g.shutdown()
