@@ -24,10 +24,11 @@ test: install lint typecheck unit
 
 # The suite on TEST_WORKERS processes (pytest-xdist; 3 on the 2-core CI box,
 # where many tests wait on deadlines and peers); TEST_WORKERS=0 runs it in
-# this process alone.
+# this process alone. One test at a time to a worker: the slow tests, sorted
+# first (tests/conftest.py), then spread over all of them.
 TEST_WORKERS ?= 3
 unit: install
-	FTCOMM_DEBUG=1 $(PY) -m pytest -q -n $(TEST_WORKERS)
+	FTCOMM_DEBUG=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --maxschedchunk 1
 
 lint: install
 	$(PY) -m ruff check ftcomm tests examples scripts

@@ -26,13 +26,20 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1")
 # also wait 0.1-0.25 s for the GIL while a test thread runs gc.collect(); the
 # watchdog cannot tell that from a blocked callback, so tests allow 0.5 s.
 os.environ.setdefault("FTCOMM_STALL_MS", "500")
-# multiprocessing's long-lived helper process: start it now, so that it belongs
-# to the baseline of every leak check.
-resource_tracker.ensure_running()
-# And the fork server the worlds' ranks start from (torch imported once).
-_mp_context()
-# torch keeps a process-wide pipe pair once the first TCPStore server has run.
-TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """What every process that runs tests starts before the first one, so
+    that it belongs to the baseline of every leak check. Not pytest-xdist's
+    controller (``make test``), which runs none."""
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    # multiprocessing's long-lived helper process
+    resource_tracker.ensure_running()
+    # the fork server the worlds' ranks start from (torch imported once)
+    _mp_context()
+    # torch keeps a process-wide pipe pair once the first TCPStore server has run
+    TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

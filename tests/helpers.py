@@ -91,11 +91,17 @@ def peers_came(port: int, prefix: str, world: int, ranks: Iterable[int]) -> None
         store.add(MEET_COUNT.format(world=world), 1)
 
 
+# Bound for the life of the process, never listening (and without
+# SO_REUSEADDR): a connect to it is refused, and no other process -- another
+# test worker's store or Gloo group -- can take the port meanwhile. Made at
+# import, before any test's leak check counts this process's fds.
+_REFUSING = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+_REFUSING.bind(("127.0.0.1", 0))
+
+
 def free_port() -> int:
-    """A loopback port nobody listens on (bound, read, closed)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nobody listens on, nor will while this process lives."""
+    return int(_REFUSING.getsockname()[1])
 
 
 def subprocess_backend(group: ftcomm.Group) -> SubprocessBackend:
