@@ -42,6 +42,7 @@ from pathlib import Path
 import pytest
 
 import ftcomm
+from ftcomm.testing._base import _segments, _settled, _stat
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/*.md")  # globbed at collection: new docs files are picked up
@@ -105,15 +106,6 @@ BLOCKS = doc_blocks()
 # -- running a block's processes ---------------------------------------------
 
 
-def _stat(pid: int | str) -> list[str]:
-    """``/proc/<pid>/stat`` past the command name: state, ppid, pgrp, session, ..."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
 def _in_session(sid: int) -> list[int]:
     """Live (not zombie) processes of session ``sid``."""
     found = []
@@ -123,10 +115,6 @@ def _in_session(sid: int) -> list[int]:
             if fields[3:4] == [str(sid)] and fields[0] != "Z":
                 found.append(int(entry))
     return found
-
-
-def _segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("ftcomm-")}
 
 
 def _alive(pid: str) -> bool:
@@ -175,11 +163,9 @@ def run_processes(argvs: list[list[str]], cwd: Path) -> list[tuple[int, str]]:
         # A segment of a dead process that another test's process made (the
         # suite may run in parallel) is unlinked by that one's worker within
         # moments; one of these processes' left behind stays for good.
-        until = time.monotonic() + 2.0
-        while (leaked := {s for s in _segments() - segments if not _alive(s.split("-")[1])}) and (
-            time.monotonic() < until
-        ):
-            time.sleep(0.02)
+        leaked = _settled(
+            lambda: {s for s in _segments() - segments if not _alive(s.split("-")[1])}, 2.0
+        )
         assert not leaked, f"/dev/shm segments left behind: {sorted(leaked)}"
         return [(proc.returncode, log.read_text(errors="replace")) for proc, log in procs]
     finally:

@@ -20,7 +20,7 @@ from ftcomm._runtime.loop import get_runtime
 from ftcomm._store import ConnectProgress
 from ftcomm.backends import Backend, ConnectSpec
 from ftcomm.backends import gloo as gloo_mod
-from ftcomm.backends.subprocess._client import starting
+from ftcomm.backends.subprocess._client import connecting, starting
 from ftcomm.testing._base import _fds
 
 
@@ -62,17 +62,12 @@ async def test_a_failed_configure_is_classified_by_type_and_keeps_the_cause(
     await g.shutdown()
 
 
-def _worker_connecting(progress: ConnectProgress) -> None:
-    """As ``WorkerProcess.configure`` says once its worker is READY."""
-    progress.step, progress.detail = "worker-connect", "the worker process was still connecting"
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("step", "waited"),
     [
         (starting, "the worker process was still starting"),
-        (_worker_connecting, "the worker process was still connecting"),
+        (connecting, "the worker process was still connecting"),
     ],
     ids=["starting", "connecting"],
 )

@@ -82,6 +82,11 @@ def starting(progress: ConnectProgress) -> None:
     )
 
 
+def connecting(progress: ConnectProgress) -> None:
+    """The worker is READY and builds the group: what its deadline says."""
+    progress.step, progress.detail = "worker-connect", "the worker process was still connecting"
+
+
 def _worker_timeout(remaining: float) -> float:
     """The worker's configure timeout: what is left of ours, less a tenth
     of it (at most 0.2 s) for its error to reach us first."""
@@ -335,10 +340,7 @@ class WorkerProcess:
         """
         starting(spec.progress)
         self.ready(deadline)
-        spec.progress.step, spec.progress.detail = (
-            "worker-connect",
-            "the worker process was still connecting",
-        )
+        connecting(spec.progress)
         op_id = next(_ids)
         s = spec
         self.channel.send_blocking(
