@@ -8,6 +8,8 @@ the survivors and carry on.
 
 from . import errors as errors
 from ._gather import gather as gather
+from ._membership import Membership as Membership
+from ._membership import World as World
 from ._runtime.deadline import Timeout as Timeout
 from ._runtime.observe import Event as Event
 from ._runtime.observe import GroupStats as GroupStats
@@ -21,6 +23,9 @@ from .errors import CommAborted as CommAborted
 from .errors import CommError as CommError
 from .errors import CommFailed as CommFailed
 from .errors import CommTimeout as CommTimeout
+from .errors import Evicted as Evicted
+from .errors import MembershipError as MembershipError
+from .errors import MembershipTimeout as MembershipTimeout
 from .errors import NotConfigured as NotConfigured
 from .errors import ProtocolError as ProtocolError
 from .errors import WorkerDied as WorkerDied
@@ -38,8 +43,12 @@ __all__ = [
     "CommFailed",
     "CommTimeout",
     "Event",
+    "Evicted",
     "Group",
     "GroupStats",
+    "Membership",
+    "MembershipError",
+    "MembershipTimeout",
     "NotConfigured",
     "OpStats",
     "ProtocolError",
@@ -48,6 +57,7 @@ __all__ = [
     "Subscription",
     "Timeout",
     "Work",
+    "World",
     "WorkerDied",
     "errors",
     "gather",

@@ -13,6 +13,11 @@ Two families, kept apart on purpose:
 cancelled await, ``configure()`` replacing the group, or an earlier failure);
 ``CommTimeout`` and ``CommFailed`` mean "broken by something outside" (a
 deadline passed, a peer or the transport failed).
+
+A third family, :class:`MembershipError`, is :class:`ftcomm.Membership`'s: who
+is in the world could not be agreed (its store went away, its deadline
+passed, or this member was dropped). It is *not* a ``CommError``, so a loop
+that answers ``CommError`` with ``members.recover()`` does not catch it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ __all__ = [
     "CommError",
     "CommFailed",
     "CommTimeout",
+    "Evicted",
+    "MembershipError",
+    "MembershipTimeout",
     "NotConfigured",
     "ProtocolError",
     "WorkerDied",
@@ -163,3 +171,51 @@ class WorkerDied(CommError):
 
 class ProtocolError(CommError):
     """A frame between parent and subprocess worker was malformed."""
+
+
+class MembershipError(RuntimeError):
+    """:class:`ftcomm.Membership` could not agree on a world.
+
+    Raised by ``Membership``'s calls when its engine (the store, the
+    lighthouse) does not answer or went away, and as the base of
+    :class:`Evicted` and :class:`MembershipTimeout`. Groups already
+    configured keep working; another world cannot be formed until the
+    engine answers again.
+    """
+
+
+class Evicted(MembershipError):
+    """This member was dropped: a later generation was formed without it.
+
+    Its heartbeat stopped (a stopped or overloaded process) or it did not
+    come within the join window, and the others went on without it. Its
+    group belongs to a generation that no longer exists. Call
+    ``members.join(group)`` again to come back as a newcomer (and take the
+    training state with ``members.sync_state``).
+
+    Attributes:
+        member_id: this member's id.
+        generation: the generation it was last part of.
+        current: the generation formed without it.
+    """
+
+    def __init__(self, message: str, *, member_id: str, generation: int, current: int) -> None:
+        self.member_id = member_id
+        self.generation = generation
+        self.current = current
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_evicted, (str(self), self.member_id, self.generation, self.current))
+
+
+def _evicted(message: str, member_id: str, generation: int, current: int) -> Evicted:
+    return Evicted(message, member_id=member_id, generation=generation, current=current)
+
+
+class MembershipTimeout(MembershipError, TimeoutError):
+    """``join()``, ``recover()`` or ``pending()`` did not end by its deadline.
+
+    The message says what it waited for (how many members came, who is
+    missing). Nothing it wrote blocks the next attempt.
+    """

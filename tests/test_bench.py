@@ -1,5 +1,6 @@
 """Smoke test of ``python -m ftcomm bench``: it runs, exits 0 and prints ratios;
-its ``--json`` and ``--plot`` outputs; how it ends torchft's subprocess groups."""
+its ``--json`` and ``--plot`` outputs; how it ends torchft's subprocess groups;
+the membership recovery rows (a trial of each, their table and JSON)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 import ftcomm
 from ftcomm import _bench
-from ftcomm._bench import latency, report, runner, torchft_rows
+from ftcomm._bench import latency, membership, report, runner, torchft_rows
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -40,6 +41,7 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     tiny += ["--burst", "20", "--burst-iters", "2"]
     tiny += ["--recovery-samples", "1", "--no-torchft"]  # torchft's rows: make bench
     tiny += ["--with", "stats-off"]
+    tiny += ["--membership-trials", "1"]
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     tiny += ["--json", str(out_json), "--plot", str(out_png)]
     proc = subprocess.run(
@@ -66,6 +68,10 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     assert re.search(r"^dead worker noticed\s+\d+\.\d+\s+\d+\.\d+$", out, re.M), out
     assert re.search(r"^subproc, spare worker\s+\d+\.\d+", out, re.M), out
     assert "torchft rows skipped: --no-torchft" in out, out
+    for what in (r"SIGKILL, hb 0\.3 s", r"SIGSTOP, deadline 1 s"):
+        row = rf"^ftcomm store: {what}\s+\d+\.\d\s+\d+\.\d\s+-?\d+\.\d\s+-?\d+\.\d\s+1$"
+        assert re.search(row, out, re.M), out
+    assert "torchft Manager rows skipped: --no-torchft" in out, out
     assert f"json: {out_json}" in out, out
     assert f"plot: {out_png}" in out, out
 
@@ -89,12 +95,16 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
         assert float(p50_in_table[1]) == pytest.approx(row["p50_us"], abs=0.051)
         assert row["p50_us"] <= row["p90_us"] <= row["p99_us"]
         raw_p50 = rows[(row["workload"], "raw")]["p50_us"]
-        assert row["ratio_p50_vs_raw"] == pytest.approx(row["p50_us"] / raw_p50, rel=1e-3)
+        # rounded to 4 places: a burst row's ratio (0.03) is within 5e-5, not 1e-3 of itself
+        ratio = pytest.approx(row["p50_us"] / raw_p50, rel=1e-3, abs=5e-5)
+        assert row["ratio_p50_vs_raw"] == ratio
     for case in cases:  # 120 per round, in turns of 50, 50 and 20: every op timed
         assert rows[("allreduce 1xfp32", case)]["ops"] == 240, case
     assert rows[("allreduce 1MiB fp32", "ftcomm")]["gb_per_s"] > 0
     assert rows[("allreduce 1xfp32", "ftcomm")]["gb_per_s"] is None
     assert "dead worker noticed" in {r["what"] for r in doc["recovery"]}
+    kinds = [(r["system"], r["fault"], r["trials"]) for r in doc["membership"]["rows"]]
+    assert kinds == [("ftcomm store", "kill", 1), ("ftcomm store", "hang", 1)]
     assert doc["failures"] == []
 
     # --plot: a PNG of a plausible size (two panels of 7 cases).
@@ -129,7 +139,9 @@ def test_json_to_stdout_alone_and_a_failure_exits_1(
         return runner.Report(lat, failures=["rank 1, baby: close failed: boom"])
 
     monkeypatch.setattr(_bench, "_run_children", fake_run)
-    code = _bench.main(["--json", "-", "--recovery-samples", "0", "--no-torchft"])
+    code = _bench.main(
+        ["--json", "-", "--recovery-samples", "0", "--membership-trials", "0", "--no-torchft"]
+    )
     captured = capsys.readouterr()
     doc = json.loads(captured.out)  # stdout holds the JSON alone
     assert code == 1
@@ -138,6 +150,7 @@ def test_json_to_stdout_alone_and_a_failure_exits_1(
     assert doc["rows"][0]["case"] == "raw"
     assert doc["rows"][1]["ratio_p50_vs_raw"] == 1.0
     assert doc["recovery"] is None
+    assert doc["membership"] is None
 
 
 class _FakeProc:
@@ -253,7 +266,8 @@ def test_a_pinned_run_says_so_in_its_table_and_its_json(
 
     monkeypatch.setattr(_bench, "_run_children", fake_run)
     monkeypatch.setattr(_bench, "_unpinnable", lambda: None)  # any machine
-    assert _bench.main(["--pin", "--json", "-", "--recovery-samples", "0"]) == 0
+    argv = ["--pin", "--json", "-", "--recovery-samples", "0", "--membership-trials", "0"]
+    assert _bench.main(argv) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["pin"] is True
     assert [p.pin for p in plans] == [True]
     assert "each rank pinned to a CPU" in report.format_table(plans[0], runner.Report(), [])
@@ -276,3 +290,104 @@ def test_the_small_op_row_takes_turns_every_50_ops() -> None:
     assert runner._turns(runner.Workload("a", "allreduce", 1, 120, 0, chunk=50)) == [50, 50, 20]
     assert runner._turns(runner.Workload("a", "allreduce", 1, 30, 0, chunk=50)) == [30]
     assert runner._turns(runner.Workload("b", "allreduce", 8, 4, 1)) == [4]
+
+
+# -- membership recovery ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_trial_of_each_membership_row_kills_and_stops_a_member() -> None:
+    """One trial per row of the store engine (torchft's rows and the
+    lighthouse engine skipped): the SIGKILLed member is found by its
+    heartbeat, the SIGSTOPped one by the op deadline, and the survivors are
+    back in a world of two soon after."""
+    rows, notes = membership.measure(1, "asyncio", "--no-torchft")
+    assert [(row.system, row.fault, row.failed) for row in rows] == [
+        ("ftcomm store", "kill", None),
+        ("ftcomm store", "hang", None),
+    ]
+    (kill,), (hang,) = rows[0].totals, rows[1].totals
+    interval = membership.HEARTBEAT_TIMEOUT / 5  # the last beat was up to one before the kill
+    assert membership.HEARTBEAT_TIMEOUT - 2 * interval < kill < membership.HEARTBEAT_TIMEOUT + 1
+    assert membership.OP_DEADLINE - 0.05 < hang < membership.OP_DEADLINE + 1.5
+    assert notes == [
+        "lighthouse engine skipped: --no-torchft",
+        "torchft Manager rows skipped: --no-torchft",
+    ]
+
+
+def _rows() -> list[membership.Row]:
+    return [
+        membership.Row("ftcomm store", "kill", [0.31, 0.35, 0.32, 0.40, 0.33]),
+        membership.Row("ftcomm store", "hang", [1.02, 1.03]),
+        membership.Row(
+            "torchft Manager", "kill", [0.3], failed="trial 2: TrialFailed: m1 ...\nmore"
+        ),
+    ]
+
+
+def test_the_membership_table_shows_p50_p90_and_beyond_detection() -> None:
+    text = membership.format_membership(_rows(), ["lighthouse engine skipped: not yet"])
+    lines = text.splitlines()
+    assert re.match(r"^what\s+p50_ms\s+p90_ms\s+beyond_p50\s+beyond_p90\s+trials$", lines[1])
+    # p90 of five: between the 4th and the 5th, 0.35 + 0.6 * 0.05; beyond: less 0.3 s
+    kill = r"^ftcomm store: SIGKILL, hb 0\.3 s\s+330\.0\s+380\.0\s+30\.0\s+80\.0\s+5$"
+    assert re.search(kill, text, re.M), text
+    hang = r"^ftcomm store: SIGSTOP, deadline 1 s\s+1025\.0\s+1029\.0\s+25\.0\s+29\.0\s+2$"
+    assert re.search(hang, text, re.M), text
+    failed = r"^torchft Manager: SIGKILL, hb 0\.3 s\s+FAILED: trial 2: TrialFailed: m1 \.\.\.$"
+    assert re.search(failed, text, re.M), text
+    assert lines[-1] == "note: lighthouse engine skipped: not yet"
+
+    doc = membership.membership_json(_rows(), [])
+    assert (doc["heartbeat_timeout_s"], doc["op_deadline_s"]) == (0.3, 1.0)
+    first = doc["rows"][0]
+    assert (first["p50_ms"], first["p90_ms"]) == (330.0, 380.0)
+    assert (first["beyond_p50_ms"], first["beyond_p90_ms"]) == (30.0, 80.0)
+    assert first["totals_ms"] == [310.0, 350.0, 320.0, 400.0, 330.0]
+    assert "p50_ms" not in doc["rows"][2]  # failed: no figures
+    assert doc["rows"][2]["failed"].startswith("trial 2")
+
+
+def test_a_failed_membership_row_is_reported_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    asked: list[tuple[int, str, str | None]] = []
+
+    def fake_measure(
+        trials: int, loop: str, torchft_skip: str | None
+    ) -> tuple[list[membership.Row], list[str]]:
+        asked.append((trials, loop, torchft_skip))
+        return _rows(), ["a note"]
+
+    def fake_run(plan: runner.Plan, timeout: float) -> runner.Report:
+        return runner.Report({(w.label, c): [1e-4] for w in plan.workloads for c in plan.cases})
+
+    monkeypatch.setattr(_bench, "_run_children", fake_run)
+    monkeypatch.setattr(_bench, "measure", fake_measure)
+    argv = ["--loop", "asyncio", "--recovery-samples", "0", "--no-torchft"]
+    code = _bench.main([*argv, "--membership-trials", "7", "--json", "-"])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert asked == [(7, "asyncio", "--no-torchft")]
+    doc = json.loads(captured.out)
+    assert [r["what"] for r in doc["membership"]["rows"]][:2] == [
+        "ftcomm store: SIGKILL, hb 0.3 s",
+        "ftcomm store: SIGSTOP, deadline 1 s",
+    ]
+    assert doc["membership"]["notes"] == ["a note"]
+    assert doc["failures"] == [
+        "membership: torchft Manager: SIGKILL, hb 0.3 s: trial 2: TrialFailed: m1 ...\nmore"
+    ]
+    assert "ftcomm bench: membership: torchft Manager: SIGKILL" in captured.err
+
+
+def test_an_engine_whose_module_is_not_there_is_skipped_with_a_note() -> None:
+    """Adding an engine is a line of ENGINES; one whose module is missing is skipped."""
+    assert [engine.name for engine in membership.ENGINES][:1] == ["store"]
+    assert membership.ENGINES[0].missing() is None
+    absent = membership.Engine("nowhere", membership._serve_store, needs=("ftcomm._no_such",))
+    assert absent.missing() == "ftcomm._no_such is not there (yet)"
+    deeper = membership.Engine("nowhere", membership._serve_store, needs=("no_such_pkg.sub",))
+    assert deeper.missing() == "no_such_pkg.sub is not there (yet)"
+    assert membership._on_loopback("http://vm:4242") == "http://127.0.0.1:4242"

@@ -50,6 +50,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("facade", ("ftcomm.c10d",)),
+    ("membership", ("ftcomm._membership",)),
     ("testing", ("ftcomm.testing",)),
     ("api", ("ftcomm",)),
     ("tools", ("ftcomm.__main__", "ftcomm._bench", "ftcomm._doctor")),

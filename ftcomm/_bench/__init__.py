@@ -20,6 +20,9 @@ The modules, each importing only those listed below it:
 - ``cases``: the cases and workloads of a run, in the table's order (adding a
   row or an op starts there);
 - ``recovery``: configure-to-first-op and dead-worker detection, world size 1;
+- ``membership``: a member of three SIGKILLed or SIGSTOPped, to the
+  survivors' first good allreduce, per membership engine and for torchft's
+  Manager, each member a process of its own;
 - ``latency``, ``fusion``, ``subproc``, ``torchft_rows``: the families of
   cases, the functions that open each case's runner on a rank;
 - ``groups``: the runners on ftcomm's groups that the families share;
@@ -37,9 +40,11 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 from .._server import serve_store
 from .cases import CASES, workloads
+from .membership import TRIALS, format_membership, measure, membership_json
 from .recovery import _recovery, format_recovery
 from .report import PLOT_HINT, format_table, matplotlib_missing, results, write_plot
 from .runner import HOST, BenchFailed, Plan, Seconds, _run_children, _unpinnable
@@ -125,6 +130,13 @@ def parser() -> argparse.ArgumentParser:
         type=_non_negative,
         default=5,
         help="samples of configure-to-first-op and dead-worker detection (5; 0: skip)",
+    )
+    p.add_argument(
+        "--membership-trials",
+        type=_non_negative,
+        default=TRIALS,
+        help="trials of each membership recovery row: a member of three SIGKILLed or "
+        f"SIGSTOPped, to the survivors' first good allreduce ({TRIALS}; 0: skip)",
     )
     p.add_argument(
         "--json",
@@ -248,8 +260,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             store.close()
         if times is not None and tables:
             print(format_recovery(times), flush=True)
+    members: dict[str, Any] | None = None
+    if args.membership_trials:
+        torchft_skip = "--no-torchft" if args.no_torchft else _torchft_missing()
+        try:
+            rows, member_notes = measure(args.membership_trials, loop, torchft_skip)
+        except Exception as exc:
+            traceback.print_exc()
+            print(f"ftcomm bench: membership failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            report.failures.append(f"membership: {type(exc).__name__}: {exc}")
+            failed = True
+        else:
+            for row in rows:
+                if row.failed is not None:
+                    report.failures.append(f"membership: {row.label}: {row.failed}")
+                    print(f"ftcomm bench: membership: {row.label}: {row.failed}", file=sys.stderr)
+                    failed = True
+            members = membership_json(rows, member_notes)
+            if tables:
+                print(format_membership(rows, member_notes), flush=True)
     if json_path is not None:
-        text = json.dumps(results(plan, report, notes, times), indent=2)
+        text = json.dumps(results(plan, report, notes, times, members), indent=2)
         if json_path == "-":
             print(text, flush=True)
         else:

@@ -110,8 +110,12 @@ def results(
     report: Report,
     notes: Sequence[str],
     recovery: Mapping[str, Seconds] | None,
+    membership: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every figure of the table and of the recovery part, as one JSON-able object.
+
+    ``membership``: the membership recovery rows, as
+    :func:`~ftcomm._bench.membership.membership_json` gives them (``None``: not run).
 
     ``rows``: one per (workload, case), the table's order; latencies in
     microseconds; ``ratio_p50_vs_raw`` is p50 / raw's p50 (lower is better),
@@ -182,6 +186,7 @@ def results(
                 for what, values in recovery.items()
             ]
         ),
+        "membership": None if membership is None else dict(membership),
         "notes": list(notes),
         "failures": list(report.failures),
     }

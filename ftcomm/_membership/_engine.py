@@ -1,0 +1,71 @@
+"""The contract every membership engine fills (the store, torchft's lighthouse).
+
+Owns: :class:`Engine`, the calls :class:`~ftcomm.Membership` makes of an
+engine; all of them block (they run on ftcomm's control threads) and each
+long one looks at a ``stop`` event at every poll. Imports: ``_rule``'s records.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+from ._rule import Member, WorldRecord
+
+
+class Stopped(Exception):
+    """An engine's call ended because its ``stop`` event was set (a cancel)."""
+
+
+class Engine(Protocol):
+    """Where a job's generations are agreed.
+
+    Promises: ``agree`` gives every member of a generation the same record
+    (members in rank order), one record per generation number, ever; and a
+    member that was left out of a later generation than the one it knew
+    gets :class:`~ftcomm.errors.Evicted` (or is let in again as a newcomer,
+    where the engine cannot tell), never a world the others are not in.
+    """
+
+    def open(self, timeout: float, stop: threading.Event) -> None:
+        """Connect, check that no live member has this id, start the heartbeat.
+
+        Raises: MembershipError (no answer), ValueError (the id is in use)."""
+
+    def register(self) -> None:
+        """Say this member wants in (a newcomer for the next generation)."""
+
+    def latest(self) -> WorldRecord:
+        """The latest generation's record (``_rule.EMPTY`` before the first)."""
+
+    def agree(
+        self,
+        prev: WorldRecord,
+        stop: threading.Event,
+        *,
+        member_of: int | None,
+        min_size: int,
+        max_size: int,
+        window: float,
+        deadline: float,
+    ) -> WorldRecord:
+        """The first generation after ``prev`` with this member in it.
+
+        Raises: Evicted, MembershipTimeout, MembershipError, and the
+        ``Stopped`` when ``stop`` was set."""
+
+    def check(self, record: WorldRecord, k: int) -> bool:
+        """What ``pending()`` call ``k`` of generation ``record`` says, the
+        same for every member. Raises: MembershipError."""
+
+    def group_addr(self, record: WorldRecord) -> str:
+        """The store address (``host:port/prefix``) where ``record``'s group meets."""
+
+    def alive(self, member: Member) -> bool:
+        """Whether ``member`` is alive as this member last saw it."""
+
+    def broken(self) -> BaseException | None:
+        """What broke the engine's connection, if something did."""
+
+    def close(self) -> None:
+        """Stop the heartbeat and say this member left. Idempotent."""

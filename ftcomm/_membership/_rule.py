@@ -1,0 +1,227 @@
+"""Who is in the next generation: the records and the rule, sans-IO.
+
+Owns: :class:`Member`, :class:`WorldRecord` (what the engine stores for one
+generation, and its text form), the roster and ready-list codecs, and
+:func:`decide`, the one rule every member applies to the same inputs.
+Imports: nothing of ftcomm.
+
+The rule, stated once. The next generation ``t`` is formed from the
+previous world ``W`` (none before the first) and the members that want in:
+
+* **candidates**, in rank order: ``W``'s members that are alive, in their old
+  order (the *survivors*), then the members of the roster that are not in
+  ``W`` and are alive (the *newcomers*), in the order they registered. A
+  member is alive while its heartbeat moves.
+* **ready**: the candidates that called ``join()``/``recover()`` for ``t``.
+* It is decided, with the ready candidates (the first ``max_size``), once
+  at least ``min_size`` are ready and:
+
+  - where there are survivors: every candidate is ready; or every survivor
+    is and ``max_size`` are; or the join window has passed and the one
+    deciding is a survivor;
+  - where there are none (the first generation, or every member of ``W``
+    died): ``max_size`` are ready, or the join window has passed.
+
+  So a newcomer never decides while a member of ``W`` lives and is not
+  there: a running world only changes with its own members present (or
+  dead), never behind their backs.
+
+Whoever sees the rule hold first writes the record; the engine makes that
+write happen once (``compare_set``), so every member reads the same world.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One incarnation of a member: its id, and a token that is new each run."""
+
+    id: str
+    token: str
+
+    def line(self) -> str:
+        return f"{self.id}\t{self.token}\n"
+
+
+@dataclass(frozen=True, slots=True)
+class WorldRecord:
+    """One generation as stored: its members in rank order, and the roster
+    entries it has looked at (``seen``) of which ``waiting`` were alive but
+    not admitted (over ``max_size``, or not ready yet): they are the next
+    generation's newcomers."""
+
+    generation: int
+    members: tuple[Member, ...]
+    seen: int = 0
+    waiting: tuple[int, ...] = field(default=())
+
+    def encode(self) -> str:
+        return json.dumps(
+            {
+                "generation": self.generation,
+                "members": [[m.id, m.token] for m in self.members],
+                "seen": self.seen,
+                "waiting": list(self.waiting),
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def decode(cls, text: bytes | str) -> WorldRecord:
+        """Raises: ValueError: not a record this module wrote."""
+        try:
+            raw = json.loads(text)
+            return cls(
+                generation=int(raw["generation"]),
+                members=tuple(Member(str(i), str(t)) for i, t in raw["members"]),
+                seen=int(raw["seen"]),
+                waiting=tuple(int(i) for i in raw["waiting"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"not a membership record: {text!r:.200}") from exc
+
+    def rank_of(self, member: Member) -> int | None:
+        try:
+            return self.members.index(member)
+        except ValueError:
+            return None
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        return tuple(m.id for m in self.members)
+
+
+EMPTY = WorldRecord(generation=0, members=())
+"""Before the first generation."""
+
+
+def parse_roster(text: bytes | str) -> list[Member]:
+    """The roster: one ``id<TAB>token`` line per registration, in order."""
+    if isinstance(text, bytes):
+        text = text.decode()
+    return [Member(*line.split("\t", 1)) for line in text.splitlines() if "\t" in line]
+
+
+def parse_ready(text: bytes | str) -> set[Member]:
+    """A generation's ready list: ``+id<TAB>token`` lines in, ``-...`` out."""
+    if isinstance(text, bytes):
+        text = text.decode()
+    ready: set[Member] = set()
+    for line in text.splitlines():
+        if len(line) < 2 or "\t" not in line:
+            continue
+        member = Member(*line[1:].split("\t", 1))
+        if line[0] == "+":
+            ready.add(member)
+        elif line[0] == "-":
+            ready.discard(member)
+    return ready
+
+
+def ready_line(member: Member, present: bool) -> str:
+    return ("+" if present else "-") + member.line()
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """Who may be in the next generation (see the module's rule)."""
+
+    survivors: tuple[Member, ...]
+    newcomers: tuple[tuple[int, Member], ...]  # (roster index, member)
+
+    @property
+    def members(self) -> tuple[Member, ...]:
+        return self.survivors + tuple(m for _, m in self.newcomers)
+
+
+def candidates(
+    prev: WorldRecord, roster: Sequence[Member], alive: Callable[[Member], bool]
+) -> Candidates:
+    """The survivors of ``prev`` and the newcomers of ``roster``, alive ones only.
+
+    A newcomer is a roster entry ``prev`` has not seen, or one it left
+    waiting; of several entries with one id, the latest counts (a restarted
+    member), and none whose id is a survivor's.
+    """
+    survivors = tuple(m for m in prev.members if alive(m))
+    taken = {m.id for m in survivors}
+    latest: dict[str, int] = {}
+    for index in _unseen(prev, len(roster)):
+        latest[roster[index].id] = index  # later entries replace earlier ones
+    by_id = {roster[i].id: i for i in range(len(roster))}  # the very latest of each id
+    newcomers = tuple(
+        (i, roster[i])
+        for i in sorted(latest.values())
+        if roster[i].id not in taken
+        and by_id[roster[i].id] == i
+        and roster[i] not in prev.members
+        and alive(roster[i])
+    )
+    return Candidates(survivors, newcomers)
+
+
+def _unseen(prev: WorldRecord, size: int) -> Iterable[int]:
+    yield from (i for i in prev.waiting if i < size)
+    yield from range(prev.seen, size)
+
+
+def decide(
+    prev: WorldRecord,
+    roster: Sequence[Member],
+    ready: set[Member],
+    alive: Callable[[Member], bool],
+    *,
+    me: Member,
+    window_passed: bool,
+    min_size: int,
+    max_size: int,
+) -> WorldRecord | None:
+    """The next generation's record, if the rule holds now; else ``None``."""
+    found = candidates(prev, roster, alive)
+    everyone = found.members
+    chosen = tuple(m for m in everyone if m in ready)[:max_size]
+    if len(chosen) < min_size:
+        return None
+    if found.survivors:
+        if not (window_passed and me in prev.members):
+            all_here = len(chosen) == len(everyone)
+            full = len(chosen) == max_size and all(m in ready for m in found.survivors)
+            if not (all_here or full):
+                return None
+    elif len(chosen) < max_size and not window_passed:
+        return None
+    admitted = set(chosen)
+    return WorldRecord(
+        generation=prev.generation + 1,
+        members=chosen,
+        seen=len(roster),
+        waiting=tuple(i for i, m in found.newcomers if m not in admitted),
+    )
+
+
+def enough_ready(
+    prev: WorldRecord,
+    roster: Sequence[Member],
+    ready: set[Member],
+    alive: Callable[[Member], bool],
+    min_size: int,
+) -> bool:
+    """Whether at least ``min_size`` candidates are ready (the join window
+    runs from the first moment this holds)."""
+    return sum(m in ready for m in candidates(prev, roster, alive).members) >= min_size
+
+
+def missing(
+    prev: WorldRecord,
+    roster: Sequence[Member],
+    ready: set[Member],
+    alive: Callable[[Member], bool],
+) -> tuple[list[str], list[str]]:
+    """(ready ids, ids of candidates not ready): for a timeout's message."""
+    everyone = candidates(prev, roster, alive).members
+    return [m.id for m in everyone if m in ready], [m.id for m in everyone if m not in ready]

@@ -1,0 +1,340 @@
+"""The embedded engine: membership agreed in a c10d ``TCPStore``.
+
+Owns: the keys of one job in the store, and the blocking calls that read
+and write them (run on ftcomm's control threads, never on a loop).
+Imports: ``ftcomm._store`` (addresses, the client), ``ftcomm.errors``, and
+``_rule``/``_watch``.
+
+Keys, under ``ftcomm/members/<job>/`` (who writes each, and how):
+
+- ``hb/<id>``: ``"<token> <count>"``, or ``"<token> left"``; that member's
+  watcher (``set``).
+- ``roster``: one ``id<TAB>token`` line per registration; ``join()``
+  (``append``).
+- ``ready/<g>``: ``+``/``-`` lines, who wants into generation ``g``; each
+  candidate (``append``).
+- ``world/<g>``: generation ``g``'s :class:`WorldRecord`; its decider, once
+  (``compare_set``).
+- ``gen``: the latest ``g`` with a record; deciders (``compare_set``, only
+  upwards).
+- ``chk/<g>/<k>``: ``"1"``/``"0"``, what ``pending()`` call ``k`` says; its
+  first caller (``compare_set``).
+
+``world/<g>`` is written with ``compare_set(key, "", record)``: of several
+deciders one wins and every member reads that one, so there are never two
+worlds for one generation. Nothing is ever deleted but old ``chk`` keys
+(which no member reads again), so a reader never waits for a key that went
+away; every read is :func:`_watch.read`, which never blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+from .._store import ConnectProgress, StoreAddr, connect_store, why_unreachable
+from ..errors import Evicted, MembershipError, MembershipTimeout
+from ._engine import Stopped
+from ._rule import (
+    EMPTY,
+    Member,
+    WorldRecord,
+    candidates,
+    decide,
+    enough_ready,
+    missing,
+    parse_ready,
+    parse_roster,
+    ready_line,
+)
+from ._watch import LEFT, Watcher, beat_key, read
+
+log = logging.getLogger("ftcomm")
+
+CHECK_KEEP = 16
+"""``pending()`` keys kept per generation: a member more than this many
+calls behind another would find its key gone (the group's collectives
+between two calls keep members within one call of each other)."""
+
+
+OP_TIMEOUT = 30.0
+"""Seconds a store op may take before the engine calls the store gone."""
+
+
+class StoreEngine:
+    """One member's view of a job in a store (see the module's table)."""
+
+    def __init__(
+        self,
+        addr: StoreAddr,
+        job: str,
+        me: Member,
+        *,
+        heartbeat_interval: float,
+        heartbeat_timeout: float,
+    ) -> None:
+        self.addr = addr
+        self.job = job
+        self.me = me
+        self._interval = heartbeat_interval
+        self._timeout = heartbeat_timeout
+        self._prefix = f"{addr.prefix + '/' if addr.prefix else ''}ftcomm/members/{job}/"
+        self._store: Any = None  # the calls' client (one call at a time)
+        self.watcher: Watcher | None = None
+        self.registered = False
+
+    def __repr__(self) -> str:
+        return f"store {self.addr.host_port}"
+
+    # -- opening and closing ----------------------------------------------
+
+    def open(self, timeout: float, stop: threading.Event) -> None:
+        """Connect (twice: the watcher has its own client), check the id is
+        free, and start beating.
+
+        Raises:
+            MembershipError: the store does not answer (refused at once).
+            ValueError: a live member already uses this id.
+        """
+        plain = StoreAddr(self.addr.host, self.addr.port, "")
+        try:
+            with socket.create_connection((plain.host, plain.port), timeout=min(timeout, 2.0)):
+                pass
+        except OSError as exc:
+            raise MembershipError(
+                f"the membership store at {plain.host_port} does not answer: {why_unreachable(exc)}"
+            ) from exc
+        try:
+            progress = ConnectProgress()
+            prefixed = StoreAddr(plain.host, plain.port, self._prefix.rstrip("/"))
+            # The clients' ops never wait on the server's side; their
+            # timeout only bounds a server that stalls (see _watch.alive).
+            ops = max(timeout, OP_TIMEOUT)
+            self._store = connect_store(prefixed, ops, progress)
+            # no local keeps a client: a failed open's traceback must not hold one
+            self.watcher = Watcher(
+                connect_store(prefixed, ops, progress),
+                self.me,
+                interval=self._interval,
+                timeout=self._timeout,
+            )
+        except (TimeoutError, RuntimeError, OSError) as exc:
+            raise MembershipError(
+                f"the membership store at {plain.host_port} does not answer: {exc}"
+            ) from exc
+        self._claim(stop)
+        self.watcher.start()
+
+    def _claim(self, stop: threading.Event) -> None:
+        """Take ``hb/<id>``: free, left, or silent for a whole timeout.
+
+        Raises:
+            ValueError: its heartbeat moves (a live member has this id).
+        """
+        key = beat_key(self.me.id)
+        held = read(self._store, key)
+        if held is not None and not held.decode(errors="replace").endswith(" " + LEFT):
+            until = time.monotonic() + self._timeout
+            while time.monotonic() < until:
+                if stop.wait(min(self._interval, 0.05)):
+                    raise Stopped
+                now = read(self._store, key)
+                if now != held:
+                    raise ValueError(
+                        f"member_id {self.me.id!r} is in use in job {self.job!r}: a live "
+                        "member with that id is beating its heartbeat (give each member "
+                        "its own id, or stop the other one first)"
+                    )
+        mine = f"{self.me.token} 0"
+        expected = held.decode(errors="replace") if held is not None else ""
+        if self._store.compare_set(key, expected, mine) != mine.encode():
+            raise ValueError(f"member_id {self.me.id!r} is in use in job {self.job!r}")
+
+    def register(self) -> None:
+        """Add this member to the roster: a newcomer for the next generation
+        (again after it was dropped: its earlier entry was used up)."""
+        self._store.append("roster", self.me.line())
+        self.registered = True
+
+    def close(self) -> None:
+        """Stop beating and say this member left. Idempotent."""
+        if self.watcher is not None:
+            self.watcher.stop(leave=self.registered)
+            self.watcher = None
+        self._store = None
+
+    def broken(self) -> BaseException | None:
+        return self.watcher.error if self.watcher is not None else None
+
+    def alive(self, member: Member) -> bool:
+        return self.watcher.alive(member) if self.watcher is not None else False
+
+    # -- agreeing ---------------------------------------------------------
+
+    def group_addr(self, record: WorldRecord) -> str:
+        """Where generation ``record``'s group meets: a prefix of its own."""
+        base = f"{self.addr.prefix}/" if self.addr.prefix else ""
+        return f"{self.addr.host_port}/{base}ftcomm/groups/{self.job}/g{record.generation}"
+
+    def agree(
+        self,
+        prev: WorldRecord,
+        stop: threading.Event,
+        *,
+        member_of: int | None,
+        min_size: int,
+        max_size: int,
+        window: float,
+        deadline: float,
+    ) -> WorldRecord:
+        """Wait for (or make) the first generation after ``prev`` that has
+        this member; ``member_of``: the generation it was last a member of.
+
+        Raises:
+            Evicted: a generation after ``member_of`` was formed without it.
+            MembershipTimeout: no such generation by ``deadline``.
+            MembershipError: the store went away.
+            Stopped: ``stop`` was set.
+        """
+        assert self.watcher is not None
+        watcher = self.watcher
+        target: int | None = None
+        enough_since: float | None = None
+        delay = 0.0005
+        try:
+            while True:
+                t = prev.generation + 1
+                decided = read(self._store, f"world/{t}")
+                if decided is not None:
+                    record = WorldRecord.decode(decided)
+                    self._advance(t)
+                    if self.me in record.members:
+                        return record
+                    if member_of is not None:
+                        raise Evicted(
+                            f"member {self.me.id!r} was dropped from job {self.job!r}: "
+                            f"generation {t} was formed without it "
+                            f"({', '.join(record.ids) or 'no one'}); its heartbeat "
+                            "stopped or it did not come in time. join() again to come "
+                            "back as a newcomer",
+                            member_id=self.me.id,
+                            generation=member_of,
+                            current=t,
+                        )
+                    prev, target, enough_since = record, None, None  # not admitted: the next
+                    continue
+                if target != t:
+                    self._store.append(f"ready/{t}", ready_line(self.me, True))
+                    target = t
+                text = read(self._store, f"ready/{t}") or b""
+                roster_text = read(self._store, "roster") or b""
+                ready = parse_ready(text)
+                roster = parse_roster(roster_text)
+                # before anyone is left out as dead, a last look at their beats
+                # (the watcher reads them only every interval)
+                silent = [m for m in {*prev.members, *ready} if not watcher.alive(m)]
+                if silent:
+                    watcher.refresh(self._store, silent)
+                now = time.monotonic()
+                if enough_ready(prev, roster, ready, watcher.alive, min_size):
+                    enough_since = now if enough_since is None else enough_since
+                else:
+                    enough_since = None
+                proposal = decide(
+                    prev,
+                    roster,
+                    ready,
+                    watcher.alive,
+                    me=self.me,
+                    window_passed=enough_since is not None and now - enough_since >= window,
+                    min_size=min_size,
+                    max_size=max_size,
+                )
+                if proposal is not None:
+                    log.debug(
+                        "ftcomm: membership %s/%s proposes generation %d: %s (ready: %s; "
+                        "dead: %s; window passed: %s)",
+                        self.job,
+                        self.me.id,
+                        t,
+                        proposal.ids,
+                        sorted(m.id for m in ready),
+                        sorted(m.id for m in {*prev.members, *roster} if not watcher.alive(m)),
+                        enough_since is not None and now - enough_since >= window,
+                    )
+                    self._store.compare_set(f"world/{t}", "", proposal.encode())
+                    continue  # read back whichever proposal won
+                if now >= deadline:
+                    here, absent = missing(prev, roster, ready, watcher.alive)
+                    raise MembershipTimeout(
+                        f"no generation {t} of job {self.job!r} was formed in time: "
+                        f"{len(here)} ready ({', '.join(here) or 'none'}), need at least "
+                        f"{min_size}; alive but not ready: {', '.join(absent) or 'none'}"
+                    )
+                error = self.broken()
+                if error is not None:
+                    raise MembershipError(f"lost the membership store: {error}") from error
+                if stop.wait(min(delay, max(deadline - now, 0.0))):
+                    raise Stopped
+                delay = min(delay * 2, 0.005)
+        except (Stopped, MembershipTimeout):
+            if target is not None:
+                with contextlib.suppress(Exception):
+                    self._store.append(f"ready/{target}", ready_line(self.me, False))
+            raise
+        except (RuntimeError, OSError) as exc:
+            if isinstance(exc, MembershipError):
+                raise
+            raise _failed(exc) from exc
+
+    def _advance(self, t: int) -> None:
+        """Move ``gen`` up to ``t`` (never down)."""
+        for _ in range(64):
+            held = read(self._store, "gen")
+            if held is not None and int(held) >= t:
+                return
+            expected = held.decode() if held is not None else ""
+            if self._store.compare_set("gen", expected, str(t)) == str(t).encode():
+                return
+
+    def latest(self) -> WorldRecord:
+        """The latest generation's record (:data:`EMPTY` before the first)."""
+        held = read(self._store, "gen")
+        if held is None:
+            return EMPTY
+        text = read(self._store, f"world/{int(held)}")
+        return WorldRecord.decode(text) if text is not None else EMPTY
+
+    def check(self, record: WorldRecord, k: int) -> bool:
+        """``pending()`` call ``k`` of generation ``record``: the first
+        caller's view decides for everyone.
+
+        Raises:
+            MembershipError: the store went away.
+        """
+        assert self.watcher is not None
+        error = self.broken()
+        if error is not None:
+            raise MembershipError(f"lost the membership store: {error}") from error
+        found = candidates(record, self.watcher.roster(), self.watcher.alive)
+        due = bool(found.newcomers) or len(found.survivors) < len(record.members)
+        try:
+            key = f"chk/{record.generation}/{k}"
+            said = self._store.compare_set(key, "", "1" if due else "0")
+            if k >= CHECK_KEEP:
+                self._store.delete_key(f"chk/{record.generation}/{k - CHECK_KEEP}")
+        except (RuntimeError, OSError) as exc:
+            raise _failed(exc) from exc
+        return bool(said == b"1")
+
+
+def _failed(exc: BaseException) -> MembershipError:
+    """The error for a store op that failed. ``exc`` loses its traceback:
+    its frames hold the store's client, and the error is kept (by a future,
+    a caller) long after the engine let the client go."""
+    exc.with_traceback(None)
+    return MembershipError(f"the membership store failed: {exc}")

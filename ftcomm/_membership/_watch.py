@@ -1,0 +1,196 @@
+"""Heartbeats: this member's, beaten, and the others', watched. One thread.
+
+Owns: :class:`Watcher`, the only writer of this member's heartbeat key and
+the only reader of everyone else's, and what it concludes (who is alive,
+the roster as last read). Imports: ``_rule``'s records.
+
+A heartbeat is a key ``hb/<id>`` holding ``"<token> <count>"``, the count
+moving every ``interval``; ``"<token> left"`` once the member left. A member
+is alive while the watcher sees its key move at least every ``timeout``
+seconds (by this process's own clock: no two hosts' clocks are compared),
+with its own token (a restarted member's new token ends the old
+incarnation at once). The watcher counts only time it was itself looking:
+while its own round is late by more than half the timeout (a stopped
+process, a starved thread, a store slow to answer) it calls no one dead,
+and after such a pause it starts every member's clock afresh, so that its
+own stall is never taken for everyone else's death.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ._rule import Member, parse_roster
+
+log = logging.getLogger("ftcomm")
+
+MISSING = "\x00missing"
+"""What :func:`read` gives for a key that is not there."""
+
+
+def read(store: Any, key: str) -> bytes | None:
+    """The value of ``key``, or ``None``: one round trip that never blocks
+    (a ``get`` of a missing key waits for it; this ``compare_set`` answers
+    its own ``expected`` value instead, and writes nothing)."""
+    value: bytes = store.compare_set(key, MISSING, MISSING)
+    return None if value == MISSING.encode() else value
+
+
+def beat_key(member_id: str) -> str:
+    return f"hb/{member_id}"
+
+
+LEFT = "left"
+
+
+class Watcher:
+    """Beats ``me``'s heartbeat every ``interval`` s and watches the roster's.
+
+    ``tick()`` is one round: beat, read the roster, read every heartbeat.
+    ``start()`` runs it on a daemon thread until ``stop()``. A store error
+    ends the thread and is kept in :attr:`error`.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        me: Member,
+        *,
+        interval: float,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self.me = me
+        self.interval = interval
+        self.timeout = timeout
+        self._clock = clock
+        self._lock = threading.Lock()  # guards every field below it
+        self._seen: dict[str, tuple[bytes, float]] = {}  # id -> (value, when it last moved)
+        self._roster: list[Member] = []
+        self._beats = 0
+        self._last_tick: float | None = None
+        self.error: ConnectionError | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- what it concludes ------------------------------------------------
+
+    def alive(self, member: Member) -> bool:
+        """Whether ``member`` (this incarnation of it) is alive, as last seen.
+
+        A member not seen yet counts as alive: its heartbeat is then given
+        a whole ``timeout`` to move."""
+        if member == self.me:
+            return True
+        if not self._newest(member):
+            return False  # a later incarnation registered: it only could once this one was gone
+        with self._lock:
+            entry = self._seen.get(member.id)
+            last_tick = self._last_tick
+            now = self._clock()
+        if entry is None:
+            return True
+        if last_tick is None or now - last_tick > self.timeout / 2:
+            # Our own round is late (the store is slow to answer: a c10d
+            # store server resolves each new client's name on its one
+            # thread, and can stall for a resolver's timeout): the silence
+            # we would read is ours, not theirs.
+            return True
+        value, moved = entry
+        token, _, count = value.decode(errors="replace").partition(" ")
+        if token != member.token:
+            # another incarnation's beat: ours (the newest the roster
+            # names) has not been read yet; give it a round
+            return True
+        if count == LEFT:
+            return False
+        return now - moved < self.timeout
+
+    def _newest(self, member: Member) -> bool:
+        """Whether no later incarnation of ``member``'s id is on the roster
+        (one that is not on it at all is not known to be superseded)."""
+        with self._lock:
+            latest = [m for m in self._roster if m.id == member.id]
+        return not latest or latest[-1] == member or member not in latest
+
+    def roster(self) -> list[Member]:
+        with self._lock:
+            return list(self._roster)
+
+    # -- the round --------------------------------------------------------
+
+    def beat(self) -> None:
+        """Write this member's heartbeat (the next count)."""
+        self._beats += 1
+        self._store.set(beat_key(self.me.id), f"{self.me.token} {self._beats}")
+
+    def tick(self) -> None:
+        """One round: beat, then read the roster and every member's heartbeat."""
+        self.beat()
+        text = read(self._store, "roster")
+        roster = parse_roster(text) if text is not None else []
+        ids = sorted({m.id for m in roster} - {self.me.id})
+        values: list[bytes] = self._store.multi_get([beat_key(i) for i in ids]) if ids else []
+        now = self._clock()
+        with self._lock:
+            paused = self._last_tick is not None and now - self._last_tick > self.timeout / 2
+            self._last_tick = now
+            for member_id, value in zip(ids, values, strict=True):
+                old = self._seen.get(member_id)
+                # moved, or we were not looking (then no one's silence counts)
+                if old is None or old[0] != value or paused:
+                    self._seen[member_id] = (value, now)
+            self._roster = roster
+
+    def refresh(self, store: Any, members: list[Member]) -> None:
+        """Read ``members``' heartbeats now, through ``store`` (the caller's
+        client: this one is the watcher thread's), before they are called
+        dead: a beat written since the last round counts at once."""
+        ids = sorted({m.id for m in members if m.id != self.me.id})
+        if not ids:
+            return
+        values: list[bytes] = store.multi_get([beat_key(i) for i in ids])
+        now = self._clock()
+        with self._lock:
+            for member_id, value in zip(ids, values, strict=True):
+                old = self._seen.get(member_id)
+                if old is not None and old[0] != value:
+                    self._seen[member_id] = (value, now)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name=f"ftcomm-membership-{self.me.id}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception as exc:  # the store went away: kept for the next call
+                # as a new error, with no traceback and no context: the
+                # original's frames would hold this watcher (and its
+                # store's socket) in a cycle, and every raise that names
+                # it as a cause would grow its traceback
+                self.error = ConnectionError(f"{type(exc).__name__}: {exc}")
+                log.warning("ftcomm: membership %s lost its store: %s", self.me.id, exc)
+                return
+            self._stop.wait(self.interval)
+
+    def stop(self, *, leave: bool) -> None:
+        """End the thread (within one store round trip); with ``leave``, mark
+        this member as gone, so the others need not wait for its silence."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if leave and self.error is None:
+            with contextlib.suppress(Exception):  # best effort: the store may be gone
+                self._store.set(beat_key(self.me.id), f"{self.me.token} {LEFT}")
+        self._store = None  # its connection closes with the last reference

@@ -1,0 +1,453 @@
+"""``ftcomm.Membership``: who is in the world, agreed, and the group configured for it.
+
+Owns: the public :class:`Membership` and :class:`World`, the argument
+checks, one call at a time per membership, and the step from an agreed
+generation to a configured group (with a watch that gives up a configure
+whose member died). The agreement itself is the engine's
+(``_store_engine``); its blocking calls run on ftcomm's control threads.
+Imports: ``ftcomm.group``, ``ftcomm._store``, ``ftcomm._runtime``,
+``ftcomm.errors`` and the package's own modules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar
+
+from .._runtime.deadline import Timeout, resolve, to_seconds
+from .._runtime.loop import get_runtime
+from .._store import parse_store_addr
+from ..errors import CommError, Evicted, MembershipError, MembershipTimeout
+from ..group import Group
+from . import _state_copy
+from ._engine import Engine
+from ._rule import Member, WorldRecord
+from ._store_engine import StoreEngine
+
+T = TypeVar("T")
+S = TypeVar("S")
+
+_NO_CAP = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    """One generation of a job, as this member sees it.
+
+    Attributes:
+        generation: the generation's number (1 for the first); every member
+            of it has the same one, and the same ``members``.
+        rank: this member's rank in it (``0..size-1``).
+        size: how many members it has.
+        members: their ids, in rank order.
+        newcomers: the ids of those that were not in the previous
+            generation this member knew (all of them in its first).
+        store_addr: where the generation's group met (``host:port/prefix``).
+    """
+
+    generation: int
+    rank: int
+    size: int
+    members: tuple[str, ...]
+    newcomers: tuple[str, ...]
+    store_addr: str
+
+
+def _check_name(value: object, name: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    if not value or not value.strip():
+        raise ValueError(f"{name} must not be empty")
+    bad = [c for c in value if c.isspace() or c == "/" or not c.isprintable()]
+    if bad:
+        raise ValueError(f"{name} {value!r} must not contain whitespace or '/', got {bad[0]!r}")
+    return value
+
+
+def _check_size(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+class Membership:
+    """Members of a job agree on who is in the world, generation by generation.
+
+    ``async with Membership(address, job, member_id, min_size, max_size)``
+    starts this member's heartbeat and ends it (saying it left) on exit.
+    Then ``world = await members.join(group)`` waits for a generation with
+    this member and configures ``group`` for it; after a ``CommError``,
+    ``world = await members.recover(group)`` forms the next one with those
+    still alive; ``await members.pending()`` at a step boundary says (the
+    same on every member) whether newcomers wait or a member died, so that
+    every member calls ``recover()`` at the same point;
+    ``await members.sync_state(state, step)`` gives the members behind the
+    state of the one furthest ahead.
+
+    Args:
+        address: the engine: a c10d store's ``host:port`` (what
+            :func:`ftcomm.serve_store`'s ``.address`` gives, ``python -m
+            ftcomm store``, torchrun's agent store), optionally with a
+            ``/prefix``.
+        job: the job's name: members of one job share it.
+        member_id: this member's id, unique among the job's live members
+            (a restarted member may take its old id again).
+        min_size: the fewest members a generation may have.
+        max_size: the most (``None``: no limit); newcomers beyond it wait.
+        join_window: seconds to wait for more members once ``min_size`` are
+            there (for the first generation), and for a member that is alive
+            but has not come (when recovering).
+        heartbeat_timeout: seconds of silence after which a member is dead.
+        heartbeat_interval: seconds between heartbeats (a fifth of the
+            timeout by default).
+        timeout: the default deadline of each call, in seconds.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an empty or malformed id, job or address, ``min_size`` >
+            ``max_size``, a heartbeat interval not below its timeout, or a
+            negative or non-finite duration.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        job: str,
+        member_id: str,
+        min_size: int = 1,
+        max_size: int | None = None,
+        *,
+        join_window: Timeout = 2.0,
+        heartbeat_timeout: Timeout = 1.0,
+        heartbeat_interval: Timeout | None = None,
+        timeout: Timeout = 60.0,
+    ) -> None:
+        self.job = _check_name(job, "job")
+        self.member_id = _check_name(member_id, "member_id")
+        self.min_size = _check_size(min_size, "min_size")
+        self.max_size = None if max_size is None else _check_size(max_size, "max_size")
+        if self.max_size is not None and self.min_size > self.max_size:
+            raise ValueError(f"min_size ({min_size}) must not exceed max_size ({max_size})")
+        self._window = to_seconds(join_window, "join_window")
+        self._hb_timeout = to_seconds(heartbeat_timeout, "heartbeat_timeout")
+        if self._hb_timeout <= 0:
+            raise ValueError("heartbeat_timeout must be > 0 seconds")
+        self._hb_interval = resolve(heartbeat_interval, self._hb_timeout / 5, "heartbeat_interval")
+        if not 0 < self._hb_interval < self._hb_timeout:
+            raise ValueError(
+                f"heartbeat_interval must be > 0 and below heartbeat_timeout "
+                f"({self._hb_timeout:g} s), got {self._hb_interval:g}"
+            )
+        self._timeout = to_seconds(timeout, "timeout")
+        addr = parse_store_addr(address, "address")
+        self._me = Member(self.member_id, uuid.uuid4().hex[:16])
+        self._engine: Engine = StoreEngine(
+            addr,
+            self.job,
+            self._me,
+            heartbeat_interval=self._hb_interval,
+            heartbeat_timeout=self._hb_timeout,
+        )
+        self._lock = threading.Lock()  # guards _busy and _state
+        self._busy: str | None = None  # the call in progress
+        self._state = "new"  # new -> open -> closed
+        self._record: WorldRecord | None = None
+        self._world: World | None = None
+        self._group: Group | None = None
+        self._checks = 0
+
+    def __repr__(self) -> str:
+        where = f"generation {self._world.generation}" if self._world else "no world"
+        return f"<ftcomm.Membership {self.job}/{self.member_id} {self._state}, {where}>"
+
+    @property
+    def world(self) -> World | None:
+        """The generation this member is in (``None`` before ``join()``, after eviction)."""
+        return self._world
+
+    # -- lifecycle --------------------------------------------------------
+
+    async def __aenter__(self) -> Membership:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def open(self, *, timeout: Timeout | None = None) -> None:
+        """Connect to the engine, check the id is free, start the heartbeat.
+
+        Raises:
+            MembershipError: the engine does not answer (refused: at once).
+            ValueError: a live member of the job already has this id.
+            RuntimeError: already open, or closed.
+        """
+        with self._lock:
+            if self._state != "new":
+                raise RuntimeError(f"this membership is already {self._state}")
+            self._state = "opening"
+        seconds = resolve(timeout, min(self._timeout, 10.0))
+        try:
+            engine, until = self._engine, time.monotonic() + seconds
+            await self._call(lambda stop: engine.open(seconds, stop), deadline=until)
+        except BaseException:
+            await self._blocking(self._engine.close)
+            with self._lock:
+                self._state = "closed"
+            raise
+        with self._lock:
+            self._state = "open"
+
+    async def close(self) -> None:
+        """Stop the heartbeat and tell the others this member left. Idempotent.
+
+        The group is not touched: shut it down yourself.
+        """
+        with self._lock:
+            if self._state == "closed":
+                return
+            self._state = "closed"
+        await self._blocking(self._engine.close)
+        self._world = self._record = None
+
+    # -- the calls --------------------------------------------------------
+
+    async def join(self, group: Group, *, timeout: Timeout | None = None) -> World:
+        """Wait for a generation that has this member, and configure ``group`` for it.
+
+        Returns once ``max_size`` members are there, or ``min_size`` are and
+        the join window has passed (while a world runs, at the step where
+        its members call ``recover()`` after ``pending()`` said so).
+        Call it again after :class:`~ftcomm.errors.Evicted` to come back.
+
+        Raises:
+            MembershipTimeout: no such generation by the deadline.
+            MembershipError: the engine went away.
+            TypeError: ``group`` is not an :class:`ftcomm.Group`.
+            RuntimeError: not open, already in a world (use ``recover()``),
+                or another call of this membership is running.
+        """
+        with self._call_slot("join"):
+            if self._world is not None:
+                raise RuntimeError(
+                    f"member {self.member_id!r} is in generation {self._world.generation} "
+                    "already: after a failure, call recover()"
+                )
+            deadline = time.monotonic() + resolve(timeout, self._timeout)
+            group = self._check_group(group)
+            engine = self._engine
+            await self._call(lambda _: engine.register(), deadline=deadline)
+            latest = await self._call(lambda _: engine.latest(), deadline=deadline)
+            return await self._form(group, latest, None, deadline)
+
+    async def recover(self, group: Group, *, timeout: Timeout | None = None) -> World:
+        """Form the next generation with the members still alive, and configure ``group``.
+
+        Call it on every member after a ``CommError`` (or when ``pending()``
+        says so). A member that died (its heartbeat stopped) or that does
+        not come within the join window is left out; newcomers waiting are
+        let in.
+
+        Raises:
+            Evicted: the others went on without this member: ``join()`` again.
+            MembershipTimeout: fewer than ``min_size`` members by the deadline.
+            MembershipError: the engine went away.
+            TypeError: ``group`` is not an :class:`ftcomm.Group`.
+            RuntimeError: not in a world (``join()`` first), or another call running.
+        """
+        with self._call_slot("recover"):
+            if self._record is None:
+                raise RuntimeError(f"member {self.member_id!r} is in no world: join() first")
+            deadline = time.monotonic() + resolve(timeout, self._timeout)
+            group = self._check_group(group)
+            record = self._record
+            return await self._form(group, record, record.generation, deadline)
+
+    async def pending(self, *, timeout: Timeout | None = None) -> bool:
+        """Whether the next generation is due: newcomers wait, or a member died.
+
+        Every member of the world calls it at the same points (like a
+        collective, at a step boundary) and gets the same answer there: the
+        first member to ask decides for all. Where it says ``True``, call
+        ``recover()``.
+
+        Raises:
+            MembershipError: the engine went away.
+            RuntimeError: not in a world, or another call running.
+        """
+        with self._call_slot("pending"):
+            record = self._record
+            if record is None:
+                raise RuntimeError(f"member {self.member_id!r} is in no world: join() first")
+            deadline = time.monotonic() + resolve(timeout, self._timeout)
+            k, self._checks = self._checks, self._checks + 1
+            engine = self._engine
+            return await self._call(lambda _: engine.check(record, k), deadline=deadline)
+
+    async def sync_state(
+        self, state: S, step: int, *, timeout: Timeout | None = None
+    ) -> tuple[S, int]:
+        """Give the members behind the state of the member furthest ahead.
+
+        Every member of the world calls it (after ``join()``/``recover()``)
+        with its own ``state`` (a ``state_dict``, or any nesting of tensors
+        and plain values) and ``step``. The lowest rank at the highest step
+        sends to every member at a lower step, over the group; each returns
+        ``(state, step)``: its own where it was not behind, else what it got
+        (new tensors: load them, ``model.load_state_dict(state)``).
+
+        Raises:
+            CommError: the group failed during the copy (``recover()``, then
+                call it again).
+            ValueError: ``step`` is negative, or what came is not a state.
+            TypeError: ``step`` is not an int.
+            RuntimeError: not in a world, or another call running.
+        """
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        with self._call_slot("sync_state"):
+            if self._world is None or self._group is None:
+                raise RuntimeError(f"member {self.member_id!r} is in no world: join() first")
+            deadline = time.monotonic() + resolve(timeout, self._timeout)
+            return await _state_copy.sync_state(self._group, state, step, deadline)
+
+    # -- inside -----------------------------------------------------------
+
+    async def _form(
+        self, group: Group, prev: WorldRecord, member_of: int | None, deadline: float
+    ) -> World:
+        """Agree on a generation with this member, configure ``group`` for it;
+        a configure that fails moves on to the next generation."""
+        known = set(self._record.ids) if self._record is not None else set()
+        try:
+            while True:
+                record = await self._call(
+                    functools.partial(
+                        self._engine.agree,
+                        prev,
+                        member_of=member_of,
+                        min_size=self.min_size,
+                        max_size=self.max_size or _NO_CAP,
+                        window=self._window,
+                        deadline=deadline,
+                    ),
+                    deadline=deadline,
+                )
+                rank = record.rank_of(self._me)
+                assert rank is not None
+                addr = self._engine.group_addr(record)
+                try:
+                    await self._configure(group, record, addr, rank, deadline)
+                except CommError as exc:
+                    if time.monotonic() >= deadline:
+                        raise MembershipTimeout(
+                            f"generation {record.generation} of job {self.job!r} could not "
+                            f"configure its group in time: {exc}"
+                        ) from exc
+                    prev, member_of = record, record.generation
+                    continue
+                break
+        except Evicted:
+            self._record = self._world = self._group = None
+            raise
+        self._record, self._group, self._checks = record, group, 0
+        self._world = World(
+            generation=record.generation,
+            rank=rank,
+            size=len(record.members),
+            members=record.ids,
+            newcomers=tuple(i for i in record.ids if i not in known),
+            store_addr=addr,
+        )
+        return self._world
+
+    async def _configure(
+        self, group: Group, record: WorldRecord, addr: str, rank: int, deadline: float
+    ) -> None:
+        """``group.configure()`` for ``record``, given up (the group aborted)
+        as soon as one of its members is seen dead.
+
+        Raises:
+            CommError: the configure failed, timed out, or was given up.
+        """
+        engine = self._engine
+        size = len(record.members)
+        left = max(deadline - time.monotonic(), 0.001)
+        task = asyncio.ensure_future(group.configure(addr, rank, size, timeout=left))
+        try:
+            while not task.done():
+                dead = [m.id for m in record.members if not engine.alive(m)]
+                if dead:
+                    await group.abort()
+                    break
+                await asyncio.wait([task], timeout=self._hb_interval)
+            await task
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    def _check_group(self, group: object) -> Group:
+        if not isinstance(group, Group):
+            raise TypeError(f"group must be an ftcomm.Group, got {type(group).__name__}")
+        return group
+
+    @contextlib.contextmanager
+    def _call_slot(self, name: str) -> Any:
+        with self._lock:
+            if self._state != "open":
+                raise RuntimeError(
+                    f"{name}() needs an open membership (async with ftcomm.Membership(...)); "
+                    f"this one is {self._state}"
+                )
+            if self._busy is not None:
+                raise RuntimeError(f"{name}() called while {self._busy}() is running")
+            self._busy = name
+        try:
+            error = self._engine.broken()
+            if error is not None:
+                raise MembershipError(f"lost the membership store: {error}") from error
+            yield
+        finally:
+            with self._lock:
+                self._busy = None
+
+    async def _call(self, fn: Callable[[threading.Event], T], *, deadline: float) -> T:
+        """Run the engine's blocking ``fn(stop)`` on a control thread; a
+        cancel sets ``stop`` (the engine looks at it every poll) and waits
+        for the call to end, so that no thread outlives it."""
+        stop = threading.Event()
+        future = get_runtime().run_control(fn, stop, until=deadline + 5.0)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            stop.set()
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(asyncio.wrap_future(future))
+            raise
+        finally:
+            # this frame -> future -> its error -> traceback -> this frame:
+            # cut, so that the engine's frames (and what they hold) go now
+            del future
+
+    async def _blocking(self, fn: Callable[[], object]) -> None:
+        future = get_runtime().run_control(fn, until=time.monotonic() + 5.0)
+        await asyncio.shield(asyncio.wrap_future(future))

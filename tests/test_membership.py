@@ -1,0 +1,425 @@
+"""ftcomm.Membership over the store engine: worlds of members that join,
+die, hang, come back and grow, and what each call raises."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import ftcomm
+from ftcomm._membership._rule import parse_ready
+from ftcomm.testing import Fault, FaultPlan, RankContext, run_world
+
+HB = 1.0  # heartbeat_timeout of the worlds below (generous: the suite runs 3 at once)
+WINDOW = 2.0  # how long survivors wait for a live straggler
+
+
+def membership(ctx: RankContext, member_id: str | None = None, **kw: Any) -> ftcomm.Membership:
+    kw.setdefault("min_size", 2)
+    kw.setdefault("max_size", 3)
+    kw.setdefault("join_window", WINDOW)
+    kw.setdefault("heartbeat_timeout", HB)
+    kw.setdefault("timeout", 30)
+    address = f"127.0.0.1:{ctx.port}/{ctx.world_id}"
+    return ftcomm.Membership(address, "job", member_id or f"m{ctx.rank}", **kw)
+
+
+def _membership_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("ftcomm-membership")]
+
+
+# -- forming the first generation ---------------------------------------------
+
+
+async def _join_and_sum(ctx: RankContext) -> tuple[ftcomm.World, float]:
+    async with membership(ctx) as members, ftcomm.Group("gloo", timeout=10) as group:
+        world = await members.join(group)
+        total = await group.allreduce(torch.tensor([float(world.rank + 1)]))
+        return world, total.item()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_max_size_members_form_one_world_at_once(loop: str) -> None:
+    results = run_world(_join_and_sum, 3, mode="thread", loop=loop, timeout=30)
+    worlds = [w for w, _ in results]
+    assert {(w.generation, w.members, w.size, w.store_addr) for w in worlds} == {
+        (1, worlds[0].members, 3, worlds[0].store_addr)
+    }
+    assert sorted(w.rank for w in worlds) == [0, 1, 2]
+    assert all(w.members[w.rank] == f"m{ctx}" for ctx, w in enumerate(worlds))
+    assert all(set(w.newcomers) == {"m0", "m1", "m2"} for w in worlds)
+    assert [total for _, total in results] == [6.0, 6.0, 6.0]
+
+
+async def _join_timed(ctx: RankContext) -> tuple[int, float]:
+    async with membership(ctx, join_window=1.0) as members, ftcomm.Group("gloo") as group:
+        started = time.monotonic()
+        world = await members.join(group)
+        return world.size, time.monotonic() - started
+
+
+def test_min_size_members_form_a_world_once_the_window_passed() -> None:
+    results = run_world(_join_timed, 2, mode="thread", timeout=30)
+    assert [size for size, _ in results] == [2, 2]
+    assert all(1.0 <= took < 6.0 for _, took in results), results
+
+
+async def _alone(ctx: RankContext) -> str:
+    async with membership(ctx, min_size=2) as members, ftcomm.Group("gloo") as group:
+        started = time.monotonic()
+        with pytest.raises(ftcomm.MembershipTimeout, match=r"1 ready \(m0\), need at least 2"):
+            await members.join(group, timeout=0.5)
+        took = time.monotonic() - started
+        assert 0.5 <= took < 1.5
+        assert members.world is None
+        return "timed out"
+
+
+def test_join_without_enough_members_times_out_naming_who_came() -> None:
+    assert run_world(_alone, 1, mode="thread", timeout=30) == ["timed out"]
+
+
+# -- a member dies, hangs, comes back ---------------------------------------
+
+
+async def _train(ctx: RankContext, steps: int, op_timeout: float) -> list[Any]:
+    """Allreduce ones; on a CommError, recover and go on. The log holds
+    (generation, sum) per step and (error, generation, size, seconds) per recovery."""
+    log: list[Any] = []
+    async with membership(ctx) as members, ftcomm.Group("gloo", timeout=10) as group:
+        world = await members.join(group)
+        done = 0
+        while done < steps:
+            try:
+                total = await group.allreduce(torch.ones(1), timeout=op_timeout)
+                log.append((world.generation, total.item()))
+                done += 1
+            except ftcomm.CommError as exc:
+                failed = time.monotonic()
+                world = await members.recover(group)
+                log.append(
+                    (type(exc).__name__, world.generation, world.size, time.monotonic() - failed)
+                )
+    assert not _membership_threads()
+    return log
+
+
+def test_survivors_of_a_killed_member_form_the_next_generation() -> None:
+    plan = FaultPlan.of(Fault.kill(2, 3))
+    results = run_world(_train, 3, plan=plan, args=(6, 5.0), timeout=60)
+    assert results[2] is None  # killed
+    for log in results[:2]:
+        assert log[:3] == [(1, 3.0)] * 3
+        error, generation, size, took = log[3]
+        assert (error, generation, size) == ("CommFailed", 2, 2)
+        assert took < HB + 1.0  # its heartbeat's silence, and a little
+        assert log[4:] == [(2, 2.0)] * 3
+
+
+def test_survivors_of_a_hung_member_recover_at_the_op_deadline() -> None:
+    plan = FaultPlan.of(Fault.stop(2, 3))
+    results = run_world(_train, 3, plan=plan, args=(5, 1.5), timeout=60)
+    assert results[2] is None  # stopped, then killed by the harness
+    for log in results[:2]:
+        error, generation, size, took = log[3]
+        assert (error, generation, size) == ("CommTimeout", 2, 2)
+        assert took < 1.0  # its heartbeat went silent during the deadline
+        assert log[4:] == [(2, 2.0)] * 2
+
+
+async def _stopped_and_resumed(ctx: RankContext) -> list[Any]:
+    """Rank 2 is SIGSTOPped by rank 0 and resumed once the others moved on:
+    it is told it was dropped, joins again, and gets the state."""
+    log: list[Any] = []
+    async with membership(ctx) as members, ftcomm.Group("gloo", timeout=10) as group:
+        world = await members.join(group)
+        step, weight = 0, torch.zeros(2)
+        if ctx.rank == 2:
+            ctx.store.set(f"{ctx.world_id}/pid", str(os.getpid()))
+        end = 3000  # until 3 steps after it came back (a bound, should it never)
+        while step < end:
+            if ctx.rank == 0 and step == 2 and world.generation == 1:
+                os.kill(int(ctx.store.get(f"{ctx.world_id}/pid")), signal.SIGSTOP)
+            if ctx.rank == 0 and step == 4 and world.generation == 2:
+                os.kill(int(ctx.store.get(f"{ctx.world_id}/pid")), signal.SIGCONT)
+            try:
+                if await members.pending():
+                    world = await members.recover(group)
+                    weight_step = await members.sync_state({"w": weight}, step)
+                    state, step = weight_step
+                    weight = state["w"]
+                    log.append(("grown", world.generation, world.size, step))
+                    if world.size == 3:
+                        end = step + 3
+                grad = await group.allreduce(torch.ones(2), timeout=1.5)
+                weight += grad / world.size
+                step += 1
+            except ftcomm.CommError as exc:
+                try:
+                    world = await members.recover(group)
+                    log.append(("recovered", type(exc).__name__, world.generation, world.size))
+                except ftcomm.Evicted as evicted:
+                    log.append(("evicted", evicted.generation, evicted.current))
+                    world = await members.join(group)
+                    (state, step) = await members.sync_state({"w": weight}, step)
+                    weight = state["w"]
+                    log.append(("rejoined", world.generation, world.size, step))
+                    if world.size == 3:
+                        end = step + 3
+        return [*log, ("done", world.generation, step, weight.tolist())]
+
+
+def test_a_dropped_member_that_resumes_is_evicted_and_joins_again() -> None:
+    results = run_world(_stopped_and_resumed, 3, timeout=60)
+    evicted, rejoined = results[2][0], results[2][-2]
+    assert evicted == ("evicted", 1, 2)
+    assert rejoined[0] == "rejoined"
+    for rank in (0, 1):
+        log = results[rank]
+        assert log[0] == ("recovered", "CommTimeout", 2, 2)
+        # let in at a step boundary (once, or twice where it came after the window)
+        grown = [entry for entry in log if entry[0] == "grown"]
+        assert grown[-1] == ("grown", rejoined[1], 3, rejoined[3])
+    finals = [log[-1] for log in results]
+    assert finals[0] == finals[1] == finals[2]  # one world, one state
+    assert finals[0][2] >= 7  # 4 steps before the stop, then 2 and 3 at least
+
+
+# -- growth and the state copy -------------------------------------------------
+
+
+async def _grow(ctx: RankContext) -> list[Any]:
+    """Ranks 0 and 1 train; rank 2 joins at step 3 of theirs; they let it in
+    at a step boundary and copy it their state."""
+    async with membership(ctx) as members, ftcomm.Group("gloo", timeout=10) as group:
+        if ctx.rank == 2:
+            await ctx.wait_for("step3")
+        world = await members.join(group)
+        fresh = ctx.rank == 2
+        state: dict[str, Any] = {
+            "w": torch.full((3,), -100.0 if fresh else 0.0),
+            "note": "fresh" if fresh else "trained",
+        }
+        step, end = 0, 3000  # until 5 steps after it came in (a bound, should it never)
+        seen: list[Any] = []
+        if ctx.rank == 2:
+            state, step = await members.sync_state(state, step)
+            seen.append(("joined", world.generation, world.rank, step, state["note"]))
+            end = step + 5
+        while step < end:
+            if step == 3 and world.generation == 1 and ctx.rank == 0:
+                ctx.signal("step3")
+            if await members.pending():
+                world = await members.recover(group)
+                state, step = await members.sync_state(state, step)
+                seen.append(("grew", world.generation, world.size, step))
+                if world.size == 3:
+                    end = step + 5
+            total = await group.allreduce(torch.ones(1))
+            state["w"] += total
+            step += 1
+        return [*seen, ("done", world.generation, world.size, state["w"].tolist())]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_newcomer_is_let_in_at_one_step_boundary_and_gets_the_state(loop: str) -> None:
+    results = run_world(_grow, 3, mode="thread", loop=loop, timeout=60)
+    grew = {tuple(entry for entry in log if entry[0] == "grew") for log in results[:2]}
+    assert len(grew) == 1  # both survivors alike, at the same steps
+    (*_, (_, generation, size, at)) = grew.pop()
+    assert size == 3
+    assert at >= 3
+    joined = results[2][0]
+    assert joined[:4] == ("joined", generation, 2, at)
+    assert joined[4] == "trained"  # a survivor's state, not its own
+    finals = [log[-1] for log in results]
+    assert finals[0] == finals[1] == finals[2]
+    assert finals[0][:3] == ("done", generation, 3)
+
+
+async def _newcomer_dies_in_copy(ctx: RankContext) -> list[Any]:
+    async with membership(ctx) as members, ftcomm.Group("gloo", timeout=10) as group:
+        if ctx.rank == 2:
+            await ctx.wait_for("trained")
+        world = await members.join(group)
+        big = {"w": torch.zeros(1 << 20)}
+        log: list[Any] = []
+        if ctx.rank == 2:
+            await members.sync_state(big, 0)  # killed at its second recv
+            return log
+        step, grown = 0, False
+        while step < 6 or not grown or world.size == 3:
+            try:
+                if step == 1 and ctx.rank == 0:
+                    ctx.signal("trained")
+                if await members.pending():
+                    world = await members.recover(group)
+                    grown = True
+                    big, step = await members.sync_state(big, step)
+                await group.allreduce(torch.ones(1), timeout=3)
+                step += 1
+            except ftcomm.CommError as exc:
+                world = await members.recover(group)
+                log.append((type(exc).__name__, world.generation, world.size))
+        return [*log, ("done", world.generation, world.size)]
+
+
+def test_a_newcomer_killed_during_the_state_copy_is_left_out() -> None:
+    # rank 2's ops: allgather of the steps (0), recv of the size (1), of the bytes (2)
+    plan = FaultPlan.of(Fault.kill(2, 2))
+    results = run_world(_newcomer_dies_in_copy, 3, plan=plan, timeout=60)
+    assert results[2] is None
+    for log in results[:2]:
+        assert log[-1] == ("done", 3, 2)
+        assert log[0][1:] == (3, 2)
+
+
+# -- the engine going away, bad input, cancelling ------------------------------
+
+
+async def _store_breaks(ctx: RankContext) -> list[Any]:
+    members = membership(ctx, min_size=2, max_size=2)
+    async with members, ftcomm.Group("gloo", timeout=10) as group:
+        await members.join(group)
+        await group.allreduce(torch.ones(1))  # op 0; the store breaks before op 1
+        await group.allreduce(torch.ones(1))
+        # the group works on; the membership says its store is gone
+        total = (await group.allreduce(torch.ones(1))).item()
+        deadline = time.monotonic() + 10
+        said = ""
+        while not said:
+            try:
+                await members.pending()
+            except ftcomm.MembershipError as exc:
+                said = str(exc)
+            assert time.monotonic() < deadline, "the broken store was never noticed"
+            await asyncio.sleep(0.05)
+        assert "store" in said
+        with pytest.raises(ftcomm.MembershipError, match="store"):
+            await members.recover(group)
+        return [total]
+
+
+def test_a_store_that_goes_away_is_a_membership_error_and_the_group_works_on() -> None:
+    plan = FaultPlan.of(Fault.break_store(0, 1))
+    assert run_world(_store_breaks, 2, plan=plan, timeout=60) == [[2.0], [2.0]]
+
+
+@pytest.fixture
+def store() -> Any:
+    with ftcomm.serve_store() as server:
+        yield server
+
+
+def test_bad_arguments_are_refused_at_once(store: Any) -> None:
+    a = store.address
+    with pytest.raises(ValueError, match=r"min_size \(3\) must not exceed max_size \(2\)"):
+        ftcomm.Membership(a, "job", "m", min_size=3, max_size=2)
+    with pytest.raises(ValueError, match="member_id must not be empty"):
+        ftcomm.Membership(a, "job", "")
+    with pytest.raises(ValueError, match="must not contain whitespace"):
+        ftcomm.Membership(a, "job", "a b")
+    with pytest.raises(ValueError, match="job must not be empty"):
+        ftcomm.Membership(a, " ", "m")
+    with pytest.raises(TypeError, match="member_id must be a str"):
+        ftcomm.Membership(a, "job", 3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="min_size must be an int"):
+        ftcomm.Membership(a, "job", "m", min_size=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_size must be >= 1"):
+        ftcomm.Membership(a, "job", "m", min_size=0)
+    with pytest.raises(ValueError, match="heartbeat_interval must be > 0 and below"):
+        ftcomm.Membership(a, "job", "m", heartbeat_timeout=1, heartbeat_interval=1)
+    with pytest.raises(ValueError, match="join_window must be >= 0"):
+        ftcomm.Membership(a, "job", "m", join_window=-1)
+    with pytest.raises(ValueError, match=r"address .* has no port"):
+        ftcomm.Membership("localhost", "job", "m")
+
+
+@pytest.mark.asyncio
+async def test_an_address_that_does_not_answer_is_refused_at_once() -> None:
+    with socket.socket() as bound:  # bound, never listening: refused
+        bound.bind(("127.0.0.1", 0))
+        members = ftcomm.Membership(f"127.0.0.1:{bound.getsockname()[1]}", "job", "m")
+        started = time.monotonic()
+        with pytest.raises(ftcomm.MembershipError, match="does not answer: connection refused"):
+            await members.open()
+        assert time.monotonic() - started < 1.0
+    assert not _membership_threads()
+    with pytest.raises(RuntimeError, match="already closed"):
+        await members.open()
+
+
+@pytest.mark.asyncio
+async def test_an_id_in_use_by_a_live_member_is_refused(store: Any) -> None:
+    async with ftcomm.Membership(store.address, "job", "m", heartbeat_timeout=0.5):
+        twin = ftcomm.Membership(store.address, "job", "m", heartbeat_timeout=0.5)
+        with pytest.raises(ValueError, match="member_id 'm' is in use in job 'job'"):
+            await twin.open()
+    # once it left, the id is free at once; once it died, after its silence
+    async with ftcomm.Membership(store.address, "job", "m", heartbeat_timeout=0.5) as again:
+        assert again.world is None
+    assert not _membership_threads()
+
+
+@pytest.mark.asyncio
+async def test_calls_out_of_order_are_refused(store: Any) -> None:
+    members = ftcomm.Membership(store.address, "job", "m", min_size=1, join_window=0)
+    async with ftcomm.Group("gloo") as group:
+        with pytest.raises(RuntimeError, match="needs an open membership"):
+            await members.join(group)
+        async with members:
+            with pytest.raises(RuntimeError, match="in no world: join\\(\\) first"):
+                await members.recover(group)
+            with pytest.raises(RuntimeError, match="in no world"):
+                await members.pending()
+            with pytest.raises(TypeError, match=r"group must be an ftcomm\.Group"):
+                await members.join(object())  # type: ignore[arg-type]
+            world = await members.join(group)
+            assert (world.generation, world.size, world.rank) == (1, 1, 0)
+            with pytest.raises(RuntimeError, match="already: after a failure, call recover"):
+                await members.join(group)
+            with pytest.raises(ValueError, match="step must be >= 0"):
+                await members.sync_state({}, -1)
+            with pytest.raises(TypeError, match="step must be an int"):
+                await members.sync_state({}, 1.0)  # type: ignore[arg-type]
+            first = asyncio.ensure_future(members.recover(group))
+            await asyncio.sleep(0)
+            with pytest.raises(RuntimeError, match="pending\\(\\) called while recover\\(\\)"):
+                await members.pending()
+            assert (await first).generation == 2
+            assert await members.pending() is False
+            assert await members.sync_state({"a": 1}, 3) == ({"a": 1}, 3)
+        with pytest.raises(RuntimeError, match="needs an open membership"):
+            await members.pending()
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_join_leaves_nothing_that_blocks_the_next(store: Any) -> None:
+    first = ftcomm.Membership(store.address, "job", "a", min_size=2, join_window=0)
+    async with first, ftcomm.Group("gloo") as group:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await first.join(group)
+        assert first.world is None
+        # its ready entry was taken back: a second member alone cannot form
+        # a world with it, and the store says so
+        from torch.distributed import TCPStore
+
+        client = TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
+        ready = parse_ready(client.get("ftcomm/members/job/ready/1"))
+        assert ready == set()
+        del client
+        # and a join after it works
+        second = ftcomm.Membership(store.address, "job", "b", min_size=2, join_window=0)
+        async with second, ftcomm.Group("gloo") as other:
+            worlds = await asyncio.gather(first.join(group), second.join(other))
+            assert [(w.generation, w.size) for w in worlds] == [(1, 2), (1, 2)]
+    assert not _membership_threads()
