@@ -22,13 +22,15 @@ HB = 1.0  # heartbeat_timeout of the worlds below (generous: the suite runs 3 at
 WINDOW = 2.0  # how long survivors wait for a live straggler
 
 
-def membership(ctx: RankContext, member_id: str | None = None, **kw: Any) -> ftcomm.Membership:
+def membership(
+    ctx: RankContext, member_id: str | None = None, address: str | None = None, **kw: Any
+) -> ftcomm.Membership:
     kw.setdefault("min_size", 2)
     kw.setdefault("max_size", 3)
     kw.setdefault("join_window", WINDOW)
     kw.setdefault("heartbeat_timeout", HB)
     kw.setdefault("timeout", 30)
-    address = f"127.0.0.1:{ctx.port}/{ctx.world_id}"
+    address = address or f"127.0.0.1:{ctx.port}/{ctx.world_id}"
     return ftcomm.Membership(address, "job", member_id or f"m{ctx.rank}", **kw)
 
 
@@ -217,7 +219,9 @@ async def _grow(ctx: RankContext) -> list[Any]:
         while step < end:
             if step == 3 and world.generation == 1 and ctx.rank == 0:
                 ctx.signal("step3")
-            if await members.pending():
+            # the same calls in the same order on every member: a newcomer
+            # comes in where the others' recover() was, before their allreduce
+            if not fresh and await members.pending():
                 world = await members.recover(group)
                 state, step = await members.sync_state(state, step)
                 seen.append(("grew", world.generation, world.size, step))
@@ -225,7 +229,7 @@ async def _grow(ctx: RankContext) -> list[Any]:
                     end = step + 5
             total = await group.allreduce(torch.ones(1))
             state["w"] += total
-            step += 1
+            step, fresh = step + 1, False
         return [*seen, ("done", world.generation, world.size, state["w"].tolist())]
 
 
@@ -422,4 +426,178 @@ async def test_a_cancelled_join_leaves_nothing_that_blocks_the_next(store: Any) 
         async with second, ftcomm.Group("gloo") as other:
             worlds = await asyncio.gather(first.join(group), second.join(other))
             assert [(w.generation, w.size) for w in worlds] == [(1, 2), (1, 2)]
+    assert not _membership_threads()
+
+
+# -- the same worlds on torchft's lighthouse ----------------------------------
+
+
+@pytest.fixture(scope="session")
+def lighthouse() -> Any:
+    """A torchft lighthouse in this process (min 2, join timeout as WINDOW,
+    heartbeat timeout as HB); skipped without torchft. One per test process:
+    a lighthouse keeps some fds after its shutdown. The worlds that use it
+    take turns; one world's members are the next one's previous quorum,
+    which the lighthouse forgets once their heartbeats stop."""
+    os.environ.setdefault("RUST_LOG", "error")  # torchft's own log lines
+    coordination = pytest.importorskip("torchft.coordination")
+    server = coordination.LighthouseServer(
+        bind="[::]:0",
+        min_replicas=2,
+        join_timeout_ms=int(WINDOW * 1000),
+        quorum_tick_ms=10,
+        heartbeat_timeout_ms=int(HB * 1000),
+    )
+    yield server
+    server.shutdown()
+
+
+async def _on_lighthouse(ctx: RankContext, address: str, body: str, *args: Any) -> Any:
+    """Run ``body`` with a Membership on the lighthouse at ``address``, every
+    rank beating before any asks for a quorum (else the first quorum forms
+    without those the lighthouse has not heard of yet)."""
+    os.environ.setdefault("RUST_LOG", "error")  # torchft's own log, before it loads
+    coordination = __import__("torchft.coordination", fromlist=["LighthouseClient"])
+    from datetime import timedelta
+
+    # torch's store server and torchft's runtime keep a few fds once used: not leaks
+    client = coordination.LighthouseClient(address, connect_timeout=timedelta(seconds=10))
+    client.heartbeat(f"warm-{ctx.world_id}-{ctx.rank}")
+    del client
+    ftcomm.serve_store().close()
+    ctx.baseline()
+    return await globals()[body](ctx, address, *args)
+
+
+async def _lh_train(ctx: RankContext, address: str) -> list[Any]:
+    log: list[Any] = []
+    async with membership(ctx, address=address) as members:
+        ctx.signal(f"open{ctx.rank}")
+        for rank in range(ctx.world_size):
+            await ctx.wait_for(f"open{rank}")
+        async with ftcomm.Group("gloo", timeout=10) as group:
+            world = await members.join(group)
+            done = 0
+            while done < 6:
+                try:
+                    total = await group.allreduce(torch.ones(1), timeout=5.0)
+                    log.append((world.generation, total.item()))
+                    done += 1
+                except ftcomm.CommError as exc:
+                    failed = time.monotonic()
+                    world = await members.recover(group)
+                    took = time.monotonic() - failed
+                    log.append((type(exc).__name__, world.generation, world.size, took))
+    return log
+
+
+def test_lighthouse_survivors_of_a_killed_member_form_the_next_generation(lighthouse: Any) -> None:
+    plan = FaultPlan.of(Fault.kill(2, 3))
+    args = (lighthouse.address(), "_lh_train")
+    results = run_world(_on_lighthouse, 3, plan=plan, args=args, timeout=60)
+    assert results[2] is None
+    for log in results[:2]:
+        assert log[:3] == [(1, 3.0)] * 3  # the three formed one world first
+        error, generation, size, took = log[3]
+        assert (error, generation, size) == ("CommFailed", 2, 2)
+        assert took < HB + WINDOW + 1.0  # the lighthouse's heartbeat timeout, or its join timeout
+        assert log[4:] == [(2, 2.0)] * 3
+
+
+async def _lh_grow(ctx: RankContext, address: str) -> list[Any]:
+    """Ranks 0 and 1 train, asking pending() every step; rank 2 joins at their step 3."""
+    async with membership(ctx, address=address) as members:
+        if ctx.rank < 2:
+            ctx.signal(f"open{ctx.rank}")
+            await ctx.wait_for("open0")
+            await ctx.wait_for("open1")
+        else:
+            await ctx.wait_for("step3")
+        async with ftcomm.Group("gloo", timeout=10) as group:
+            world = await members.join(group)
+            fresh = ctx.rank == 2
+            state = {"w": torch.full((2,), -100.0 if fresh else 0.0)}
+            step, end, seen = 0, 3000, list[Any]()
+            if fresh:
+                state, step = await members.sync_state(state, step)
+                seen.append(("joined", world.generation, world.rank, step))
+                end = step + 3
+            while step < end:
+                if step == 3 and ctx.rank == 0 and world.size == 2:
+                    ctx.signal("step3")
+                # the same calls in the same order on every member: a newcomer
+                # comes in where the others' recover() was, before their allreduce
+                if not fresh and await members.pending():
+                    world = await members.recover(group)
+                    state, step = await members.sync_state(state, step)
+                    seen.append(("grew", world.generation, world.size, step))
+                    if world.size == 3:
+                        end = step + 3
+                state["w"] += await group.allreduce(torch.ones(2))
+                step, fresh = step + 1, False
+            return [*seen, ("done", world.generation, world.size, state["w"].tolist())]
+
+
+def test_lighthouse_lets_a_newcomer_in_at_a_step_boundary(lighthouse: Any) -> None:
+    args = (lighthouse.address(), "_lh_grow")
+    results = run_world(_on_lighthouse, 3, args=args, timeout=60)
+    grew = {tuple(e for e in log if e[0] == "grew") for log in results[:2]}
+    assert len(grew) == 1
+    (*_, (_, generation, size, at)) = grew.pop()
+    assert size == 3
+    assert results[2][0] == ("joined", generation, 2, at)
+    finals = [log[-1] for log in results]
+    assert finals[0] == finals[1] == finals[2]
+    assert finals[0][:3] == ("done", generation, 3)
+
+
+async def _lighthouse_goes_away(ctx: RankContext) -> Any:
+    """Rank 0 runs a lighthouse, and shuts it down once ranks 1 and 2 (its
+    members) have formed a world; they find it gone, and their group works on."""
+    os.environ.setdefault("RUST_LOG", "error")
+    from torchft.coordination import LighthouseServer
+
+    if ctx.rank == 0:
+        server = LighthouseServer(bind="[::]:0", min_replicas=2, heartbeat_timeout_ms=1000)
+        ctx.baseline()  # torchft's runtime keeps a few fds once started: not leaks
+        ctx.store.set(f"{ctx.world_id}/lighthouse", server.address())
+        await ctx.wait_for("joined1")
+        await ctx.wait_for("joined2")
+        server.shutdown()
+        ctx.signal("gone")
+        return "shut down"
+    address = ctx.store.get(f"{ctx.world_id}/lighthouse").decode()
+    return await _on_lighthouse(ctx, address, "_members_lose_it")
+
+
+async def _members_lose_it(ctx: RankContext, address: str) -> Any:
+    members = membership(ctx, address=address)
+    async with members, ftcomm.Group("gloo", timeout=10) as group:
+        world = await members.join(group)
+        ctx.signal(f"joined{ctx.rank}")
+        await ctx.wait_for("gone")
+        with pytest.raises(ftcomm.MembershipError, match="lighthouse"):
+            await members.pending(timeout=5)
+        return world.size, (await group.allreduce(torch.ones(1))).item()
+
+
+def test_a_lighthouse_that_goes_away_is_a_membership_error_and_the_group_works_on() -> None:
+    pytest.importorskip("torchft.coordination")
+    results = run_world(_lighthouse_goes_away, 3, timeout=60)
+    assert results == ["shut down", (2, 2.0), (2, 2.0)]
+
+
+@pytest.mark.asyncio
+async def test_a_lighthouse_address_that_does_not_answer_is_refused_at_once() -> None:
+    pytest.importorskip("torchft.coordination")
+    with socket.socket() as bound:  # bound, never listening: refused
+        bound.bind(("127.0.0.1", 0))
+        address = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        members = ftcomm.Membership(address, "job", "m")
+        started = time.monotonic()
+        with pytest.raises(ftcomm.MembershipError, match=r"lighthouse at .* does not answer"):
+            await members.open()
+        assert time.monotonic() - started < 1.0
+    with pytest.raises(ValueError, match="a lighthouse is 'http://host:port'"):
+        ftcomm.Membership("http://localhost", "job", "m")
     assert not _membership_threads()

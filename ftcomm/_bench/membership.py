@@ -191,6 +191,7 @@ def _member(
     world it is in shrank (the time of its first good allreduce there), done."""
     _take_env(env)
     os.environ[_LOOP_ENV] = loop  # ftcomm's owner loop matches the caller's
+    os.environ.setdefault("RUST_LOG", "error")  # a lighthouse engine's torchft, quiet
     logging.getLogger("ftcomm").addFilter(_OnPurpose())
     try:
         coro = _member_steps(address, job, member_id, conn)

@@ -54,7 +54,7 @@ class Engine(Protocol):
         Raises: Evicted, MembershipTimeout, MembershipError, and the
         ``Stopped`` when ``stop`` was set."""
 
-    def check(self, record: WorldRecord, k: int) -> bool:
+    def check(self, record: WorldRecord, k: int, deadline: float) -> bool:
         """What ``pending()`` call ``k`` of generation ``record`` says, the
         same for every member. Raises: MembershipError."""
 

@@ -309,7 +309,7 @@ class StoreEngine:
         text = read(self._store, f"world/{int(held)}")
         return WorldRecord.decode(text) if text is not None else EMPTY
 
-    def check(self, record: WorldRecord, k: int) -> bool:
+    def check(self, record: WorldRecord, k: int, deadline: float) -> bool:
         """``pending()`` call ``k`` of generation ``record``: the first
         caller's view decides for everyone.
 

@@ -29,6 +29,7 @@ from ..errors import CommError, Evicted, MembershipError, MembershipTimeout
 from ..group import Group
 from . import _state_copy
 from ._engine import Engine
+from ._lighthouse import LighthouseEngine, is_lighthouse
 from ._rule import Member, WorldRecord
 from ._store_engine import StoreEngine
 
@@ -98,7 +99,10 @@ class Membership:
         address: the engine: a c10d store's ``host:port`` (what
             :func:`ftcomm.serve_store`'s ``.address`` gives, ``python -m
             ftcomm store``, torchrun's agent store), optionally with a
-            ``/prefix``.
+            ``/prefix``; or a torchft lighthouse's ``http://host:port``
+            (``LighthouseServer.address()``; needs torchft), whose own
+            ``min_replicas``, ``join_timeout_ms`` and
+            ``heartbeat_timeout_ms`` then decide when a quorum forms.
         job: the job's name: members of one job share it.
         member_id: this member's id, unique among the job's live members
             (a restarted member may take its old id again).
@@ -111,6 +115,9 @@ class Membership:
         heartbeat_interval: seconds between heartbeats (a fifth of the
             timeout by default).
         timeout: the default deadline of each call, in seconds.
+        store_host: lighthouse engine only: the address the store this
+            member hosts for its groups listens on (its rank 0's is used;
+            another machine's address for a multi-host job).
 
     Raises:
         TypeError: an argument of the wrong type.
@@ -131,6 +138,7 @@ class Membership:
         heartbeat_timeout: Timeout = 1.0,
         heartbeat_interval: Timeout | None = None,
         timeout: Timeout = 60.0,
+        store_host: str = "127.0.0.1",
     ) -> None:
         self.job = _check_name(job, "job")
         self.member_id = _check_name(member_id, "member_id")
@@ -149,15 +157,26 @@ class Membership:
                 f"({self._hb_timeout:g} s), got {self._hb_interval:g}"
             )
         self._timeout = to_seconds(timeout, "timeout")
-        addr = parse_store_addr(address, "address")
         self._me = Member(self.member_id, uuid.uuid4().hex[:16])
-        self._engine: Engine = StoreEngine(
-            addr,
-            self.job,
-            self._me,
-            heartbeat_interval=self._hb_interval,
-            heartbeat_timeout=self._hb_timeout,
-        )
+        self._engine: Engine
+        if isinstance(address, str) and is_lighthouse(address):
+            if not isinstance(store_host, str):
+                raise TypeError(f"store_host must be a str, got {type(store_host).__name__}")
+            self._engine = LighthouseEngine(
+                address,
+                self.job,
+                self._me,
+                heartbeat_interval=self._hb_interval,
+                store_host=store_host,
+            )
+        else:
+            self._engine = StoreEngine(
+                parse_store_addr(address, "address"),
+                self.job,
+                self._me,
+                heartbeat_interval=self._hb_interval,
+                heartbeat_timeout=self._hb_timeout,
+            )
         self._lock = threading.Lock()  # guards _busy and _state
         self._busy: str | None = None  # the call in progress
         self._state = "new"  # new -> open -> closed
@@ -297,7 +316,7 @@ class Membership:
             deadline = time.monotonic() + resolve(timeout, self._timeout)
             k, self._checks = self._checks, self._checks + 1
             engine = self._engine
-            return await self._call(lambda _: engine.check(record, k), deadline=deadline)
+            return await self._call(lambda _: engine.check(record, k, deadline), deadline=deadline)
 
     async def sync_state(
         self, state: S, step: int, *, timeout: Timeout | None = None

@@ -38,6 +38,7 @@ class RankContext:
     backend: str = "gloo"
     """The backend the test asked for: ``ftcomm.Group(ctx.backend)``."""
     _store: Any = field(default=None, repr=False)
+    _rebase: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def addr(self, name: str = "g0") -> str:
         """A store address unique to this world: ``127.0.0.1:port/<world>/<name>``."""
@@ -55,6 +56,18 @@ class RankContext:
                 timeout=timedelta(seconds=30),
             )
         return self._store
+
+    def baseline(self) -> None:
+        """Count what this rank has open now (fds, threads) as its own
+        from the start: the leak check at its end then leaves it out.
+
+        For a library that keeps some state for the life of the process
+        once first used (torch's store server, torchft's runtime): use it
+        once, call this, then run the code under test. In thread mode
+        (one process for every rank) it does nothing.
+        """
+        if self._rebase is not None:
+            self._rebase()
 
     def signal(self, key: str) -> None:
         """Tell every rank that ``key`` happened (see :meth:`wait_for`)."""

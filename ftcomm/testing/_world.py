@@ -104,6 +104,12 @@ def _rank_main(
         injector = install(plan, ctx.rank, control) if plan is not None else None
         rt = get_runtime()
         fds, threads, children = _fds(), _threads(), _children()
+
+        def rebase() -> None:  # ctx.baseline(): what is open now stays open
+            fds.update(_fds())
+            threads.update(_threads())
+
+        ctx._rebase = rebase
         if ctx.loop == "uvloop":
             import uvloop
 
