@@ -46,7 +46,7 @@ from typing import Any
 from .._server import StoreServer, serve_store
 from ..errors import MembershipError, MembershipTimeout
 from ._engine import Stopped
-from ._rule import EMPTY, Member, WorldRecord
+from ._rule import EMPTY, NO_CAP, Member, WorldRecord
 
 log = logging.getLogger("ftcomm")
 
@@ -206,7 +206,7 @@ class LighthouseEngine:
 
     def check(self, record: WorldRecord, k: int, deadline: float) -> bool:
         """Raises: MembershipError (the lighthouse failed or did not answer in time)."""
-        found, _ = self._round(record, 1, 1 << 30, deadline, threading.Event())
+        found, _ = self._round(record, 1, NO_CAP, deadline, threading.Event())
         if found is None:
             raise MembershipError(
                 f"the lighthouse at {self.address} formed no quorum for pending() call {k}"

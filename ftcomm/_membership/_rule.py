@@ -99,6 +99,9 @@ class WorldRecord:
 EMPTY = WorldRecord(generation=0, members=())
 """Before the first generation."""
 
+NO_CAP = 1 << 30
+"""``max_size`` where there is none."""
+
 
 def parse_roster(text: bytes | str) -> list[Member]:
     """The roster: one ``id<TAB>token`` line per registration, in order."""

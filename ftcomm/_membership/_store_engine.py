@@ -173,6 +173,12 @@ class StoreEngine:
     def alive(self, member: Member) -> bool:
         return self.watcher.alive(member) if self.watcher is not None else False
 
+    def _raise_if_broken(self) -> None:
+        """Raises: MembershipError: the watcher lost the store."""
+        error = self.broken()
+        if error is not None:
+            raise MembershipError(f"lost the membership store: {error}") from error
+
     # -- agreeing ---------------------------------------------------------
 
     def group_addr(self, record: WorldRecord) -> str:
@@ -254,7 +260,7 @@ class StoreEngine:
                     min_size=min_size,
                     max_size=max_size,
                 )
-                if proposal is not None:
+                if proposal is not None and log.isEnabledFor(logging.DEBUG):
                     log.debug(
                         "ftcomm: membership %s/%s proposes generation %d: %s (ready: %s; "
                         "dead: %s; window passed: %s)",
@@ -266,6 +272,7 @@ class StoreEngine:
                         sorted(m.id for m in {*prev.members, *roster} if not watcher.alive(m)),
                         enough_since is not None and now - enough_since >= window,
                     )
+                if proposal is not None:
                     self._store.compare_set(f"world/{t}", "", proposal.encode())
                     continue  # read back whichever proposal won
                 if now >= deadline:
@@ -275,9 +282,7 @@ class StoreEngine:
                         f"{len(here)} ready ({', '.join(here) or 'none'}), need at least "
                         f"{min_size}; alive but not ready: {', '.join(absent) or 'none'}"
                     )
-                error = self.broken()
-                if error is not None:
-                    raise MembershipError(f"lost the membership store: {error}") from error
+                self._raise_if_broken()
                 if stop.wait(min(delay, max(deadline - now, 0.0))):
                     raise Stopped
                 delay = min(delay * 2, 0.005)
@@ -317,9 +322,7 @@ class StoreEngine:
             MembershipError: the store went away.
         """
         assert self.watcher is not None
-        error = self.broken()
-        if error is not None:
-            raise MembershipError(f"lost the membership store: {error}") from error
+        self._raise_if_broken()
         found = candidates(record, self.watcher.roster(), self.watcher.alive)
         due = bool(found.newcomers) or len(found.survivors) < len(record.members)
         try:

@@ -30,13 +30,11 @@ from ..group import Group
 from . import _state_copy
 from ._engine import Engine
 from ._lighthouse import LighthouseEngine, is_lighthouse
-from ._rule import Member, WorldRecord
+from ._rule import NO_CAP, Member, WorldRecord
 from ._store_engine import StoreEngine
 
 T = TypeVar("T")
 S = TypeVar("S")
-
-_NO_CAP = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,7 +361,7 @@ class Membership:
                         prev,
                         member_of=member_of,
                         min_size=self.min_size,
-                        max_size=self.max_size or _NO_CAP,
+                        max_size=self.max_size or NO_CAP,
                         window=self._window,
                         deadline=deadline,
                     ),
@@ -443,7 +441,7 @@ class Membership:
         try:
             error = self._engine.broken()
             if error is not None:
-                raise MembershipError(f"lost the membership store: {error}") from error
+                raise MembershipError(f"lost the membership {self._engine!r}: {error}") from error
             yield
         finally:
             with self._lock:
