@@ -339,8 +339,9 @@ def test_bad_arguments_are_refused_at_once(store: Any) -> None:
         ftcomm.Membership(a, "job", "m", min_size=1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="min_size must be >= 1"):
         ftcomm.Membership(a, "job", "m", min_size=0)
-    with pytest.raises(ValueError, match="heartbeat_interval must be > 0 and below"):
-        ftcomm.Membership(a, "job", "m", heartbeat_timeout=1, heartbeat_interval=1)
+    with pytest.raises(ValueError, match="heartbeat_interval must be > 0 and at most a third"):
+        ftcomm.Membership(a, "job", "m", heartbeat_timeout=1, heartbeat_interval=0.4)
+    ftcomm.Membership(a, "job", "m", heartbeat_timeout=0.9, heartbeat_interval=0.3)
     with pytest.raises(ValueError, match="join_window must be >= 0"):
         ftcomm.Membership(a, "job", "m", join_window=-1)
     with pytest.raises(ValueError, match=r"address .* has no port"):

@@ -18,7 +18,7 @@ from ftcomm._membership._rule import (
     parse_roster,
     ready_line,
 )
-from ftcomm._membership._watch import MISSING, Watcher, read
+from ftcomm._membership._watch import MISSING, Superseded, Watcher, read
 
 A, B, C, D, E = (Member(name, f"t{name}") for name in "abcde")
 
@@ -100,11 +100,31 @@ def test_newcomers_decide_alone_once_the_old_world_is_dead() -> None:
     assert record == WorldRecord(5, (C, D), seen=4)
 
 
-def test_waiting_newcomers_come_next_and_dead_ones_are_forgotten() -> None:
+def test_waiting_newcomers_come_next_and_dead_ones_are_looked_at_again() -> None:
     prev = WorldRecord(2, (A, B, C), seen=5, waiting=(3, 4))
     roster = [A, B, C, D, E]
     found = candidates(prev, roster, lambda m: m != E)
     assert (found.survivors, found.newcomers) == ((A, B, C), ((3, D),))
+    assert found.queued == (3, 4)
+
+
+def test_a_newcomer_seen_dead_at_one_decision_comes_in_at_a_later_one() -> None:
+    """A live newcomer whose first beat was not read in time is left out of
+    one generation, not forgotten: it waits, and the next one takes it."""
+    prev = WorldRecord(1, (A, B), seen=2)
+    not_c = lambda m: m != C  # noqa: E731
+    two = rule(prev, [A, B, C], {A, B, C}, me=A, alive=not_c, max_size=4)
+    assert two == WorldRecord(2, (A, B), seen=3, waiting=(2,))
+    three = rule(two, [A, B, C], {A, B, C}, me=A, max_size=4)
+    assert three == WorldRecord(3, (A, B, C), seen=3)
+
+
+def test_a_newcomer_that_is_not_ready_blocks_no_one() -> None:
+    """Registered and never come (a cancelled join): the survivors go on at
+    once without it, and it waits for a later generation."""
+    prev = WorldRecord(1, (A, B), seen=2)
+    record = rule(prev, [A, B, C], {A, B}, me=B)
+    assert record == WorldRecord(2, (A, B), seen=3, waiting=(2,))
 
 
 def test_a_restarted_member_is_a_newcomer_and_its_old_self_is_gone() -> None:
@@ -169,6 +189,12 @@ def _random_decision(seed: int) -> bool:
     return True
 
 
+def claimed(store: FakeStore, me: Member, clock: Any) -> Watcher:
+    """A watcher for ``me``, whose key ``me`` has claimed (as open() does)."""
+    store.set(f"hb/{me.id}", f"{me.token} 0")
+    return Watcher(store, me, interval=0.1, timeout=1.0, clock=clock)
+
+
 class FakeStore:
     """The store calls the watcher makes, over a dict."""
 
@@ -216,7 +242,7 @@ def test_read_never_writes_a_missing_key() -> None:
 def test_a_member_is_alive_while_its_heartbeat_moves() -> None:
     store, clock = FakeStore(), Clock()
     store.append("roster", A.line() + B.line() + C.line())
-    watcher = Watcher(store, A, interval=0.1, timeout=1.0, clock=clock)
+    watcher = claimed(store, A, clock)
     assert watcher.alive(B)  # not seen yet: given a whole timeout
     store.set("hb/b", "tb 1")
     store.set("hb/c", "tc 1")
@@ -244,7 +270,7 @@ def test_the_watchers_own_pause_is_not_taken_for_a_death() -> None:
     store, clock = FakeStore(), Clock()
     store.append("roster", A.line() + B.line())
     store.set("hb/b", "tb 1")
-    watcher = Watcher(store, A, interval=0.1, timeout=1.0, clock=clock)
+    watcher = claimed(store, A, clock)
     watcher.tick()
     clock.now += 5.0  # this process was stopped; b beat all along, unseen
     watcher.tick()
@@ -262,7 +288,7 @@ def test_while_the_watchers_own_round_is_late_no_one_is_called_dead() -> None:
     store, clock = FakeStore(), Clock()
     store.append("roster", A.line() + B.line())
     store.set("hb/b", "tb 1")
-    watcher = Watcher(store, A, interval=0.1, timeout=1.0, clock=clock)
+    watcher = claimed(store, A, clock)
     watcher.tick()
     clock.now += 0.4
     watcher.tick()
@@ -276,27 +302,41 @@ def test_while_the_watchers_own_round_is_late_no_one_is_called_dead() -> None:
     assert not watcher.alive(B)
 
 
-def test_a_restarted_member_is_alive_before_its_first_beat_is_read() -> None:
-    """The survivors' watchers still hold the old incarnation's beat when
-    the new one registers: the roster's newest entry for the id is alive,
-    the older one dead, at once."""
+def test_a_restarted_member_supersedes_the_old_one_from_its_claim_on() -> None:
+    """A new incarnation claims the id's key before it registers (and could
+    only once the old one left or went silent): from the round that reads
+    its claim the old incarnation is dead; the new one is alive before and
+    after it is on the roster."""
     store, clock = FakeStore(), Clock()
     store.append("roster", A.line() + B.line())
     store.set("hb/b", "tb 1")
-    watcher = Watcher(store, A, interval=0.1, timeout=1.0, clock=clock)
+    watcher = claimed(store, A, clock)
     watcher.tick()
+    assert watcher.alive(B)
     b2 = Member("b", "again")
-    store.append("roster", b2.line())  # registered; its beat is not read yet
+    store.set("hb/b", "again 0")  # claimed; not registered yet
     clock.now += 0.05
-    watcher.tick()  # reads the roster, and (by chance) the old beat
-    store.set("hb/b", "tb 1")
-    assert watcher.alive(b2)
+    watcher.tick()
     assert not watcher.alive(B)
-    store.set("hb/b", "again 0")
-    clock.now += 0.1
+    assert watcher.alive(b2)
+    store.append("roster", b2.line())
+    clock.now += 0.05
     watcher.tick()
     assert watcher.alive(b2)
     assert not watcher.alive(B)
+
+
+def test_an_old_incarnation_that_resumes_stops_at_its_next_beat() -> None:
+    """A stopped member that resumes after another took its id never
+    writes its key again: its beat finds another's value, and it stops."""
+    store, clock = FakeStore(), Clock()
+    store.append("roster", A.line())
+    watcher = claimed(store, A, clock)
+    watcher.tick()
+    store.set("hb/a", "newer 0")  # the id was taken while this one was stopped
+    with pytest.raises(Superseded, match="another incarnation of member 'a'"):
+        watcher.tick()
+    assert store.data["hb/a"] == b"newer 0"
 
 
 def test_a_last_look_before_calling_a_member_dead_counts_a_fresh_beat() -> None:
@@ -305,7 +345,7 @@ def test_a_last_look_before_calling_a_member_dead_counts_a_fresh_beat() -> None:
     store, clock = FakeStore(), Clock()
     store.append("roster", A.line() + B.line())
     store.set("hb/b", "tb 1")
-    watcher = Watcher(store, A, interval=0.1, timeout=1.0, clock=clock)
+    watcher = claimed(store, A, clock)
     for _ in range(12):
         clock.now += 0.1
         watcher.tick()

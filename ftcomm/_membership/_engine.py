@@ -54,9 +54,13 @@ class Engine(Protocol):
         Raises: Evicted, MembershipTimeout, MembershipError, and the
         ``Stopped`` when ``stop`` was set."""
 
-    def check(self, record: WorldRecord, k: int, deadline: float) -> bool:
+    def check(self, record: WorldRecord, k: int, *, max_size: int, deadline: float) -> bool:
         """What ``pending()`` call ``k`` of generation ``record`` says, the
         same for every member. Raises: MembershipError."""
+
+    def abandon(self, record: WorldRecord) -> None:
+        """Say this member will not configure ``record`` (its call was
+        cancelled), so that the others need not wait for it. Best effort."""
 
     def group_addr(self, record: WorldRecord) -> str:
         """The store address (``host:port/prefix``) where ``record``'s group meets."""

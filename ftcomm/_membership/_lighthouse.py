@@ -204,7 +204,11 @@ class LighthouseEngine:
                     + (f" (its last quorum had {formed})" if formed else "")
                 )
 
-    def check(self, record: WorldRecord, k: int, deadline: float) -> bool:
+    def abandon(self, record: WorldRecord) -> None:
+        """Nothing to say it with: the others' configure runs to its deadline
+        (or to the abandoning member's next quorum request)."""
+
+    def check(self, record: WorldRecord, k: int, *, max_size: int, deadline: float) -> bool:
         """Raises: MembershipError (the lighthouse failed or did not answer in time)."""
         found, _ = self._round(record, 1, NO_CAP, deadline, threading.Event())
         if found is None:

@@ -16,9 +16,10 @@ previous world ``W`` (none before the first) and the members that want in:
 * It is decided, with the ready candidates (the first ``max_size``), once
   at least ``min_size`` are ready and:
 
-  - where there are survivors: every candidate is ready; or every survivor
-    is and ``max_size`` are; or the join window has passed and the one
-    deciding is a survivor;
+  - where there are survivors: every survivor is ready (the newcomers that
+    are come in, the others wait for the next generation: a newcomer that
+    registered and never came blocks nothing); or the join window has
+    passed and the one deciding is a survivor;
   - where there are none (the first generation, or every member of ``W``
     died): ``max_size`` are ready, or the join window has passed.
 
@@ -51,9 +52,9 @@ class Member:
 @dataclass(frozen=True, slots=True)
 class WorldRecord:
     """One generation as stored: its members in rank order, and the roster
-    entries it has looked at (``seen``) of which ``waiting`` were alive but
-    not admitted (over ``max_size``, or not ready yet): they are the next
-    generation's newcomers."""
+    entries it has looked at (``seen``) of which ``waiting`` were not
+    admitted (over ``max_size``, not ready yet, or not seen alive yet):
+    they are the next generation's newcomers, where alive then."""
 
     generation: int
     members: tuple[Member, ...]
@@ -136,6 +137,9 @@ class Candidates:
 
     survivors: tuple[Member, ...]
     newcomers: tuple[tuple[int, Member], ...]  # (roster index, member)
+    queued: tuple[int, ...] = ()
+    """The roster indices of every newcomer, alive or not: one that looks
+    dead now (a slow first beat) is looked at again next time."""
 
     @property
     def members(self) -> tuple[Member, ...]:
@@ -157,15 +161,13 @@ def candidates(
     for index in _unseen(prev, len(roster)):
         latest[roster[index].id] = index  # later entries replace earlier ones
     by_id = {roster[i].id: i for i in range(len(roster))}  # the very latest of each id
-    newcomers = tuple(
-        (i, roster[i])
+    queued = tuple(
+        i
         for i in sorted(latest.values())
-        if roster[i].id not in taken
-        and by_id[roster[i].id] == i
-        and roster[i] not in prev.members
-        and alive(roster[i])
+        if roster[i].id not in taken and by_id[roster[i].id] == i and roster[i] not in prev.members
     )
-    return Candidates(survivors, newcomers)
+    newcomers = tuple((i, roster[i]) for i in queued if alive(roster[i]))
+    return Candidates(survivors, newcomers, queued)
 
 
 def _unseen(prev: WorldRecord, size: int) -> Iterable[int]:
@@ -191,11 +193,9 @@ def decide(
     if len(chosen) < min_size:
         return None
     if found.survivors:
-        if not (window_passed and me in prev.members):
-            all_here = len(chosen) == len(everyone)
-            full = len(chosen) == max_size and all(m in ready for m in found.survivors)
-            if not (all_here or full):
-                return None
+        waited = window_passed and me in prev.members
+        if not waited and not all(m in ready for m in found.survivors):
+            return None
     elif len(chosen) < max_size and not window_passed:
         return None
     admitted = set(chosen)
@@ -203,7 +203,7 @@ def decide(
         generation=prev.generation + 1,
         members=chosen,
         seen=len(roster),
-        waiting=tuple(i for i, m in found.newcomers if m not in admitted),
+        waiting=tuple(i for i in found.queued if roster[i] not in admitted),
     )
 
 

@@ -2,9 +2,13 @@
 
 Owns: :func:`sync_state`'s plan (one allgather of every member's step, then
 point-to-point sends from one source to the members behind) and the wire
-form of a state (``torch.save`` bytes, read back with ``weights_only=True``:
-tensors and plain containers only, no code runs on load). Imports:
-``ftcomm.group`` (the ops it runs on).
+form of a state (``torch.save`` bytes, read back with ``weights_only=True``
+and ``map_location="cpu"``: tensors and plain containers only, no code runs
+on load). The sender reads its own bytes back the same way before it sends:
+a state the receivers would refuse is refused there, and they are told so
+(a size of -1) rather than left with bytes they cannot load. On an
+accelerator group the sizes and bytes go as tensors on its device.
+Imports: ``ftcomm.group`` (the ops it runs on).
 """
 
 from __future__ import annotations
@@ -23,20 +27,51 @@ TAG = 0x5EED
 """The p2p tag of the state copy (sizes then bytes), apart from a user's own tags."""
 
 
+REFUSED = -1
+"""The size a sender sends for a state it cannot send."""
+
+
 def encode(state: object, step: int) -> torch.Tensor:
-    """``(state, step)`` as a 1-D uint8 tensor."""
+    """``(state, step)`` as a 1-D uint8 tensor (on the CPU).
+
+    Raises:
+        ValueError: ``state`` is not one a receiver can load (it holds
+            something other than tensors and plain containers).
+    """
     buffer = io.BytesIO()
-    torch.save({"state": state, "step": step}, buffer)
-    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+    try:
+        torch.save({"state": state, "step": step}, buffer)
+    except Exception as exc:
+        raise ValueError(f"the state cannot be saved: {exc}") from exc
+    data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+    try:
+        _load(data)
+    except Exception as exc:
+        raise ValueError(
+            "the state holds what a receiver would refuse to load (only tensors and "
+            f"plain containers are sent, loaded with weights_only=True): {exc}"
+        ) from exc
+    return data
+
+
+def _load(data: torch.Tensor) -> tuple[Any, int]:
+    loaded = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True, map_location="cpu")
+    return loaded["state"], int(loaded["step"])
 
 
 def decode(data: torch.Tensor) -> tuple[Any, int]:
     """Raises: ValueError: the bytes are not a state this module sent."""
     try:
-        loaded = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-        return loaded["state"], int(loaded["step"])
+        return _load(data.cpu())
     except Exception as exc:
         raise ValueError(f"the state received is not one ftcomm sent: {exc}") from exc
+
+
+def device_of(group: Group) -> torch.device:
+    """Where ``group``'s tensors live: its accelerator's device, else the CPU."""
+    config = group._config
+    device = getattr(config.backend, "device", None) if config is not None else None
+    return device if isinstance(device, torch.device) else torch.device("cpu")
 
 
 def plan(steps: list[int]) -> tuple[int, list[int]]:
@@ -52,25 +87,39 @@ async def sync_state(group: Group, state: S, step: int, deadline: float) -> tupl
     def left() -> float:
         return max(deadline - time.monotonic(), 0.0)
 
-    me = group.rank
-    mine = torch.tensor([step], dtype=torch.int64)
+    me, device = group.rank, device_of(group)
+    mine = torch.tensor([step], dtype=torch.int64, device=device)
     gathered = await group.allgather(mine, timeout=left())
     steps = [int(t.item()) for t in gathered]
     source, behind = plan(steps)
     if not behind:
         return state, step
     if me == source:
-        data = encode(state, step)
-        size = torch.tensor([data.numel()], dtype=torch.int64)
+        refused: ValueError | None = None
+        try:
+            data = encode(state, step).to(device)
+        except ValueError as exc:
+            refused, data = exc, torch.empty(0, dtype=torch.uint8, device=device)
+        size = torch.tensor(
+            [REFUSED if refused is not None else data.numel()], dtype=torch.int64, device=device
+        )
         for rank in behind:
             await group.send(size, rank, TAG, timeout=left())
-            await group.send(data, rank, TAG, timeout=left())
+            if refused is None:
+                await group.send(data, rank, TAG, timeout=left())
+        if refused is not None:
+            raise refused
         return state, step
     if me not in behind:
         return state, step
-    size = torch.empty(1, dtype=torch.int64)
+    size = torch.empty(1, dtype=torch.int64, device=device)
     await group.recv(size, source, TAG, timeout=left())
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    count = int(size.item())
+    if count == REFUSED:
+        raise ValueError(
+            f"rank {source}, the one furthest ahead, could not send its state (it "
+            "holds what cannot be loaded with weights_only=True): see its error"
+        )
+    data = torch.empty(count, dtype=torch.uint8, device=device)
     await group.recv(data, source, TAG, timeout=left())
-    received, at = decode(data)
-    return received, at
+    return decode(data)

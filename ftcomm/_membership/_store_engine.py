@@ -19,6 +19,9 @@ Keys, under ``ftcomm/members/<job>/`` (who writes each, and how):
   upwards).
 - ``chk/<g>/<k>``: ``"1"``/``"0"``, what ``pending()`` call ``k`` says; its
   first caller (``compare_set``).
+- ``quit/<g>``: ``id<TAB>token`` lines, members of generation ``g`` whose
+  call was cancelled as it was formed: they never configure it, and the
+  others, seeing them there, give it up (``append``).
 
 ``world/<g>`` is written with ``compare_set(key, "", record)``: of several
 deciders one wins and every member reads that one, so there are never two
@@ -34,6 +37,7 @@ import logging
 import socket
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 from .._store import ConnectProgress, StoreAddr, connect_store, why_unreachable
@@ -51,7 +55,7 @@ from ._rule import (
     parse_roster,
     ready_line,
 )
-from ._watch import LEFT, Watcher, beat_key, read
+from ._watch import LEFT, Superseded, Watcher, beat_key, quit_key, read
 
 log = logging.getLogger("ftcomm")
 
@@ -101,6 +105,7 @@ class StoreEngine:
             ValueError: a live member already uses this id.
         """
         plain = StoreAddr(self.addr.host, self.addr.port, "")
+        timeout = max(timeout, 0.01)
         try:
             with socket.create_connection((plain.host, plain.port), timeout=min(timeout, 2.0)):
                 pass
@@ -111,22 +116,26 @@ class StoreEngine:
         try:
             progress = ConnectProgress()
             prefixed = StoreAddr(plain.host, plain.port, self._prefix.rstrip("/"))
-            # The clients' ops never wait on the server's side; their
-            # timeout only bounds a server that stalls (see _watch.alive).
-            ops = max(timeout, OP_TIMEOUT)
-            self._store = connect_store(prefixed, ops, progress)
+            # open()'s own deadline bounds the connects and the claim (a
+            # store that takes connections and never answers); then the
+            # ops get OP_TIMEOUT. They never wait on the server's side: it
+            # only bounds a server that stalls (see _watch.alive).
+            self._store = connect_store(prefixed, timeout, progress)
             # no local keeps a client: a failed open's traceback must not hold one
             self.watcher = Watcher(
-                connect_store(prefixed, ops, progress),
+                connect_store(prefixed, timeout, progress),
                 self.me,
                 interval=self._interval,
                 timeout=self._timeout,
             )
+            self._claim(stop)
+            for client in (self._store, self.watcher.store):
+                client.set_timeout(timedelta(seconds=OP_TIMEOUT))
         except (TimeoutError, RuntimeError, OSError) as exc:
+            exc.with_traceback(None)  # its frames hold the clients
             raise MembershipError(
                 f"the membership store at {plain.host_port} does not answer: {exc}"
             ) from exc
-        self._claim(stop)
         self.watcher.start()
 
     def _claim(self, stop: threading.Event) -> None:
@@ -156,8 +165,25 @@ class StoreEngine:
 
     def register(self) -> None:
         """Add this member to the roster: a newcomer for the next generation
-        (again after it was dropped: its earlier entry was used up)."""
-        self._store.append("roster", self.me.line())
+        (again after it was dropped: its earlier entry was used up).
+
+        Raises:
+            MembershipError: the store failed, or another incarnation of
+                this id took its heartbeat (this one was given up for dead).
+        """
+        self._raise_if_broken()
+        try:
+            held = (read(self._store, beat_key(self.me.id)) or b"").decode(errors="replace")
+            if held.partition(" ")[0] != self.me.token:
+                raise MembershipError(
+                    f"member {self.me.id!r} of job {self.job!r} was given up for dead, and "
+                    f"another incarnation took its id ({held!r}): open a new Membership"
+                )
+            self._store.append("roster", self.me.line())
+        except (RuntimeError, OSError) as exc:
+            if isinstance(exc, MembershipError):
+                raise
+            raise _failed(exc) from exc
         self.registered = True
 
     def close(self) -> None:
@@ -174,8 +200,10 @@ class StoreEngine:
         return self.watcher.alive(member) if self.watcher is not None else False
 
     def _raise_if_broken(self) -> None:
-        """Raises: MembershipError: the watcher lost the store."""
+        """Raises: MembershipError: the watcher lost the store (or its id)."""
         error = self.broken()
+        if isinstance(error, Superseded):
+            raise MembershipError(str(error))
         if error is not None:
             raise MembershipError(f"lost the membership store: {error}") from error
 
@@ -219,6 +247,15 @@ class StoreEngine:
                     record = WorldRecord.decode(decided)
                     self._advance(t)
                     if self.me in record.members:
+                        if self._generation() > t:
+                            # the others went on past it (this member was
+                            # slow to read it): a member of t, on to the next
+                            prev, member_of, target, enough_since = record, t, None, None
+                            continue
+                        if stop.is_set():  # cancelled as it was formed: give it up
+                            target = t
+                            raise Stopped
+                        watcher.follow(t)
                         return record
                     if member_of is not None:
                         raise Evicted(
@@ -233,6 +270,8 @@ class StoreEngine:
                         )
                     prev, target, enough_since = record, None, None  # not admitted: the next
                     continue
+                if stop.is_set():  # before it says it is ready, not only after
+                    raise Stopped
                 if target != t:
                     self._store.append(f"ready/{t}", ready_line(self.me, True))
                     target = t
@@ -290,49 +329,88 @@ class StoreEngine:
             if target is not None:
                 with contextlib.suppress(Exception):
                     self._store.append(f"ready/{target}", ready_line(self.me, False))
+                    # a decider may have read the ready line before it went
+                    decided = read(self._store, f"world/{target}")
+                    if decided is not None:
+                        self.abandon(WorldRecord.decode(decided))
             raise
-        except (RuntimeError, OSError) as exc:
+        except (RuntimeError, OSError, ValueError) as exc:
             if isinstance(exc, MembershipError):
                 raise
             raise _failed(exc) from exc
+
+    def abandon(self, record: WorldRecord) -> None:
+        """Tell ``record``'s other members this one will not configure it
+        (its call was cancelled): they give it up and form the next one."""
+        if self.me not in record.members:
+            return
+        with contextlib.suppress(Exception):  # best effort: the store may be gone
+            self._store.append(quit_key(record.generation), self.me.line())
+
+    def _generation(self) -> int:
+        """The latest generation with a record (0 before the first)."""
+        held = read(self._store, "gen")
+        return _int(held) if held is not None else 0
 
     def _advance(self, t: int) -> None:
         """Move ``gen`` up to ``t`` (never down)."""
         for _ in range(64):
             held = read(self._store, "gen")
-            if held is not None and int(held) >= t:
+            if held is not None and _int(held) >= t:
                 return
             expected = held.decode() if held is not None else ""
             if self._store.compare_set("gen", expected, str(t)) == str(t).encode():
                 return
 
     def latest(self) -> WorldRecord:
-        """The latest generation's record (:data:`EMPTY` before the first)."""
-        held = read(self._store, "gen")
-        if held is None:
-            return EMPTY
-        text = read(self._store, f"world/{int(held)}")
-        return WorldRecord.decode(text) if text is not None else EMPTY
+        """The latest generation's record (:data:`EMPTY` before the first).
 
-    def check(self, record: WorldRecord, k: int, deadline: float) -> bool:
+        Raises:
+            MembershipError: the store failed, or holds what ftcomm did not write.
+        """
+        try:
+            g = self._generation()
+            text = read(self._store, f"world/{g}") if g else None
+            return WorldRecord.decode(text) if text is not None else EMPTY
+        except (RuntimeError, OSError, ValueError) as exc:
+            if isinstance(exc, MembershipError):
+                raise
+            raise _failed(exc) from exc
+
+    def check(self, record: WorldRecord, k: int, *, max_size: int, deadline: float) -> bool:
         """``pending()`` call ``k`` of generation ``record``: the first
-        caller's view decides for everyone.
+        caller's view decides for everyone. Due where a member died, or a
+        newcomer is ready for the next generation and there is room for it.
+
+        A few store round trips (``deadline`` unused: each is bounded by
+        the clients' op timeout).
 
         Raises:
             MembershipError: the store went away.
         """
         assert self.watcher is not None
         self._raise_if_broken()
-        found = candidates(record, self.watcher.roster(), self.watcher.alive)
-        due = bool(found.newcomers) or len(found.survivors) < len(record.members)
         try:
+            ready = parse_ready(read(self._store, f"ready/{record.generation + 1}") or b"")
+            found = candidates(record, self.watcher.roster(), self.watcher.alive)
+            died = len(found.survivors) < len(record.members)
+            room = len(found.survivors) < max_size
+            due = died or (room and any(m in ready for _, m in found.newcomers))
             key = f"chk/{record.generation}/{k}"
             said = self._store.compare_set(key, "", "1" if due else "0")
             if k >= CHECK_KEEP:
                 self._store.delete_key(f"chk/{record.generation}/{k - CHECK_KEEP}")
-        except (RuntimeError, OSError) as exc:
+        except (RuntimeError, OSError, ValueError) as exc:
             raise _failed(exc) from exc
         return bool(said == b"1")
+
+
+def _int(text: bytes) -> int:
+    """Raises: ValueError: not a generation number."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"not a generation number: {text!r:.80}") from None
 
 
 def _failed(exc: BaseException) -> MembershipError:

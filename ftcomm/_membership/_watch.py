@@ -9,7 +9,13 @@ moving every ``interval``; ``"<token> left"`` once the member left. A member
 is alive while the watcher sees its key move at least every ``timeout``
 seconds (by this process's own clock: no two hosts' clocks are compared),
 with its own token (a restarted member's new token ends the old
-incarnation at once). The watcher counts only time it was itself looking:
+incarnation at once), and while it has not given up the generation the
+watcher follows (``quit/<g>``: it was admitted while its call was being
+cancelled). A member writes its beat with ``compare_set`` from the value it
+wrote last: once another incarnation took the key, the old one (a process
+stopped for longer than the timeout, then resumed) finds out at its next
+beat and stops, and never takes the key back. The watcher counts only time
+it was itself looking:
 while its own round is late by more than half the timeout (a stopped
 process, a starved thread, a store slow to answer) it calls no one dead,
 and after such a pause it starts every member's clock afresh, so that its
@@ -48,6 +54,14 @@ def beat_key(member_id: str) -> str:
 LEFT = "left"
 
 
+def quit_key(generation: int) -> str:
+    return f"quit/{generation}"
+
+
+class Superseded(ConnectionError):
+    """Another incarnation of this member's id took its heartbeat key."""
+
+
 class Watcher:
     """Beats ``me``'s heartbeat every ``interval`` s and watches the roster's.
 
@@ -74,10 +88,19 @@ class Watcher:
         self._seen: dict[str, tuple[bytes, float]] = {}  # id -> (value, when it last moved)
         self._roster: list[Member] = []
         self._beats = 0
+        self._written = f"{me.token} 0"  # what this member's key holds, as it last wrote it
         self._last_tick: float | None = None
+        self._following: int | None = None  # the generation whose quitters are read
+        self._quit: set[Member] = set()  # those that gave it up
+        self._warned = False
         self.error: ConnectionError | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def store(self) -> Any:
+        """The watcher's own client (its thread's: not for other threads' calls)."""
+        return self._store
 
     # -- what it concludes ------------------------------------------------
 
@@ -91,7 +114,10 @@ class Watcher:
         if not self._newest(member):
             return False  # a later incarnation registered: it only could once this one was gone
         with self._lock:
+            if member in self._quit:
+                return False
             entry = self._seen.get(member.id)
+            roster = self._roster
             last_tick = self._last_tick
             now = self._clock()
         if entry is None:
@@ -105,9 +131,12 @@ class Watcher:
         value, moved = entry
         token, _, count = value.decode(errors="replace").partition(" ")
         if token != member.token:
-            # another incarnation's beat: ours (the newest the roster
-            # names) has not been read yet; give it a round
-            return True
+            # Another incarnation's beat. Each one claims the key before it
+            # goes on the roster, and the roster is read before the beats:
+            # if this one is on the roster read, its claim was there to be
+            # read, and another took the key since (it only could once this
+            # one was left or silent). If not, it is newer than that read.
+            return member not in roster
         if count == LEFT:
             return False
         return now - moved < self.timeout
@@ -123,24 +152,63 @@ class Watcher:
         with self._lock:
             return list(self._roster)
 
+    def follow(self, generation: int) -> None:
+        """From now on, read who gave up ``generation`` (and count them dead)."""
+        with self._lock:
+            if self._following != generation:
+                self._following, self._quit = generation, set()
+
     # -- the round --------------------------------------------------------
 
     def beat(self) -> None:
-        """Write this member's heartbeat (the next count)."""
+        """Write this member's heartbeat (the next count).
+
+        Raises:
+            Superseded: another incarnation holds the key now.
+        """
         self._beats += 1
-        self._store.set(beat_key(self.me.id), f"{self.me.token} {self._beats}")
+        self._swap(f"{self.me.token} {self._beats}")
+
+    def _swap(self, value: str) -> None:
+        """Raises: Superseded: the key holds what another incarnation wrote."""
+        held = self._store.compare_set(beat_key(self.me.id), self._written, value)
+        if held != value.encode():
+            raise Superseded(
+                f"another incarnation of member {self.me.id!r} took its heartbeat "
+                f"({held.decode(errors='replace')!r}): this one was given up for dead "
+                "(stopped, or cut off, for longer than the heartbeat timeout)"
+            )
+        self._written = value
 
     def tick(self) -> None:
-        """One round: beat, then read the roster and every member's heartbeat."""
+        """One round: beat, then read the roster, every member's heartbeat
+        and who gave up the generation followed."""
         self.beat()
         text = read(self._store, "roster")
         roster = parse_roster(text) if text is not None else []
         ids = sorted({m.id for m in roster} - {self.me.id})
+        # a multi_get waits for a missing key: none is, as each member on
+        # the roster claimed its key before it registered, and keys stay
         values: list[bytes] = self._store.multi_get([beat_key(i) for i in ids]) if ids else []
+        following = self._following
+        quit_text = read(self._store, quit_key(following)) if following is not None else None
         now = self._clock()
         with self._lock:
-            paused = self._last_tick is not None and now - self._last_tick > self.timeout / 2
+            gap = now - self._last_tick if self._last_tick is not None else 0.0
+            paused = gap > self.timeout / 2
+            if paused and not self._warned:
+                self._warned = True
+                log.warning(
+                    "ftcomm: membership %s: its heartbeat round took %.2f s (timeout "
+                    "%.2f s): no member is called dead from such a round (a stopped "
+                    "process, a starved thread, a slow store)",
+                    self.me.id,
+                    gap,
+                    self.timeout,
+                )
             self._last_tick = now
+            if following == self._following and quit_text is not None:
+                self._quit = set(parse_roster(quit_text))
             for member_id, value in zip(ids, values, strict=True):
                 old = self._seen.get(member_id)
                 # moved, or we were not looking (then no one's silence counts)
@@ -173,6 +241,10 @@ class Watcher:
         while not self._stop.is_set():
             try:
                 self.tick()
+            except Superseded as exc:
+                self.error = exc.with_traceback(None)
+                log.warning("ftcomm: membership %s: %s", self.me.id, exc)
+                return
             except Exception as exc:  # the store went away: kept for the next call
                 # as a new error, with no traceback and no context: the
                 # original's frames would hold this watcher (and its
@@ -192,5 +264,5 @@ class Watcher:
             self._thread = None
         if leave and self.error is None:
             with contextlib.suppress(Exception):  # best effort: the store may be gone
-                self._store.set(beat_key(self.me.id), f"{self.me.token} {LEFT}")
+                self._swap(f"{self.me.token} {LEFT}")
         self._store = None  # its connection closes with the last reference

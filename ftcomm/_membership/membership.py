@@ -4,7 +4,8 @@ Owns: the public :class:`Membership` and :class:`World`, the argument
 checks, one call at a time per membership, and the step from an agreed
 generation to a configured group (with a watch that gives up a configure
 whose member died). The agreement itself is the engine's
-(``_store_engine``); its blocking calls run on ftcomm's control threads.
+(``_store_engine``, ``_lighthouse``); each of its blocking calls runs on a
+control thread of its own (spawned, so that waits never queue).
 Imports: ``ftcomm.group``, ``ftcomm._store``, ``ftcomm._runtime``,
 ``ftcomm.errors`` and the package's own modules.
 """
@@ -12,6 +13,7 @@ Imports: ``ftcomm.group``, ``ftcomm._store``, ``ftcomm._runtime``,
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import threading
@@ -28,7 +30,7 @@ from .._store import parse_store_addr
 from ..errors import CommError, Evicted, MembershipError, MembershipTimeout
 from ..group import Group
 from . import _state_copy
-from ._engine import Engine
+from ._engine import Engine, Stopped
 from ._lighthouse import LighthouseEngine, is_lighthouse
 from ._rule import NO_CAP, Member, WorldRecord
 from ._store_engine import StoreEngine
@@ -48,7 +50,8 @@ class World:
         size: how many members it has.
         members: their ids, in rank order.
         newcomers: the ids of those that were not in the previous
-            generation this member knew (all of them in its first).
+            generation this member knew (all of them in its first; a
+            restarted member's new incarnation is one).
         store_addr: where the generation's group met (``host:port/prefix``).
     """
 
@@ -111,7 +114,8 @@ class Membership:
             but has not come (when recovering).
         heartbeat_timeout: seconds of silence after which a member is dead.
         heartbeat_interval: seconds between heartbeats (a fifth of the
-            timeout by default).
+            timeout by default; at most a third of it, so that a late
+            round of this member's own is told from a dead peer).
         timeout: the default deadline of each call, in seconds.
         store_host: lighthouse engine only: the address the store this
             member hosts for its groups listens on (its rank 0's is used;
@@ -120,8 +124,8 @@ class Membership:
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: an empty or malformed id, job or address, ``min_size`` >
-            ``max_size``, a heartbeat interval not below its timeout, or a
-            negative or non-finite duration.
+            ``max_size``, a heartbeat interval over a third of its timeout,
+            or a negative or non-finite duration.
     """
 
     def __init__(
@@ -149,9 +153,9 @@ class Membership:
         if self._hb_timeout <= 0:
             raise ValueError("heartbeat_timeout must be > 0 seconds")
         self._hb_interval = resolve(heartbeat_interval, self._hb_timeout / 5, "heartbeat_interval")
-        if not 0 < self._hb_interval < self._hb_timeout:
+        if not 0 < self._hb_interval <= self._hb_timeout / 3:
             raise ValueError(
-                f"heartbeat_interval must be > 0 and below heartbeat_timeout "
+                f"heartbeat_interval must be > 0 and at most a third of heartbeat_timeout "
                 f"({self._hb_timeout:g} s), got {self._hb_interval:g}"
             )
         self._timeout = to_seconds(timeout, "timeout")
@@ -175,9 +179,10 @@ class Membership:
                 heartbeat_interval=self._hb_interval,
                 heartbeat_timeout=self._hb_timeout,
             )
-        self._lock = threading.Lock()  # guards _busy and _state
+        self._lock = threading.Lock()  # guards _busy, _running and _state
         self._busy: str | None = None  # the call in progress
-        self._state = "new"  # new -> open -> closed
+        self._running: tuple[threading.Event, concurrent.futures.Future[Any]] | None = None
+        self._state = "new"  # new -> opening -> open -> closed
         self._record: WorldRecord | None = None
         self._world: World | None = None
         self._group: Group | None = None
@@ -233,12 +238,20 @@ class Membership:
     async def close(self) -> None:
         """Stop the heartbeat and tell the others this member left. Idempotent.
 
-        The group is not touched: shut it down yourself.
+        A call still running (in another task) ends first, with a
+        :class:`~ftcomm.errors.MembershipError`. The group is not touched:
+        shut it down yourself.
         """
         with self._lock:
             if self._state == "closed":
                 return
             self._state = "closed"
+            running = self._running
+        if running is not None:
+            stop, future = running
+            stop.set()
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(asyncio.wrap_future(future))
         await self._blocking(self._engine.close)
         self._world = self._record = None
 
@@ -251,10 +264,14 @@ class Membership:
         the join window has passed (while a world runs, at the step where
         its members call ``recover()`` after ``pending()`` said so).
         Call it again after :class:`~ftcomm.errors.Evicted` to come back.
+        A join that is cancelled after its generation was formed tells
+        that generation's other members, which then form the next one.
 
         Raises:
             MembershipTimeout: no such generation by the deadline.
-            MembershipError: the engine went away.
+            MembershipError: the engine went away, the membership was
+                closed meanwhile, or this member was given up for dead and
+                another process took its id.
             TypeError: ``group`` is not an :class:`ftcomm.Group`.
             RuntimeError: not open, already in a world (use ``recover()``),
                 or another call of this membership is running.
@@ -267,10 +284,7 @@ class Membership:
                 )
             deadline = time.monotonic() + resolve(timeout, self._timeout)
             group = self._check_group(group)
-            engine = self._engine
-            await self._call(lambda _: engine.register(), deadline=deadline)
-            latest = await self._call(lambda _: engine.latest(), deadline=deadline)
-            return await self._form(group, latest, None, deadline)
+            return await self._form(group, None, None, deadline)
 
     async def recover(self, group: Group, *, timeout: Timeout | None = None) -> World:
         """Form the next generation with the members still alive, and configure ``group``.
@@ -282,8 +296,10 @@ class Membership:
 
         Raises:
             Evicted: the others went on without this member: ``join()`` again.
-            MembershipTimeout: fewer than ``min_size`` members by the deadline.
-            MembershipError: the engine went away.
+            MembershipTimeout: fewer than ``min_size`` members by the deadline
+                (or the group could not be configured in time: call it again).
+            MembershipError: the engine went away, or the membership was
+                closed meanwhile.
             TypeError: ``group`` is not an :class:`ftcomm.Group`.
             RuntimeError: not in a world (``join()`` first), or another call running.
         """
@@ -296,12 +312,14 @@ class Membership:
             return await self._form(group, record, record.generation, deadline)
 
     async def pending(self, *, timeout: Timeout | None = None) -> bool:
-        """Whether the next generation is due: newcomers wait, or a member died.
+        """Whether the next generation is due: a member died, or a newcomer
+        waits (ready, with room for it under ``max_size``).
 
         Every member of the world calls it at the same points (like a
         collective, at a step boundary) and gets the same answer there: the
         first member to ask decides for all. Where it says ``True``, call
-        ``recover()``.
+        ``recover()``. A call that is cancelled does not count: the next
+        one asks the same question again.
 
         Raises:
             MembershipError: the engine went away.
@@ -312,9 +330,13 @@ class Membership:
             if record is None:
                 raise RuntimeError(f"member {self.member_id!r} is in no world: join() first")
             deadline = time.monotonic() + resolve(timeout, self._timeout)
-            k, self._checks = self._checks, self._checks + 1
-            engine = self._engine
-            return await self._call(lambda _: engine.check(record, k, deadline), deadline=deadline)
+            k, cap, engine = self._checks, self.max_size or NO_CAP, self._engine
+            due = await self._call(
+                lambda _: engine.check(record, k, max_size=cap, deadline=deadline),
+                deadline=deadline,
+            )
+            self._checks = k + 1
+            return due
 
     async def sync_state(
         self, state: S, step: int, *, timeout: Timeout | None = None
@@ -331,7 +353,10 @@ class Membership:
         Raises:
             CommError: the group failed during the copy (``recover()``, then
                 call it again).
-            ValueError: ``step`` is negative, or what came is not a state.
+            ValueError: ``step`` is negative; the state of the member that
+                sends holds what cannot be loaded with ``weights_only=True``
+                (raised there, and on the members behind, which keep theirs);
+                or what came is not a state.
             TypeError: ``step`` is not an int.
             RuntimeError: not in a world, or another call running.
         """
@@ -348,38 +373,43 @@ class Membership:
     # -- inside -----------------------------------------------------------
 
     async def _form(
-        self, group: Group, prev: WorldRecord, member_of: int | None, deadline: float
+        self, group: Group, prev: WorldRecord | None, member_of: int | None, deadline: float
     ) -> World:
         """Agree on a generation with this member, configure ``group`` for it;
-        a configure that fails moves on to the next generation."""
-        known = set(self._record.ids) if self._record is not None else set()
+        a configure that fails moves on to the next generation. ``prev``
+        ``None``: a newcomer (``join()``), from the latest generation on."""
+        known = set(self._record.members) if self._record is not None else set()
+        engine, newcomer = self._engine, prev is None
         try:
             while True:
-                record = await self._call(
-                    functools.partial(
-                        self._engine.agree,
-                        prev,
-                        member_of=member_of,
-                        min_size=self.min_size,
-                        max_size=self.max_size or NO_CAP,
-                        window=self._window,
-                        deadline=deadline,
-                    ),
-                    deadline=deadline,
-                )
+                if prev is None:  # (again, if the others went on without it)
+                    await self._call(lambda _: engine.register(), deadline=deadline)
+                    prev = await self._call(lambda _: engine.latest(), deadline=deadline)
+                try:
+                    record = await self._agree(prev, member_of, deadline)
+                except Evicted:
+                    if not newcomer:
+                        raise
+                    prev = None  # its first world went on without it: come in again
+                    continue
                 rank = record.rank_of(self._me)
                 assert rank is not None
-                addr = self._engine.group_addr(record)
+                addr = engine.group_addr(record)
                 try:
                     await self._configure(group, record, addr, rank, deadline)
                 except CommError as exc:
                     if time.monotonic() >= deadline:
+                        # the next call starts past it
+                        self._record, self._world, self._group = record, None, None
                         raise MembershipTimeout(
                             f"generation {record.generation} of job {self.job!r} could not "
                             f"configure its group in time: {exc}"
                         ) from exc
                     prev, member_of = record, record.generation
                     continue
+                except asyncio.CancelledError:
+                    await self._blocking(functools.partial(engine.abandon, record))
+                    raise
                 break
         except Evicted:
             self._record = self._world = self._group = None
@@ -390,10 +420,29 @@ class Membership:
             rank=rank,
             size=len(record.members),
             members=record.ids,
-            newcomers=tuple(i for i in record.ids if i not in known),
+            newcomers=tuple(m.id for m in record.members if m not in known),
             store_addr=addr,
         )
         return self._world
+
+    async def _agree(
+        self, prev: WorldRecord, member_of: int | None, deadline: float
+    ) -> WorldRecord:
+        """The engine's ``agree``; a generation it formed as the call was
+        cancelled is given up (its other members form the next one)."""
+        return await self._call(
+            functools.partial(
+                self._engine.agree,
+                prev,
+                member_of=member_of,
+                min_size=self.min_size,
+                max_size=self.max_size or NO_CAP,
+                window=self._window,
+                deadline=deadline,
+            ),
+            deadline=deadline,
+            unwanted=self._engine.abandon,
+        )
 
     async def _configure(
         self, group: Group, record: WorldRecord, addr: str, rank: int, deadline: float
@@ -447,20 +496,45 @@ class Membership:
             with self._lock:
                 self._busy = None
 
-    async def _call(self, fn: Callable[[threading.Event], T], *, deadline: float) -> T:
-        """Run the engine's blocking ``fn(stop)`` on a control thread; a
+    async def _call(
+        self,
+        fn: Callable[[threading.Event], T],
+        *,
+        deadline: float,
+        unwanted: Callable[[T], object] | None = None,
+    ) -> T:
+        """Run the engine's blocking ``fn(stop)`` on a control thread of its
+        own (spawned: a long wait never holds a thread other calls need); a
         cancel sets ``stop`` (the engine looks at it every poll) and waits
-        for the call to end, so that no thread outlives it."""
+        for the call to end, so that no thread outlives it. ``close()``
+        sets it too. ``unwanted(result)`` (blocking) undoes a result the
+        call came to after all, when it is cancelled.
+
+        Raises:
+            MembershipError: the membership was closed (before or during).
+        """
         stop = threading.Event()
-        future = get_runtime().run_control(fn, stop, until=deadline + 5.0)
+        with self._lock:
+            if self._state == "closed":
+                raise MembershipError(f"membership {self.job}/{self.member_id} was closed")
+            future = get_runtime().control.spawn(fn, stop, until=deadline + 5.0)
+            self._running = (stop, future)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             stop.set()
             with contextlib.suppress(BaseException):
                 await asyncio.shield(asyncio.wrap_future(future))
+            if unwanted is not None and future.done() and future.exception() is None:
+                await self._blocking(functools.partial(unwanted, future.result()))
             raise
+        except Stopped:
+            raise MembershipError(
+                f"membership {self.job}/{self.member_id} was closed during the call"
+            ) from None
         finally:
+            with self._lock:
+                self._running = None
             # this frame -> future -> its error -> traceback -> this frame:
             # cut, so that the engine's frames (and what they hold) go now
             del future

@@ -1,0 +1,322 @@
+"""ftcomm.Membership at its edges, in one process over a real store: calls
+cancelled or closed at the worst moment, members slow to read, resumed
+after their id was taken, newcomers that cannot come in yet, and states
+that cannot be sent. Each race is forced (a store client paused at a
+chosen call), not left to chance."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+import ftcomm
+from ftcomm._membership._rule import Member, WorldRecord, parse_ready, parse_roster
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture
+def store() -> Any:
+    with ftcomm.serve_store() as server:
+        yield server
+
+
+def _client(store: Any) -> Any:
+    """A plain client of ``store``, for reading and writing the job's keys."""
+    return TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
+
+
+def _key(name: str) -> str:
+    return f"ftcomm/members/job/{name}"
+
+
+def _read(client: Any, name: str) -> bytes | None:
+    return client.get(_key(name)) if client.check([_key(name)]) else None
+
+
+def _members(store: Any, *ids: str, **kw: Any) -> list[ftcomm.Membership]:
+    kw.setdefault("min_size", 2)
+    kw.setdefault("max_size", 2)
+    kw.setdefault("heartbeat_timeout", 1.0)
+    kw.setdefault("join_window", 5.0)
+    kw.setdefault("timeout", 20.0)
+    return [ftcomm.Membership(store.address, "job", i, **kw) for i in ids]
+
+
+async def _until(condition: Callable[[], bool], what: str, within: float = 10.0) -> None:
+    """Poll ``condition`` (a store's state: there is nothing to wait on)."""
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        await asyncio.sleep(0.01)
+
+
+def _membership_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("ftcomm-membership")]
+
+
+class Gate:
+    """Wraps a member's store client: the call ``when(name, args)`` picks
+    pauses until :meth:`release` (the race's other side happens meanwhile)."""
+
+    def __init__(self, client: Any, when: Callable[[str, tuple[Any, ...]], bool]) -> None:
+        self._client, self._when = client, when
+        self.paused, self._go = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._client, name)
+
+        def call(*args: Any) -> Any:
+            if not self._go.is_set() and self._when(name, args):
+                self.paused.set()
+                self._go.wait(30)
+            return fn(*args)
+
+        return call
+
+    def release(self) -> None:
+        self._go.set()
+
+
+async def test_a_join_cancelled_as_its_world_forms_gives_the_world_up(store: Any) -> None:
+    """b's ready line is in and a decides a world with b; b's join is
+    cancelled before b reads it. b tells that world it quit, and a, instead
+    of waiting for b's configure until its deadline, forms the next one."""
+    (b,) = _members(store, "b")
+    (a,) = _members(store, "a", min_size=1)
+    client = _client(store)
+    async with a, b, ftcomm.Group("gloo") as ga, ftcomm.Group("gloo") as gb:
+        readies: collections.Counter[str] = collections.Counter()
+
+        def second_look(name: str, args: tuple[Any, ...]) -> bool:
+            if name == "append" and args[0] == "ready/1":
+                readies["b"] += 1
+            return name == "compare_set" and args[0] == "world/1" and readies["b"] > 0
+
+        gate = Gate(b._engine._store, second_look)  # type: ignore[attr-defined]
+        b._engine._store = gate  # type: ignore[attr-defined]
+        joined = asyncio.ensure_future(b.join(gb))
+        await asyncio.to_thread(gate.paused.wait, 10)
+        started = time.monotonic()
+        first = asyncio.ensure_future(a.join(ga))
+        await _until(lambda: _read(client, "world/1") is not None, "a decided generation 1")
+        assert WorldRecord.decode(_read(client, "world/1") or b"").ids == ("b", "a")
+        joined.cancel()
+        gate.release()
+        with pytest.raises(asyncio.CancelledError):
+            await joined
+        assert parse_roster(_read(client, "quit/1") or b"") == [b._me]  # type: ignore[attr-defined]
+        world = await first
+        assert (world.generation, world.members) == (2, ("a",))
+        assert time.monotonic() - started < 10  # not a's configure deadline (20 s)
+        assert b.world is None
+    assert not _membership_threads()
+
+
+async def test_a_member_slow_to_read_is_evicted_from_the_latest_generation(store: Any) -> None:
+    """c was in generation 2, which never came to be configured; the others
+    went on to 3 without it. c, reading from 1 on, is not put into 2: it is
+    told it was dropped (before, it took 2 and waited there for good)."""
+    (c,) = _members(store, "c")
+    a_, b_ = Member("a", "ta"), Member("b", "tb")
+    client = _client(store)
+    async with c:
+        me = c._me  # type: ignore[attr-defined]
+        c._engine.register()  # type: ignore[attr-defined]
+        one = WorldRecord(1, (a_, b_, me), seen=3)
+        client.set(_key("world/1"), one.encode())
+        client.set(_key("world/2"), WorldRecord(2, (a_, b_, me), seen=3).encode())
+        client.set(_key("world/3"), WorldRecord(3, (a_, b_), seen=3).encode())
+        client.set(_key("gen"), "3")
+        engine: Any = c._engine  # type: ignore[attr-defined]
+        with pytest.raises(ftcomm.Evicted, match="generation 3 was formed without it") as info:
+            engine.agree(
+                one,
+                threading.Event(),
+                member_of=1,
+                min_size=2,
+                max_size=3,
+                window=1.0,
+                deadline=time.monotonic() + 5,
+            )
+        assert (info.value.generation, info.value.current) == (2, 3)
+    del client  # the error's traceback holds this frame: the client's socket goes now
+
+
+async def test_an_incarnation_whose_id_was_taken_stops_and_says_so(store: Any) -> None:
+    """A member given up for dead (its key taken by a new incarnation) never
+    beats over the new one, and each of its calls says what happened."""
+    (m,) = _members(store, "m", min_size=1, max_size=1, join_window=0.0)
+    client = _client(store)
+    async with m, ftcomm.Group("gloo") as group:
+        await m.join(group)
+        client.set(_key("hb/m"), "newer 0")
+        engine: Any = m._engine  # type: ignore[attr-defined]
+        await _until(lambda: engine.broken() is not None, "m saw its id taken")
+        assert _read(client, "hb/m") == b"newer 0"
+        with pytest.raises(ftcomm.MembershipError, match="another incarnation of member 'm'"):
+            await m.pending()
+        engine.watcher.error = None  # as if not seen yet: registering looks too
+        with pytest.raises(ftcomm.MembershipError, match="given up for dead, and another"):
+            await asyncio.to_thread(engine.register)
+        assert parse_roster(_read(client, "roster") or b"") == [m._me]  # type: ignore[attr-defined]
+    assert _read(client, "hb/m") == b"newer 0"  # its close did not say "left" over it
+
+
+async def test_pending_counts_only_ready_newcomers_with_room(store: Any) -> None:
+    """A newcomer that registered and has not come, or one that waits on a
+    full world, makes no step pending: the world would only form itself
+    again (before, every step then said True)."""
+    a, b, c = _members(store, "a", "b", "c", min_size=1, max_size=2, join_window=0.0)
+    client = _client(store)
+    async with a, b, c, ftcomm.Group("gloo") as ga, ftcomm.Group("gloo") as gb:
+        assert (await a.join(ga)).size == 1
+        await asyncio.to_thread(b._engine.register)  # type: ignore[attr-defined]
+        watcher: Any = a._engine.watcher  # type: ignore[attr-defined]
+        await _until(lambda: any(m.id == "b" for m in watcher.roster()), "a read b's entry")
+        assert await a.pending() is False  # registered, not ready
+        joining = asyncio.ensure_future(b.join(gb))
+        await _until(lambda: len(parse_ready(_read(client, "ready/2") or b"")) == 1, "b ready")
+        assert await a.pending() is True
+        world, joined = await asyncio.gather(a.recover(ga), joining)
+        assert world.members == joined.members == ("a", "b")
+        async with ftcomm.Group("gloo") as gc:
+            waiting = asyncio.ensure_future(c.join(gc))
+            await _until(lambda: len(parse_ready(_read(client, "ready/3") or b"")) == 1, "c ready")
+            await _until(lambda: any(m.id == "c" for m in watcher.roster()), "a read c's entry")
+            assert await a.pending() is False  # full: max_size 2
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+
+
+async def test_a_cancelled_pending_does_not_count(store: Any) -> None:
+    """pending() calls are matched across members by their count: one that
+    was cancelled must not shift this member's count off the others'."""
+    a, b = _members(store, "a", "b")
+    client = _client(store)
+    async with a, b, ftcomm.Group("gloo") as ga, ftcomm.Group("gloo") as gb:
+        await asyncio.gather(a.join(ga), b.join(gb))
+        gate = Gate(a._engine._store, lambda name, args: args[:1] == ("chk/1/0",))  # type: ignore[attr-defined]
+        a._engine._store = gate  # type: ignore[attr-defined]
+        call = asyncio.ensure_future(a.pending())
+        await asyncio.to_thread(gate.paused.wait, 10)
+        call.cancel()
+        gate.release()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert await a.pending() is False
+        assert await b.pending() is False
+        assert _read(client, "chk/1/0") == b"0"
+        assert _read(client, "chk/1/1") is None  # both asked question 0 only
+
+
+async def test_close_during_a_join_ends_it_with_a_membership_error(store: Any) -> None:
+    (a,) = _members(store, "a")
+    async with ftcomm.Group("gloo") as group:
+        await a.open()
+        joining = asyncio.ensure_future(a.join(group))
+        await _until(lambda: a._busy == "join" and a._running is not None, "join running")  # type: ignore[attr-defined]
+        await a.close()
+        with pytest.raises(ftcomm.MembershipError, match="closed during the call"):
+            await joining
+    assert not _membership_threads()
+
+
+async def test_waiting_joins_do_not_hold_the_control_threads(store: Any) -> None:
+    """Six joins wait at once (more than the 4 control threads): each runs
+    on its own thread, so all six are ready at once, and a group's
+    configure (which needs a control thread) is not held up behind them."""
+    ids = [f"m{i}" for i in range(6)]
+    members = _members(store, *ids, min_size=7, max_size=7)
+    client = _client(store)
+    groups = [ftcomm.Group("gloo") for _ in ids]
+    for m in members:
+        await m.open()
+    try:
+        joins = [asyncio.ensure_future(m.join(g)) for m, g in zip(members, groups, strict=True)]
+        await _until(lambda: len(parse_ready(_read(client, "ready/1") or b"")) == 6, "6 ready")
+        with ftcomm.serve_store() as other:
+            async with ftcomm.Group("gloo") as alone:
+                await alone.configure(f"{other.address}/solo", 0, 1, timeout=10)
+                assert (await alone.allreduce(torch.ones(1))).item() == 1.0
+        for j in joins:
+            j.cancel()
+        await asyncio.gather(*joins, return_exceptions=True)
+    finally:
+        for m in members:
+            await m.close()
+        for g in groups:
+            await g.shutdown()
+    assert not _membership_threads()
+
+
+async def test_a_restarted_member_is_a_newcomer_of_the_world(store: Any) -> None:
+    """The same id, a new incarnation: World.newcomers names it."""
+    a, b = _members(store, "a", "b")
+    async with a, ftcomm.Group("gloo") as ga:
+        async with b, ftcomm.Group("gloo") as gb:
+            await asyncio.gather(a.join(ga), b.join(gb))
+        (b2,) = _members(store, "b")
+        async with b2, ftcomm.Group("gloo") as gb2:
+            joining = asyncio.ensure_future(b2.join(gb2))
+            assert await _pending_soon(a)
+            world, joined = await asyncio.gather(a.recover(ga), joining)
+            assert (world.generation, world.members, world.newcomers) == (2, ("a", "b"), ("b",))
+            assert joined.newcomers == ("a", "b")
+
+
+async def _pending_soon(members: ftcomm.Membership, within: float = 10.0) -> bool:
+    """``pending()`` at each 'step' until it says True (a training loop's shape)."""
+    deadline = time.monotonic() + within
+    while not await members.pending():
+        assert time.monotonic() < deadline, "nothing became pending"
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def test_open_gives_up_on_a_store_that_takes_connections_and_never_answers() -> None:
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)  # the kernel completes connections; no one ever answers
+        members = ftcomm.Membership(f"127.0.0.1:{mute.getsockname()[1]}", "job", "m")
+        started = time.monotonic()
+        with pytest.raises(ftcomm.MembershipError, match="does not answer"):
+            await members.open(timeout=1.0)
+        assert time.monotonic() - started < 5.0  # 1 s, and the guard's rounds
+    assert not _membership_threads()
+
+
+class Opaque:
+    """Not something weights_only loading accepts."""
+
+
+async def test_a_state_receivers_cannot_load_is_refused_on_both_sides(store: Any) -> None:
+    a, b = _members(store, "a", "b")
+    async with a, b, ftcomm.Group("gloo") as ga, ftcomm.Group("gloo") as gb:
+        await asyncio.gather(a.join(ga), b.join(gb))
+        mine = {"w": torch.ones(2), "extra": Opaque()}
+        results = await asyncio.gather(
+            a.sync_state(mine, 5), b.sync_state({"w": torch.zeros(2)}, 0), return_exceptions=True
+        )
+        assert isinstance(results[0], ValueError)
+        assert "would refuse to load" in str(results[0])
+        assert isinstance(results[1], ValueError)
+        assert "could not send its state" in str(results[1])
+        # nothing is left on the wire: the group goes on
+        sums = await asyncio.gather(ga.allreduce(torch.ones(1)), gb.allreduce(torch.ones(1)))
+        assert [s.item() for s in sums] == [2.0, 2.0]
+        good = await asyncio.gather(
+            a.sync_state({"w": torch.ones(2)}, 5), b.sync_state({"w": torch.zeros(2)}, 0)
+        )
+        assert good[1][1] == 5
+        assert good[1][0]["w"].tolist() == [1.0, 1.0]
