@@ -114,11 +114,87 @@ async def test_a_join_cancelled_as_its_world_forms_gives_the_world_up(store: Any
         gate.release()
         with pytest.raises(asyncio.CancelledError):
             await joined
-        assert parse_roster(_read(client, "quit/1") or b"") == [b._me]  # type: ignore[attr-defined]
+        old = b._me  # type: ignore[attr-defined]
+        assert parse_roster(_read(client, "quit/1") or b"") == [old]
         world = await first
         assert (world.generation, world.members) == (2, ("a",))
         assert time.monotonic() - started < 10  # not a's configure deadline (20 s)
         assert b.world is None
+        # b goes on as a new incarnation: joined again, it is a newcomer a lets in
+        assert b._engine.me.token != old.token  # type: ignore[attr-defined]
+        again = asyncio.ensure_future(b.join(gb))
+        assert await _pending_soon(a)
+        worlds = await asyncio.gather(a.recover(ga), again)
+        assert [(w.generation, w.members) for w in worlds] == [(3, ("a", "b"))] * 2
+    assert not _membership_threads()
+
+
+async def test_a_recover_retried_after_a_cancelled_one_is_told_it_was_dropped(
+    store: Any,
+) -> None:
+    """b's recover is cancelled as generation 2 forms with it: b quit 2. Its
+    retry must not take 2 back (a gave it up: b would be in a world a left,
+    then counted dead in it): it is Evicted, and joins again."""
+    a, b = _members(store, "a", "b")
+    async with a, b, ftcomm.Group("gloo") as ga, ftcomm.Group("gloo") as gb:
+        await asyncio.gather(a.join(ga), b.join(gb))
+        readies: collections.Counter[str] = collections.Counter()
+
+        def second_look(name: str, args: tuple[Any, ...]) -> bool:
+            if name == "append" and args[0] == "ready/2":
+                readies["b"] += 1
+            return name == "compare_set" and args[0] == "world/2" and readies["b"] > 0
+
+        gate = Gate(b._engine._store, second_look)  # type: ignore[attr-defined]
+        b._engine._store = gate  # type: ignore[attr-defined]
+        recovering = asyncio.ensure_future(b.recover(gb))
+        await asyncio.to_thread(gate.paused.wait, 10)
+        first = asyncio.ensure_future(a.recover(ga))
+        client = _client(store)
+        await _until(lambda: _read(client, "world/2") is not None, "a decided generation 2")
+        recovering.cancel()
+        gate.release()
+        with pytest.raises(asyncio.CancelledError):
+            await recovering
+        try:  # not pytest.raises: its info would keep this frame (and the client) alive
+            await b.recover(gb)
+            evicted = None
+        except ftcomm.Evicted as exc:
+            evicted = (exc.generation, exc.current)
+        assert evicted == (1, 2)
+        assert b.world is None
+        worlds = await asyncio.gather(first, b.join(gb))
+        assert [(w.generation, w.members) for w in worlds] == [(3, ("a", "b"))] * 2
+        sums = await asyncio.gather(ga.allreduce(torch.ones(1)), gb.allreduce(torch.ones(1)))
+        assert [t.item() for t in sums] == [2.0, 2.0]
+
+
+async def test_close_during_open_leaves_it_closed(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ftcomm._membership import _store_engine
+
+    connecting, go = threading.Event(), threading.Event()
+    real = _store_engine.connect_store
+
+    def slow_connect(*args: Any) -> Any:
+        connecting.set()
+        go.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(_store_engine, "connect_store", slow_connect)
+    (m,) = _members(store, "m")
+    opening = asyncio.ensure_future(m.open())
+    await asyncio.to_thread(connecting.wait, 10)
+    closing = asyncio.ensure_future(m.close())
+    await _until(lambda: m._state == "closed", "close() began")  # type: ignore[attr-defined]
+    go.set()
+    await closing
+    with pytest.raises(ftcomm.MembershipError, match="closed while it opened"):
+        await opening
+    async with ftcomm.Group("gloo") as group:
+        with pytest.raises(RuntimeError, match="this one is closed"):
+            await m.join(group)
     assert not _membership_threads()
 
 

@@ -20,12 +20,17 @@ class Stopped(Exception):
 class Engine(Protocol):
     """Where a job's generations are agreed.
 
+    ``me`` is this member's current incarnation (a new one after it gave
+    up a generation it was formed into: see :meth:`abandon`).
+
     Promises: ``agree`` gives every member of a generation the same record
     (members in rank order), one record per generation number, ever; and a
     member that was left out of a later generation than the one it knew
     gets :class:`~ftcomm.errors.Evicted` (or is let in again as a newcomer,
     where the engine cannot tell), never a world the others are not in.
     """
+
+    me: Member
 
     def open(self, timeout: float, stop: threading.Event) -> None:
         """Connect, check that no live member has this id, start the heartbeat.
@@ -60,7 +65,9 @@ class Engine(Protocol):
 
     def abandon(self, record: WorldRecord) -> None:
         """Say this member will not configure ``record`` (its call was
-        cancelled), so that the others need not wait for it. Best effort."""
+        cancelled), so that the others need not wait for it; from then on
+        this member is a new incarnation (``me``), which comes back as a
+        newcomer. Best effort. Idempotent: the engine may close at once after."""
 
     def group_addr(self, record: WorldRecord) -> str:
         """The store address (``host:port/prefix``) where ``record``'s group meets."""

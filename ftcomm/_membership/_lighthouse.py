@@ -99,6 +99,7 @@ class LighthouseEngine:
         self._beat_client: Any = None
         self._error: ConnectionError | None = None
         self._stop = threading.Event()
+        self._closing = threading.Lock()  # close() may come from two threads at once
         self._thread: threading.Thread | None = None
         self._stores: dict[int, str] = {}  # generation -> its rank 0's store
         self._ahead: WorldRecord | None = None  # what pending() found, for recover()
@@ -152,6 +153,10 @@ class LighthouseEngine:
         """Nothing to do: a lighthouse learns of a member from its requests."""
 
     def close(self) -> None:
+        with self._closing:
+            self._close()
+
+    def _close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

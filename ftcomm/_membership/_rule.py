@@ -34,6 +34,7 @@ write happen once (``compare_set``), so every member reads the same world.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -44,6 +45,11 @@ class Member:
 
     id: str
     token: str
+
+    @classmethod
+    def fresh(cls, member_id: str) -> Member:
+        """A new incarnation of ``member_id``."""
+        return cls(member_id, uuid.uuid4().hex[:16])
 
     def line(self) -> str:
         return f"{self.id}\t{self.token}\n"

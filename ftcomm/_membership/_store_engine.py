@@ -88,6 +88,7 @@ class StoreEngine:
         self._timeout = heartbeat_timeout
         self._prefix = f"{addr.prefix + '/' if addr.prefix else ''}ftcomm/members/{job}/"
         self._store: Any = None  # the calls' client (one call at a time)
+        self._closing = threading.Lock()  # close() may come from two threads at once
         self.watcher: Watcher | None = None
         self.registered = False
 
@@ -188,10 +189,11 @@ class StoreEngine:
 
     def close(self) -> None:
         """Stop beating and say this member left. Idempotent."""
-        if self.watcher is not None:
-            self.watcher.stop(leave=self.registered)
-            self.watcher = None
-        self._store = None
+        with self._closing:
+            watcher, self.watcher = self.watcher, None
+            if watcher is not None:
+                watcher.stop(leave=self.registered)
+            self._store = None
 
     def broken(self) -> BaseException | None:
         return self.watcher.error if self.watcher is not None else None
@@ -341,11 +343,22 @@ class StoreEngine:
 
     def abandon(self, record: WorldRecord) -> None:
         """Tell ``record``'s other members this one will not configure it
-        (its call was cancelled): they give it up and form the next one."""
-        if self.me not in record.members:
+        (its call was cancelled): they give it up and form the next one.
+
+        This incarnation is then done with: the member goes on as a new
+        one, so that a retried ``join()`` is a newcomer the others let in
+        (its old token is in ``record`` and barred), and a retried
+        ``recover()`` is told it was dropped, rather than taking back the
+        generation it gave up.
+        """
+        watcher = self.watcher
+        if self.me not in record.members or watcher is None:
             return
         with contextlib.suppress(Exception):  # best effort: the store may be gone
             self._store.append(quit_key(record.generation), self.me.line())
+            renewed = Member.fresh(self.me.id)
+            watcher.renew(renewed)
+            self.me = renewed
 
     def _generation(self) -> int:
         """The latest generation with a record (0 before the first)."""

@@ -87,6 +87,7 @@ class Watcher:
         self._lock = threading.Lock()  # guards every field below it
         self._seen: dict[str, tuple[bytes, float]] = {}  # id -> (value, when it last moved)
         self._roster: list[Member] = []
+        self._beat_lock = threading.Lock()  # one writer of the key at a time
         self._beats = 0
         self._written = f"{me.token} 0"  # what this member's key holds, as it last wrote it
         self._last_tick: float | None = None
@@ -166,8 +167,20 @@ class Watcher:
         Raises:
             Superseded: another incarnation holds the key now.
         """
-        self._beats += 1
-        self._swap(f"{self.me.token} {self._beats}")
+        with self._beat_lock:
+            self._beats += 1
+            self._swap(f"{self.me.token} {self._beats}")
+
+    def renew(self, me: Member) -> None:
+        """Beat as ``me``, a new incarnation of this member's id, from now on
+        (the old one's key is taken over, not claimed again).
+
+        Raises:
+            Superseded: another incarnation holds the key already.
+        """
+        with self._beat_lock:
+            self._swap(f"{me.token} 0")
+            self.me, self._beats = me, 0
 
     def _swap(self, value: str) -> None:
         """Raises: Superseded: the key holds what another incarnation wrote."""
@@ -263,6 +276,6 @@ class Watcher:
             self._thread.join()
             self._thread = None
         if leave and self.error is None:
-            with contextlib.suppress(Exception):  # best effort: the store may be gone
+            with contextlib.suppress(Exception), self._beat_lock:  # the store may be gone
                 self._swap(f"{self.me.token} {LEFT}")
         self._store = None  # its connection closes with the last reference

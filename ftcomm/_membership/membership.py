@@ -18,7 +18,6 @@ import contextlib
 import functools
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -159,7 +158,7 @@ class Membership:
                 f"({self._hb_timeout:g} s), got {self._hb_interval:g}"
             )
         self._timeout = to_seconds(timeout, "timeout")
-        self._me = Member(self.member_id, uuid.uuid4().hex[:16])
+        self._me = Member.fresh(self.member_id)  # the engine's is the current one
         self._engine: Engine
         if isinstance(address, str) and is_lighthouse(address):
             if not isinstance(store_host, str):
@@ -227,13 +226,19 @@ class Membership:
         try:
             engine, until = self._engine, time.monotonic() + seconds
             await self._call(lambda stop: engine.open(seconds, stop), deadline=until)
+            with self._lock:
+                closed = self._state == "closed"  # close() ran meanwhile
+                if not closed:
+                    self._state = "open"
+            if closed:
+                raise MembershipError(
+                    f"membership {self.job}/{self.member_id} was closed while it opened"
+                )
         except BaseException:
             await self._blocking(self._engine.close)
             with self._lock:
                 self._state = "closed"
             raise
-        with self._lock:
-            self._state = "open"
 
     async def close(self) -> None:
         """Stop the heartbeat and tell the others this member left. Idempotent.
@@ -392,7 +397,7 @@ class Membership:
                         raise
                     prev = None  # its first world went on without it: come in again
                     continue
-                rank = record.rank_of(self._me)
+                rank = record.rank_of(engine.me)
                 assert rank is not None
                 addr = engine.group_addr(record)
                 try:
