@@ -159,9 +159,15 @@ def check_reduce_op(
 
 
 def check_reduce_dtype(op: ReduceOp.RedOpType, t: torch.Tensor, name: str) -> None:
-    """torch's own rules: bitwise ops need integers, complex only sums."""
+    """torch's own rules: bitwise ops need integers, complex only sums; and
+    an average of integers would be truncated: refused, not rounded."""
     if op in _BITWISE and (t.is_floating_point() or t.is_complex()):
         raise ValueError(f"op {op} needs integer or bool tensors, {name} is {t.dtype}")
+    if op == ReduceOp.AVG and not (t.is_floating_point() or t.is_complex()):
+        raise ValueError(
+            f"op {op} needs floating point or complex tensors (an integer average is "
+            f"not exact), {name} is {t.dtype}"
+        )
     if t.is_complex() and op not in _COMPLEX_OK:
         raise ValueError(f"op {op} is not defined on complex tensors ({name} is {t.dtype})")
 

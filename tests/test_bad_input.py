@@ -626,29 +626,35 @@ GLOO_CASES = [
         r"^out\[0\] must be on cpu",
         lambda g, k: g.allgather(k(f32(1, 2)), out=[torch.empty(2, device="meta")]),
     ),
+    # AVG is made on Gloo (a SUM, then a division): of integers it is refused
     bad(
-        "allreduce-avg",
+        "allreduce-avg-int",
         ValueError,
-        r"^op .*AVG.* is not supported by the gloo backend",
-        lambda g, k: g.allreduce(k(f32(1, 2)), ReduceOp.AVG),
+        r"^op .*AVG.* needs floating point or complex tensors",
+        lambda g, k: g.allreduce(k(torch.ones(2, dtype=torch.int64)), ReduceOp.AVG),
     ),
     bad(
-        "allreduce-avg-str",
+        "allreduce-avg-str-int",
         ValueError,
-        r"^op .*AVG.* is not supported by the gloo backend",
-        lambda g, k: g.allreduce(k(f32(1, 2)), "avg"),
+        r"^op .*AVG.* needs floating point or complex tensors",
+        lambda g, k: g.allreduce(k(torch.ones(2, dtype=torch.int32)), "avg"),
     ),
     bad(
-        "allreduce_coalesced-avg",
+        "allreduce_coalesced-avg-int",
         ValueError,
-        r"^op .*AVG.* is not supported by the gloo backend",
-        lambda g, k: g.allreduce_coalesced([k(f32(1, 2)), k(f32(3))], ReduceOp.AVG),
+        r"^op .*AVG.* needs floating point or complex tensors",
+        lambda g, k: g.allreduce_coalesced(
+            [k(torch.ones(2, dtype=torch.int64)), k(torch.ones(1, dtype=torch.int64))],
+            ReduceOp.AVG,
+        ),
     ),
     bad(
-        "reduce_scatter-avg",
+        "reduce_scatter-avg-bool",
         ValueError,
-        r"^op .*AVG.* is not supported by the gloo backend",
-        lambda g, k: g.reduce_scatter(k(torch.zeros(2)), [k(f32(1, 2))], ReduceOp.AVG),
+        r"^op .*AVG.* needs floating point or complex tensors",
+        lambda g, k: g.reduce_scatter(
+            k(torch.zeros(2, dtype=torch.bool)), [k(torch.ones(2, dtype=torch.bool))], "avg"
+        ),
     ),
 ]
 

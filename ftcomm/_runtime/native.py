@@ -202,6 +202,95 @@ class WorksOp:
             work.wait()
 
 
+class ThenOp:
+    """An op and a step after it (an AVG that Gloo lacks: a SUM, then a
+    division), the pair reported as one op.
+
+    ``after()`` runs once, on the thread the inner op's end reaches, only
+    if it succeeded and was not abandoned; the pair ends once it has run,
+    so nobody sees the op ended before its outputs are final. An ``after``
+    that raises is the op's error. :meth:`abandon` waits for an ``after``
+    in progress, and none starts once it returned: from then on nothing
+    writes into the op's tensors but what the inner op's own ``abandon``
+    says it may still write.
+    """
+
+    __slots__ = (
+        "_abandoned",
+        "_after",
+        "_callbacks",
+        "_done",
+        "_ended",
+        "_error",
+        "_inner",
+        "_lock",
+    )
+
+    def __init__(self, inner: NativeOp, after: Callable[[], object]) -> None:
+        self._inner = inner
+        self._after = after
+        self._lock = threading.Lock()  # guards every field below, and after() runs under it
+        self._abandoned = False
+        self._done = False
+        self._error: BaseException | None = None
+        self._callbacks: list[Done] = []
+        self._ended = threading.Event()
+        inner.on_done(self._finish)
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            if error is None and not self._abandoned:
+                try:
+                    self._after()
+                except Exception as exc:
+                    error = _bare(exc)
+            self._error, self._done = error, True
+            callbacks, self._callbacks = self._callbacks, []
+        self._ended.set()
+        for callback in callbacks:
+            callback(error)
+
+    def poll(self) -> bool:
+        return self._done
+
+    def outcome(self) -> BaseException | None:
+        return self._error
+
+    def on_done(self, callback: Done) -> None:
+        with self._lock:
+            if not self._done:
+                self._callbacks.append(callback)
+                return
+        callback(self._error)
+
+    def wait(self, seconds: float) -> bool:
+        return self._ended.wait(max(seconds, 0.0))
+
+    def abandon(self) -> bool:
+        with self._lock:
+            self._abandoned = True
+        stop = getattr(self._inner, "abandon", None)
+        return bool(stop()) if stop is not None else False
+
+    def join_stream(self) -> None:
+        join = getattr(self._inner, "join_stream", None)
+        if join is not None:
+            join()
+
+
+def divide(tensors: Iterable[torch.Tensor], n: int) -> Callable[[], None]:
+    """A step for :class:`ThenOp`: divide each tensor by ``n`` in place
+    (a SUM made an AVG), unrecorded by autograd, as a native op writes."""
+    targets = list(tensors)
+
+    def run() -> None:
+        with torch.inference_mode():
+            for t in targets:
+                t.div_(n)
+
+    return run
+
+
 def countdown(n: int, then: Callable[[], object]) -> Callable[[object], None]:
     """A callback to call ``n`` times, from any threads at once: the last
     call runs ``then()``."""

@@ -52,7 +52,16 @@ from torch._C._distributed_c10d import (
 from torch.distributed import ReduceOp
 
 from .._runtime.loop import get_runtime
-from .._runtime.native import NativeOp, Sever, ThreadOp, WorkOp, WorksOp, write_outputs
+from .._runtime.native import (
+    NativeOp,
+    Sever,
+    ThenOp,
+    ThreadOp,
+    WorkOp,
+    WorksOp,
+    divide,
+    write_outputs,
+)
 from .._store import StoreAddr, connect_store, meet
 from ._base import NUMERIC_DTYPES, Backend, ConnectSpec
 from ._gloo_pairs import (
@@ -220,9 +229,11 @@ class GlooBackend(Backend):
         torch.complex64,
         torch.complex128,
     }
+    # AVG is not Gloo's: a SUM, then a division (ThenOp), before the op ends
     reduce_ops: ClassVar[frozenset[ReduceOp.RedOpType]] = frozenset(
         {
             ReduceOp.SUM,
+            ReduceOp.AVG,
             ReduceOp.PRODUCT,
             ReduceOp.MIN,
             ReduceOp.MAX,
@@ -339,6 +350,9 @@ class GlooBackend(Backend):
     def allreduce(
         self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType, timeout: float
     ) -> NativeOp:
+        if op == ReduceOp.AVG:
+            summed = self.allreduce(tensors, _SUM, timeout)
+            return ThenOp(summed, divide(tensors, self.world_size))
         if len(tensors) == 1:
             opts = self._opts(AllreduceOptions, timeout, op)
             return WorkOp(self.pg.allreduce(list(tensors), opts), self._sever)
@@ -406,6 +420,9 @@ class GlooBackend(Backend):
         """Reduce-scatter ``chunks`` (one per rank) into ``output``, for each pair:
         allreduces of the buffers of :func:`_scatter_buffers`, packed by
         :func:`_buckets` (see :data:`_FUSE_MAX_BYTES`)."""
+        if op == ReduceOp.AVG:
+            summed = self._reduce_scatter(pairs, _SUM, timeout)
+            return ThenOp(summed, divide((o for o, _ in pairs), self.world_size))
         pg = self.pg  # before any output is written
         works = []
         for bucket in _buckets(_scatter_buffers(pairs, self.rank)):

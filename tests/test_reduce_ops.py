@@ -1,0 +1,169 @@
+"""Reduce ops a native backend lacks, made by ftcomm: AVG on Gloo is a SUM
+and a division before the op ends, in every op that reduces, in process and
+in a subprocess group, through the async API and the c10d facade."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ftcomm
+from ftcomm import c10d
+from ftcomm._runtime.native import DoneOp, ThenOp
+from ftcomm.testing import RankContext, run_world
+
+
+async def _averages(ctx: RankContext, subprocess: bool) -> dict[str, list[float]]:
+    """Rank r holds r + 1 (3 ranks: the average is 2)."""
+    r = float(ctx.rank + 1)
+    async with ftcomm.Group("gloo", subprocess=subprocess, timeout=20) as g:
+        await g.configure(ctx.addr(), ctx.rank, ctx.world_size, timeout=20)
+        out: dict[str, list[float]] = {}
+        out["allreduce"] = (await g.allreduce(torch.full((3,), r), "avg")).tolist()
+        both = await g.allreduce_coalesced(
+            [torch.full((2,), r), torch.full((1,), 2 * r)], dist.ReduceOp.AVG
+        )
+        out["coalesced"] = [v for t in both for v in t.tolist()]
+        chunks = [torch.full((2,), r * (d + 1)) for d in range(ctx.world_size)]
+        mine = await g.reduce_scatter(torch.zeros(2), chunks, "avg")
+        out["reduce_scatter"] = mine.tolist()
+        flat = torch.cat(chunks)
+        (into,) = await g.reduce_scatter_tensor_coalesced([torch.zeros(2)], [flat], "avg")
+        out["reduce_scatter_tensor"] = into.tolist()
+        complex_avg = await g.allreduce(torch.full((1,), complex(r, -r)), "avg")
+        out["complex"] = [complex_avg.item().real, complex_avg.item().imag]
+        out["sum after"] = (await g.allreduce(torch.ones(1))).tolist()  # SUM is SUM still
+        return out
+
+
+@pytest.mark.parametrize("subprocess", [False, True], ids=["in-process", "subprocess"])
+def test_avg_on_gloo_is_the_mean_in_every_reducing_op(subprocess: bool) -> None:
+    results = run_world(_averages, 3, args=(subprocess,), mode="thread", timeout=90)
+    for rank, out in enumerate(results):
+        assert out["allreduce"] == [2.0] * 3
+        assert out["coalesced"] == [2.0, 2.0, 4.0]
+        assert out["reduce_scatter"] == [2.0 * (rank + 1)] * 2  # mean of r * (rank + 1)
+        assert out["reduce_scatter_tensor"] == [2.0 * (rank + 1)] * 2
+        assert out["complex"] == [2.0, -2.0]
+        assert out["sum after"] == [3.0]
+
+
+async def _int_avg(ctx: RankContext) -> str:
+    async with ftcomm.Group("gloo", timeout=10) as g:
+        await g.configure(ctx.addr(), ctx.rank, ctx.world_size)
+        t = torch.ones(2, dtype=torch.int64)
+        with pytest.raises(ValueError, match="needs floating point or complex tensors"):
+            g.allreduce(t, "avg")
+        assert t.tolist() == [1, 1]
+        return str((await g.allreduce(t)).tolist())
+
+
+def test_an_integer_average_is_refused_not_truncated() -> None:
+    assert run_world(_int_avg, 2, mode="thread") == ["[2, 2]", "[2, 2]"]
+
+
+def _facade_avg(ctx: RankContext) -> list[float]:
+    pg = c10d.ProcessGroupGloo()
+    try:
+        pg.configure(ctx.addr(), "r", ctx.rank, ctx.world_size)
+        t = torch.full((2,), float(ctx.rank))
+        dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
+        out = torch.zeros(1)
+        dist.reduce_scatter_single(out, torch.full((2,), float(ctx.rank)), dist.ReduceOp.AVG, pg)
+        return [*t.tolist(), *out.tolist()]
+    finally:
+        pg.shutdown()
+
+
+async def _facade_avg_async(ctx: RankContext) -> list[float]:
+    import asyncio
+
+    return await asyncio.to_thread(_facade_avg, ctx)
+
+
+def test_the_facade_takes_avg_as_torch_passes_it() -> None:
+    assert run_world(_facade_avg_async, 2, mode="thread") == [[0.5, 0.5, 0.5]] * 2
+
+
+class _Manual:
+    """A native op that ends when the test says."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Any] = []
+        self.abandoned = False
+
+    def poll(self) -> bool:
+        return False
+
+    def outcome(self) -> BaseException | None:
+        return None
+
+    def on_done(self, callback: Any) -> None:
+        self.callbacks.append(callback)
+
+    def abandon(self) -> bool:
+        self.abandoned = True
+        return True
+
+    def end(self, error: BaseException | None = None) -> None:
+        for callback in self.callbacks:
+            callback(error)
+
+
+def test_then_runs_once_after_success_and_never_after_abandon() -> None:
+    steps: list[str] = []
+    inner = _Manual()
+    op = ThenOp(inner, lambda: steps.append("after"))
+    seen: list[Any] = []
+    op.on_done(seen.append)
+    assert not op.poll()
+    inner.end()
+    assert (steps, op.poll(), op.outcome(), seen) == (["after"], True, None, [None])
+    op.on_done(seen.append)  # late: at once
+    assert seen == [None, None]
+
+    inner = _Manual()
+    op = ThenOp(inner, lambda: steps.append("late"))
+    assert op.abandon() is True
+    assert inner.abandoned
+    inner.end()  # the inner op's late success: its outputs are no one's now
+    assert "late" not in steps
+    assert op.poll()
+
+    failed = ThenOp(DoneOp(RuntimeError("peer gone")), lambda: steps.append("never"))
+    assert isinstance(failed.outcome(), RuntimeError)
+    assert "never" not in steps
+
+    broken = ThenOp(DoneOp(), lambda: 1 / 0)
+    assert isinstance(broken.outcome(), ZeroDivisionError)
+
+
+def test_abandon_waits_for_an_after_in_progress() -> None:
+    """Forced: the after step is paused mid-way; abandon() must not return
+    before it finished (it writes the op's tensors)."""
+    inside, go = threading.Event(), threading.Event()
+    finished: list[bool] = []
+
+    def after() -> None:
+        inside.set()
+        go.wait(10)
+        finished.append(True)
+
+    inner = _Manual()
+    op = ThenOp(inner, after)
+    ender = threading.Thread(target=inner.end)
+    ender.start()
+    assert inside.wait(10)
+    returned = threading.Event()
+    abandoner = threading.Thread(target=lambda: (op.abandon(), returned.set()))
+    abandoner.start()
+    assert not returned.wait(0.2)  # held while the step runs
+    go.set()
+    assert returned.wait(10)
+    assert finished == [True]
+    ender.join()
+    abandoner.join()
