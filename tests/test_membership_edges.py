@@ -129,6 +129,37 @@ async def test_a_join_cancelled_as_its_world_forms_gives_the_world_up(store: Any
     assert not _membership_threads()
 
 
+async def test_a_world_written_after_a_cancelled_member_retracted_is_given_up(
+    store: Any,
+) -> None:
+    """The other interleaving: a read b's ready line, then b's join was
+    cancelled (b took its line back), then a wrote the world with b. b never
+    saw that world; it quit the generation anyway, so a gives it up."""
+    (b,) = _members(store, "b")
+    (a,) = _members(store, "a", min_size=1)
+    client = _client(store)
+    async with a, b, ftcomm.Group("gloo") as ga, ftcomm.Group("gloo") as gb:
+        gate = Gate(
+            a._engine._store,  # type: ignore[attr-defined]
+            lambda name, args: name == "compare_set" and args[:2] == ("world/1", ""),
+        )
+        a._engine._store = gate  # type: ignore[attr-defined]
+        joined = asyncio.ensure_future(b.join(gb))
+        await _until(lambda: len(parse_ready(_read(client, "ready/1") or b"")) == 1, "b ready")
+        first = asyncio.ensure_future(a.join(ga))
+        await asyncio.to_thread(gate.paused.wait, 10)  # a is about to write {b, a}
+        joined.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await joined
+        assert parse_ready(_read(client, "ready/1") or b"") == {a._engine.me}  # type: ignore[attr-defined]
+        gate.release()
+        started = time.monotonic()
+        world = await first
+        assert WorldRecord.decode(_read(client, "world/1") or b"").ids == ("b", "a")
+        assert (world.generation, world.members) == (2, ("a",))
+        assert time.monotonic() - started < 10  # not a's configure deadline (20 s)
+
+
 async def test_a_recover_retried_after_a_cancelled_one_is_told_it_was_dropped(
     store: Any,
 ) -> None:

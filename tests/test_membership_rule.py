@@ -355,3 +355,16 @@ def test_a_last_look_before_calling_a_member_dead_counts_a_fresh_beat() -> None:
     assert watcher.alive(B)
     watcher.refresh(store, [A])  # our own beat is never read back
     assert watcher.alive(A)
+
+
+def test_a_renew_after_the_leave_keeps_the_leave() -> None:
+    """close() said the member left while a cancelled call's renew was
+    still coming: the renew writes nothing, and the key says left."""
+    store, clock = FakeStore(), Clock()
+    watcher = claimed(store, A, clock)
+    assert watcher.renew(Member("a", "second")) is True
+    assert store.data["hb/a"] == b"second 0"
+    watcher.stop(leave=True)
+    assert store.data["hb/a"] == b"second left"
+    assert watcher.renew(Member("a", "third")) is False
+    assert store.data["hb/a"] == b"second left"

@@ -327,14 +327,27 @@ class StoreEngine:
                 if stop.wait(min(delay, max(deadline - now, 0.0))):
                     raise Stopped
                 delay = min(delay * 2, 0.005)
-        except (Stopped, MembershipTimeout):
+        except Stopped:
             if target is not None:
                 with contextlib.suppress(Exception):
                     self._store.append(f"ready/{target}", ready_line(self.me, False))
-                    # a decider may have read the ready line before it went
-                    decided = read(self._store, f"world/{target}")
-                    if decided is not None:
-                        self.abandon(WorldRecord.decode(decided))
+                # A decider may have read the ready line before it went, and
+                # write its world after any look of ours: quit the generation
+                # whether or not it is formed yet (see abandon()).
+                self._quit(target)
+            raise
+        except MembershipTimeout:
+            if target is None:
+                raise
+            with contextlib.suppress(Exception):
+                self._store.append(f"ready/{target}", ready_line(self.me, False))
+                # formed as the deadline passed: taken after all (one formed
+                # after this look waits for this member's retry, which takes it)
+                decided = read(self._store, f"world/{target}")
+                late = WorldRecord.decode(decided) if decided is not None else None
+                if late is not None and self.me in late.members:
+                    watcher.follow(target)
+                    return late
             raise
         except (RuntimeError, OSError, ValueError) as exc:
             if isinstance(exc, MembershipError):
@@ -351,14 +364,19 @@ class StoreEngine:
         ``recover()`` is told it was dropped, rather than taking back the
         generation it gave up.
         """
+        if self.me in record.members:
+            self._quit(record.generation)
+
+    def _quit(self, generation: int) -> None:
+        """Append this incarnation to ``quit/<generation>`` and go on as a new one."""
         watcher = self.watcher
-        if self.me not in record.members or watcher is None:
+        if watcher is None:
             return
         with contextlib.suppress(Exception):  # best effort: the store may be gone
-            self._store.append(quit_key(record.generation), self.me.line())
+            self._store.append(quit_key(generation), self.me.line())
             renewed = Member.fresh(self.me.id)
-            watcher.renew(renewed)
-            self.me = renewed
+            if watcher.renew(renewed):
+                self.me = renewed
 
     def _generation(self) -> int:
         """The latest generation with a record (0 before the first)."""

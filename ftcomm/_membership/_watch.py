@@ -171,16 +171,20 @@ class Watcher:
             self._beats += 1
             self._swap(f"{self.me.token} {self._beats}")
 
-    def renew(self, me: Member) -> None:
+    def renew(self, me: Member) -> bool:
         """Beat as ``me``, a new incarnation of this member's id, from now on
-        (the old one's key is taken over, not claimed again).
+        (the old one's key is taken over, not claimed again); False (and
+        nothing written) once :meth:`stop` began: its leave stays.
 
         Raises:
             Superseded: another incarnation holds the key already.
         """
         with self._beat_lock:
+            if self._stop.is_set():
+                return False
             self._swap(f"{me.token} 0")
             self.me, self._beats = me, 0
+            return True
 
     def _swap(self, value: str) -> None:
         """Raises: Superseded: the key holds what another incarnation wrote."""

@@ -297,7 +297,10 @@ class Membership:
         Call it on every member after a ``CommError`` (or when ``pending()``
         says so). A member that died (its heartbeat stopped) or that does
         not come within the join window is left out; newcomers waiting are
-        let in.
+        let in. A recover cancelled once it said it was ready (not one that
+        times out) gives up this member's place (store engine): the next
+        ``recover()`` raises :class:`~ftcomm.errors.Evicted`, and
+        ``join()`` comes back.
 
         Raises:
             Evicted: the others went on without this member: ``join()`` again.
