@@ -80,7 +80,9 @@ def test_delay_and_error_faults_apply_to_their_rank_and_op() -> None:
 
 
 async def hung_op(ctx: RankContext) -> str:
-    g = ftcomm.Group("gloo", timeout=0.5)
+    # the op's deadline is short; configure's is not (the ranks' processes
+    # may start seconds apart on a loaded machine)
+    g = ftcomm.Group("gloo", timeout=0.5, configure_timeout=30)
     await g.configure(ctx.addr(), ctx.rank, 2)
     try:
         await g.allreduce(torch.ones(1))  # op 0: never issued on rank 1

@@ -45,7 +45,11 @@ CASES: dict[str, Case] = {
 async def mismatched(ctx: RankContext, names: list[str], subprocess: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for i, name in enumerate(names):
-        g = ftcomm.Group("gloo", timeout=5, verify=True, subprocess=subprocess)
+        # configure's own deadline is generous: a subprocess worker starting
+        # on a loaded machine is not what this test looks at
+        g = ftcomm.Group(
+            "gloo", timeout=5, configure_timeout=60, verify=True, subprocess=subprocess
+        )
         try:
             await g.configure(ctx.addr(f"m{i}"), ctx.rank, 2)
             try:
@@ -57,7 +61,9 @@ async def mismatched(ctx: RankContext, names: list[str], subprocess: bool) -> di
         finally:
             await g.shutdown()
     # The trainer carries on: a fresh configuration works.
-    async with ftcomm.Group("gloo", timeout=5, verify=True, subprocess=subprocess) as g:
+    async with ftcomm.Group(
+        "gloo", timeout=5, configure_timeout=60, verify=True, subprocess=subprocess
+    ) as g:
         await g.configure(ctx.addr("again"), ctx.rank, 2)
         assert (await g.allreduce(torch.ones(2))).tolist() == [2.0, 2.0]
     return out
