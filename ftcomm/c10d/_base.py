@@ -157,6 +157,14 @@ class ProcessGroup(dist.ProcessGroup):
         """The backend's name, as registered with torch."""
         raise NotImplementedError(f"{type(self).__name__} does not implement getBackendName")
 
+    def _c10d_backend(self) -> tuple[str, str] | None:
+        """``(c10d backend, device type)`` of the native group underneath
+        (``("gloo", "cpu")``), what torch's ``get_backend(group)`` and
+        ``get_backend_config(group)`` answer for a registered group, so that
+        torch's own code picks the branch it would for that backend
+        (``monitored_barrier`` is Gloo's only); ``None``: no such backend."""
+        return None
+
     def abort(self, errored: bool = True) -> None:
         """Abort the group (nothing to abort in the base class)."""
 

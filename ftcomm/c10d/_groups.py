@@ -185,6 +185,47 @@ class _Facade(ProcessGroup):
     def barrier(self, opts: object = None) -> dist.Work:
         return self._run("barrier", None, lambda t: t.barrier(opts))
 
+    def reduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
+        """``torch.distributed.reduce``: the root's tensor gets the result."""
+        return self._run("reduce", tensors, lambda t: t.reduce(tensors, opts))
+
+    def gather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: object = None,
+    ) -> dist.Work:
+        """``torch.distributed.gather``: the root's list gets every rank's tensor."""
+        return self._run(
+            "gather", output_tensors, lambda t: t.gather(output_tensors, input_tensors, opts)
+        )
+
+    def scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: object = None,
+    ) -> dist.Work:
+        """``torch.distributed.scatter``: rank ``r`` gets the root's tensor ``r``."""
+        return self._run(
+            "scatter", output_tensors, lambda t: t.scatter(output_tensors, input_tensors, opts)
+        )
+
+    def monitored_barrier(self, timeout: object = None, wait_all_ranks: bool = False) -> None:
+        """``torch.distributed.monitored_barrier``: a barrier with a deadline
+        (``timeout``, else the group's). ftcomm's barrier already ends at
+        its deadline on every rank, so ``wait_all_ranks`` changes nothing.
+
+        Raises:
+            CommTimeout: a rank did not come by the deadline (the group is
+                aborted until ``configure``).
+            CommError: the group failed.
+        """
+        opts = dist.BarrierOptions()
+        if timeout is not None:
+            opts.timeout = timedelta(seconds=to_seconds(timeout, "timeout"))
+        self.barrier(opts).wait()
+
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
         return self._run("send", tensors, lambda t: t.send(tensors, dst_rank, tag))
 
@@ -456,12 +497,22 @@ class ProcessGroupWrapper(_Facade):
         """More keyword arguments for the :class:`~ftcomm.Group` it builds."""
         return {}
 
+    def _c10d_backend(self) -> tuple[str, str] | None:
+        if self._inner is not None:
+            return self._inner._c10d_backend()
+        device = _DEVICES.get(self._backend or "")
+        return (self._backend, device) if self._backend and device else None
+
     def getBackendName(self) -> str:
         if self._inner is not None:
             return self._inner.getBackendName()
         if self._backend is None:
             raise NotImplementedError(f"{type(self).__name__} wraps nothing: it has no backend")
         return f"ftcomm-baby-{self._backend}" if self._subprocess else f"ftcomm-{self._backend}"
+
+
+_DEVICES = {"gloo": "cpu", "nccl": "cuda", "xccl": "xpu"}
+"""The device type of each native backend a wrapper may run."""
 
 
 class ProcessGroupGloo(ProcessGroupWrapper):

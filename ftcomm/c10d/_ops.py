@@ -204,6 +204,88 @@ class GroupOps:
     def barrier(self, opts: object = None) -> OpWork:
         return OpWork(self.group.barrier(timeout=op_timeout(opts)), None)
 
+    # -- rooted ops, composed of the group's own (one op each) --------------
+    def _root(self, opts: object) -> int:
+        """``opts.rootRank``, a rank of this group.
+
+        Raises:
+            TypeError: ``opts`` has no root.
+            ValueError: the root is not a rank of the group.
+        """
+        root = getattr(opts, "rootRank", None)
+        if isinstance(root, bool) or not isinstance(root, int):
+            raise TypeError(f"opts must be c10d rooted options, got {type(opts).__name__}")
+        size = self.group.size()
+        if not 0 <= root < size:
+            raise ValueError(f"root rank {root} is not a rank of this group (size {size})")
+        if getattr(opts, "rootTensor", 0) != 0:
+            raise ValueError("opts.rootTensor must be 0 (one tensor per rank)")
+        return root
+
+    def reduce(self, tensors: Sequence[torch.Tensor], opts: object = None) -> OpWork:
+        """``torch.distributed.reduce``: an allreduce whose result only the
+        root keeps (the others reduce a copy: their tensor stays theirs)."""
+        tensor = one(tensors, "tensors")
+        root = self._root(opts)
+        op, timeout = reduce_args(opts)
+        target = tensor if self.group.rank == root else tensor.clone()
+        return OpWork(self.group.allreduce(target, op, timeout=timeout), tensors)
+
+    def gather(
+        self,
+        output_tensors: Sequence[Sequence[torch.Tensor]],
+        input_tensors: Sequence[torch.Tensor],
+        opts: object = None,
+    ) -> OpWork:
+        """``torch.distributed.gather``: an allgather into the root's list
+        (the others' copies are dropped). The root passes ``[[t0, ...]]``,
+        the others ``[]``."""
+        tensor = one(input_tensors, "input_tensors")
+        root = self._root(opts)
+        outs: list[torch.Tensor] | None = None
+        if self.group.rank == root:
+            outs = tensor_list(one(output_tensors, "output_tensors"), "output_tensors[0]")
+        elif list(output_tensors) not in ([], [[]]):
+            raise ValueError("output_tensors must be empty on a rank that is not the root")
+        work = self.group.allgather(tensor, out=outs, timeout=op_timeout(opts))
+        return OpWork(work, output_tensors)
+
+    def scatter(
+        self,
+        output_tensors: Sequence[torch.Tensor],
+        input_tensors: Sequence[Sequence[torch.Tensor]],
+        opts: object = None,
+    ) -> OpWork:
+        """``torch.distributed.scatter``: one alltoall in which only the root
+        sends (chunk ``r`` to rank ``r``). The root passes ``[[t0, ...]]``,
+        the others ``[]``; every output is contiguous, of one shape."""
+        out = one(output_tensors, "output_tensors")
+        root = self._root(opts)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"output_tensors[0] must be a tensor, got {type(out).__name__}")
+        if not out.is_contiguous():
+            raise ValueError("output_tensors[0] must be contiguous")
+        size, n = self.group.size(), out.numel()
+        if self.group.rank == root:
+            ins = tensor_list(one(input_tensors, "input_tensors"), "input_tensors[0]")
+            if len(ins) != size:
+                raise ValueError(f"input_tensors[0] must hold {size} tensors, got {len(ins)}")
+            for i, t in enumerate(ins):
+                if not isinstance(t, torch.Tensor) or t.shape != out.shape or t.dtype != out.dtype:
+                    raise ValueError(
+                        f"input_tensors[0][{i}] must be a {out.dtype} tensor of shape "
+                        f"{tuple(out.shape)}, as the output"
+                    )
+            flat = torch.cat([t.reshape(-1) for t in ins])
+            sends = [n] * size
+        else:
+            if list(input_tensors) not in ([], [[]]):
+                raise ValueError("input_tensors must be empty on a rank that is not the root")
+            flat, sends = out.new_empty(0), [0] * size
+        takes = [n if r == root else 0 for r in range(size)]
+        work = self.group.alltoall_base(out.view(-1), flat, takes, sends, timeout=op_timeout(opts))
+        return OpWork(work, output_tensors)
+
     def send(self, tensors: Sequence[torch.Tensor], dst_rank: int, tag: int = 0) -> OpWork:
         return OpWork(self.group.send(one(tensors, "tensors"), dst_rank, tag), tensors)
 

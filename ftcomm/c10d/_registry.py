@@ -47,10 +47,14 @@ def register(pg: dist.ProcessGroup, group_name: str) -> None:
         if group_name in world.pg_names.values():
             raise ValueError(f"a process group named {group_name!r} is registered already")
         ranks = _rank_mapping(pg)  # before any write: it may raise (a manager's size)
+        answer = getattr(pg, "_c10d_backend", None)  # ftcomm's groups have it
+        native: tuple[str, str] | None = answer() if answer is not None else None
         _register_process_group(group_name, pg)  # type: ignore[arg-type]  # a GroupName
-        world.pg_map[pg] = (group_name, None)
+        # torch's get_backend(pg) reads pg_map, get_backend_config(pg) the
+        # config: the native backend's, as for c10d's own groups of it
+        world.pg_map[pg] = (native[0] if native else group_name, None)
         world.pg_names[pg] = group_name
-        world.pg_backend_config[pg] = group_name
+        world.pg_backend_config[pg] = f"{native[1]}:{native[0]}" if native else group_name
         world.pg_group_ranks[pg] = ranks
         tag = f"ptd:{group_name}"
         world.pg_to_tag[pg] = tag

@@ -1,0 +1,122 @@
+"""torch.distributed's rooted functions over a facade group (reduce,
+gather, scatter, their object forms, monitored_barrier), and torch's
+backend queries answered as for c10d's own group of that backend."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ftcomm
+from ftcomm import c10d
+from ftcomm.testing import RankContext, run_world
+
+
+def _on_facade(
+    body: Callable[[RankContext, c10d.ProcessGroupGloo], Any],
+    cls: type[c10d.ProcessGroupGloo] = c10d.ProcessGroupGloo,
+) -> Any:
+    """A rank function: a registered ProcessGroupGloo of the world, ``body``
+    run on a thread (the facade's calls block), the group shut down after."""
+
+    async def rank(ctx: RankContext) -> Any:
+        def run() -> Any:
+            pg = cls(timeout=timedelta(seconds=20))
+            try:
+                pg.configure(ctx.addr(), "r", ctx.rank, ctx.world_size)
+                pg.register(f"rooted-{ctx.world_id}-{ctx.rank}")
+                try:
+                    return body(ctx, pg)
+                finally:
+                    pg.unregister()
+            finally:
+                pg.shutdown()
+
+        return await asyncio.to_thread(run)
+
+    return rank
+
+
+def _rooted(ctx: RankContext, pg: c10d.ProcessGroupGloo) -> dict[str, Any]:
+    r, out = ctx.rank, {}
+    mine = torch.full((2,), float(r + 1))
+    dist.reduce(mine, dst=1, group=pg)
+    out["reduce"] = mine.tolist()
+    into = [torch.zeros(2) for _ in range(3)] if r == 0 else None
+    dist.gather(torch.full((2,), float(r)), into, dst=0, group=pg)
+    out["gather"] = [t.tolist() for t in into] if into is not None else None
+    got = torch.zeros(2)
+    chunks = [torch.full((2,), 10.0 + d) for d in range(3)] if r == 2 else None
+    dist.scatter(got, chunks, src=2, group=pg)
+    out["scatter"] = got.tolist()
+    objects: list[Any] = [None] * 3 if r == 1 else []
+    dist.gather_object({"rank": r}, objects if r == 1 else None, dst=1, group=pg)
+    out["gather_object"] = objects
+    received: list[Any] = [None]
+    dist.scatter_object_list(received, [f"to {d}" for d in range(3)] if r == 0 else None, 0, pg)
+    out["scatter_object"] = received[0]
+    dist.monitored_barrier(pg, timeout=timedelta(seconds=20))
+    out["backend"] = (dist.get_backend(pg), dist.get_backend_config(pg))
+    return out
+
+
+@pytest.mark.parametrize("cls", [c10d.ProcessGroupGloo, c10d.ProcessGroupBabyGloo])
+def test_rooted_functions_over_a_facade_group(cls: type[c10d.ProcessGroupGloo]) -> None:
+    results = run_world(_on_facade(_rooted, cls), 3, mode="thread", timeout=90)
+    for r, out in enumerate(results):
+        assert out["reduce"] == ([6.0, 6.0] if r == 1 else [float(r + 1)] * 2)  # others keep theirs
+        assert out["gather"] == ([[0.0] * 2, [1.0] * 2, [2.0] * 2] if r == 0 else None)
+        assert out["scatter"] == [10.0 + r] * 2
+        assert out["gather_object"] == ([{"rank": 0}, {"rank": 1}, {"rank": 2}] if r == 1 else [])
+        assert out["scatter_object"] == f"to {r}"
+        assert out["backend"] == ("gloo", "cpu:gloo")
+
+
+def _bad_roots(ctx: RankContext, pg: c10d.ProcessGroupGloo) -> list[float]:
+    far = dist.ReduceOptions()
+    far.rootRank = 5
+    with pytest.raises(ValueError, match="root rank 5 is not a rank of this group"):
+        pg.reduce([torch.ones(1)], far)
+    gopts = dist.GatherOptions()
+    gopts.rootRank = 0
+    if ctx.rank == 1:
+        with pytest.raises(ValueError, match="must be empty on a rank that is not the root"):
+            pg.gather([[torch.zeros(1), torch.zeros(1)]], [torch.ones(1)], gopts)
+    sopts = dist.ScatterOptions()
+    sopts.rootRank = 0
+    if ctx.rank == 0:
+        with pytest.raises(ValueError, match=r"must be a torch.float32 tensor of shape \(1,\)"):
+            pg.scatter([torch.zeros(1)], [[torch.ones(1), torch.ones(2)]], sopts)
+        with pytest.raises(ValueError, match="must be contiguous"):
+            pg.scatter([torch.zeros(2, 2).t()], [[torch.ones(2, 2)] * 2], sopts)
+    assert pg.errored() is None
+    t = torch.ones(1)
+    dist.all_reduce(t, group=pg)  # the group is as it was
+    return t.tolist()
+
+
+def test_bad_rooted_calls_are_refused_and_harmless() -> None:
+    assert run_world(_on_facade(_bad_roots), 2, mode="thread") == [[2.0], [2.0]]
+
+
+def _late_barrier(ctx: RankContext, pg: c10d.ProcessGroupGloo) -> str:
+    if ctx.rank == 1:  # never comes to the barrier; keeps its group until rank 0 is done
+        ctx.wait_for_blocking("done")
+        return "absent"
+    try:
+        dist.monitored_barrier(pg, timeout=timedelta(seconds=0.5))
+    except ftcomm.CommTimeout as exc:
+        return type(exc).__name__
+    finally:
+        ctx.signal("done")
+    return "passed"
+
+
+def test_monitored_barrier_raises_at_its_deadline() -> None:
+    assert run_world(_on_facade(_late_barrier), 2, mode="thread") == ["CommTimeout", "absent"]
