@@ -934,17 +934,22 @@ def device_mesh_rank(ctx: RankContext) -> dict[str, Any]:
     dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size)
     pg = c10d.ProcessGroupGloo(timeout=20)
     try:
-        pg.configure(ctx.addr(), "0", ctx.rank, ctx.world_size)
+        # group ranks the other way round from the global ones
+        pg.configure(ctx.addr(), "0", ctx.world_size - 1 - ctx.rank, ctx.world_size)
         pg.register("mesh")
-        # As torchft does: this process's global rank, alone (a resizable dimension).
-        assert dist.get_process_group_ranks(pg) == [ctx.rank]
+        out: dict[str, Any] = {"ranks": dist.get_process_group_ranks(pg)}
         mesh = DeviceMesh.from_group(pg, "cpu")
-        out = {"mesh_group_is_pg": mesh.get_group() is pg, "mesh": mesh.mesh.tolist()}
+        out.update(mesh_group_is_pg=mesh.get_group() is pg, mesh=mesh.mesh.tolist())
         del mesh  # DeviceMesh holds the default group in reference cycles
-        # The group itself still spans every replica.
         total = torch.tensor([ctx.rank + 1.0])
         dist.all_reduce(total, group=pg)
         out["all_reduce"] = total.tolist()
+        t = torch.tensor([float(ctx.rank)])
+        dist.broadcast(t, src=0, group=pg)  # global rank 0
+        u = torch.tensor([float(ctx.rank)])
+        dist.broadcast(u, group_src=0, group=pg)  # group rank 0: global rank 1
+        out["broadcast"] = (t.item(), u.item())
+        out["group_rank"] = dist.get_rank(pg)
         pg.unregister()
         return out
     finally:
@@ -952,7 +957,17 @@ def device_mesh_rank(ctx: RankContext) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def test_device_mesh_resolves_a_registered_group() -> None:
+def test_device_mesh_and_dist_calls_see_the_groups_real_ranks() -> None:
+    """Under a default group, the registered group is entered with its
+    members' global ranks (found at configure): src is global, group_src
+    the group's, and DeviceMesh's mesh names the real ranks."""
     results = run_world(device_mesh_rank, 2, timeout=60)
     for rank, out in enumerate(results):
-        assert out == {"mesh_group_is_pg": True, "mesh": [rank], "all_reduce": [3.0]}
+        assert out == {
+            "ranks": [1, 0],
+            "mesh_group_is_pg": True,
+            "mesh": [1, 0],
+            "all_reduce": [3.0],
+            "broadcast": (0.0, 1.0),
+            "group_rank": 1 - rank,
+        }

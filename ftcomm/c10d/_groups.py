@@ -44,6 +44,7 @@ class _Facade(ProcessGroup):
         self._group: Group | None = None
         self._ops: GroupOps | None = None
         self._inner: ProcessGroup | None = None
+        self._global_ranks: list[int] | None = None  # by group rank, with a default group
         # First use makes the Group: configure(), or stats()/subscribe() from
         # a metrics thread meanwhile, must make one, not two.
         self._group_lock = threading.Lock()
@@ -252,7 +253,9 @@ class _Facade(ProcessGroup):
         group_world_size: int | None,
         global_ranks: Sequence[int] | None,
     ) -> None:
-        get_runtime().call(
+        device = group._backend_cls.caller_device()
+        runtime = get_runtime()
+        runtime.call(
             group.configure(
                 store_addr,
                 rank,
@@ -264,9 +267,17 @@ class _Facade(ProcessGroup):
                 global_ranks=global_ranks,
                 timeout=self._timeout,  # set_timeout() reaches configure too
                 # NCCL/XCCL: this thread's current device (configure runs on the owner loop's)
-                device_id=group._backend_cls.caller_device(),
+                device_id=device,
             )
         )
+        self._global_ranks = None
+        if global_ranks is not None:
+            self._global_ranks = [int(r) for r in global_ranks]
+        elif dist.is_initialized():
+            # Which global rank each member is: torch's tables map a
+            # group's ranks to the default group's, and a group spanning
+            # replicas (HSDP's replicate dimension) has no other way to say.
+            self._global_ranks = runtime.call(_global_ranks(group, device))
         _registry.refresh(self)
 
     def abort(self, errored: bool = True) -> None:
@@ -509,6 +520,16 @@ class ProcessGroupWrapper(_Facade):
         if self._backend is None:
             raise NotImplementedError(f"{type(self).__name__} wraps nothing: it has no backend")
         return f"ftcomm-baby-{self._backend}" if self._subprocess else f"ftcomm-{self._backend}"
+
+
+async def _global_ranks(group: Group, device: int | None) -> list[int]:
+    """Every member's rank in the default group, by group rank: one
+    allgather over the new configuration (on the group's device)."""
+    where = torch.device("cpu")
+    if device is not None:
+        where = torch.device(group._backend_cls.device_type, device)
+    mine = torch.tensor([dist.get_rank()], dtype=torch.int64, device=where)
+    return [int(t.item()) for t in await group.allgather(mine)]
 
 
 _DEVICES = {"gloo": "cpu", "nccl": "cuda", "xccl": "xpu"}

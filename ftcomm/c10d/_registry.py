@@ -5,11 +5,15 @@ Functional collectives resolve a group by name through c10d's C++ registry;
 ``DeviceMesh.from_group``) look groups up in ``distributed_c10d._world``. Both
 are torch internals, so every touch of them lives here.
 
-Rank mapping: with a default process group (``init_process_group``), the group
-is entered as torchft enters it, a group holding just this process's global
-rank (resizable worlds do not fit DeviceMesh; HSDP's replicate dimension is
-driven by the fault-tolerance layer). Without one, global and group ranks are
-the same: ``{r: r}`` over the current world size, refreshed at ``configure``.
+Rank mapping (``pg_group_ranks``: global rank -> group rank), refreshed at
+every ``configure``: with a default process group (``init_process_group``),
+the members' global ranks, from ``configure(global_ranks=...)`` or else one
+allgather of each member's default-group rank over the new configuration,
+so that ``src``/``dst`` (global) and ``group_src``/``group_dst`` mean what
+they mean for torch's own groups and DeviceMesh sees the group's real
+ranks. A group that cannot say (a wrapper over a manager) is entered as
+torchft enters it, this process's global rank alone. Without a default
+group, global and group ranks are the same: ``{r: r}``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ _lock = threading.Lock()
 
 def _rank_mapping(pg: dist.ProcessGroup) -> dict[int, int]:
     if dist.is_initialized():
-        return {dist.get_rank(): 0}
+        known: list[int] | None = getattr(pg, "_global_ranks", None)
+        if known:  # a facade group's members, found at configure
+            return {g: i for i, g in enumerate(known)}
+        return {dist.get_rank(): 0}  # a group that cannot say (a manager's): this rank alone
     try:
         size = pg.size()
     except RuntimeError:  # not configured yet: refreshed by configure()
