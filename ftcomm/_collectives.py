@@ -109,7 +109,7 @@ class Collectives:
             rop: ReduceOp.RedOpType = _SUM
         else:
             rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
-            v.check_reduce_dtype(rop, tensor, "tensor")
+            v.check_reduce_dtype(rop, tensor, "tensor", int_avg=cfg.backend.int_avg)
         if self._fusing(tensor):
             return self._enqueue(cfg, tensor, rop, timeout)
         return self._issue_allreduce(cfg, tensor, rop, timeout)
@@ -130,7 +130,7 @@ class Collectives:
         for i, t in enumerate(ts[1:], 1):
             v.check_dtype(t, f"tensors[{i}]", ts[0], "tensors[0]")
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
-        v.check_reduce_dtype(rop, ts[0], "tensors[0]")
+        v.check_reduce_dtype(rop, ts[0], "tensors[0]", int_avg=cfg.backend.int_avg)
         return self._issue(
             cfg,
             "allreduce_coalesced",
@@ -233,7 +233,7 @@ class Collectives:
         for i, t in enumerate(ins):
             v.check_like(t, f"inputs[{i}]", output, "output")
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
-        v.check_reduce_dtype(rop, output, "output")
+        v.check_reduce_dtype(rop, output, "output", int_avg=cfg.backend.int_avg)
         return self._issue(
             cfg,
             "reduce_scatter",
@@ -265,7 +265,7 @@ class Collectives:
             v.check_stacked(t, f"inputs[{i}]", o, f"outputs[{i}]", ws)
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
         for i, o in enumerate(outs):  # the dtypes may differ from one pair to the next
-            v.check_reduce_dtype(rop, o, f"outputs[{i}]")
+            v.check_reduce_dtype(rop, o, f"outputs[{i}]", int_avg=cfg.backend.int_avg)
         return self._issue(
             cfg,
             "reduce_scatter_tensor_coalesced",

@@ -158,12 +158,16 @@ def check_reduce_op(
     return op
 
 
-def check_reduce_dtype(op: ReduceOp.RedOpType, t: torch.Tensor, name: str) -> None:
-    """torch's own rules: bitwise ops need integers, complex only sums; and
-    an average of integers would be truncated: refused, not rounded."""
+def check_reduce_dtype(
+    op: ReduceOp.RedOpType, t: torch.Tensor, name: str, *, int_avg: bool = True
+) -> None:
+    """torch's own rules: bitwise ops need integers, complex only sums; and,
+    where the backend's AVG is ftcomm's (``int_avg`` false: Gloo's, a SUM
+    and a division), an average of integers, which it would truncate, is
+    refused rather than rounded."""
     if op in _BITWISE and (t.is_floating_point() or t.is_complex()):
         raise ValueError(f"op {op} needs integer or bool tensors, {name} is {t.dtype}")
-    if op == ReduceOp.AVG and not (t.is_floating_point() or t.is_complex()):
+    if op == ReduceOp.AVG and not int_avg and not (t.is_floating_point() or t.is_complex()):
         raise ValueError(
             f"op {op} needs floating point or complex tensors (an integer average is "
             f"not exact), {name} is {t.dtype}"

@@ -5,6 +5,7 @@ backend queries answered as for c10d's own group of that backend."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -120,3 +121,93 @@ def _late_barrier(ctx: RankContext, pg: c10d.ProcessGroupGloo) -> str:
 
 def test_monitored_barrier_raises_at_its_deadline() -> None:
     assert run_world(_on_facade(_late_barrier), 2, mode="thread") == ["CommTimeout", "absent"]
+
+
+def _two_worlds(ctx: RankContext, given: str) -> dict[str, Any]:
+    """Each rank its own one-process default world (as torchft's replica
+    groups are each their own job), one facade group across them."""
+    store = dist.PrefixStore(f"{ctx.world_id}/own-{ctx.rank}", ctx.store)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    pg = c10d.ProcessGroupGloo(timeout=timedelta(seconds=20))
+    try:
+        # replica-major numbers (replica * group size + group rank), as torchft's Manager passes
+        ranks = [0, 4] if given == "torchft's" else None
+        pg.configure(ctx.addr(), "r", ctx.rank, 2, global_ranks=ranks)
+        pg.register(f"across-{ctx.world_id}-{ctx.rank}")
+        t = torch.ones(1)
+        dist.all_reduce(t, group=pg)
+        out = {"ranks": dist.get_process_group_ranks(pg), "sum": t.item()}
+        pg.unregister()
+        return out
+    finally:
+        pg.shutdown()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("given", ["none", "torchft's"])
+def test_members_of_different_default_worlds_keep_the_one_rank_view(given: str) -> None:
+    """Their default ranks repeat (0 and 0) or global_ranks are not theirs:
+    no mapping is made up; each is entered alone, as torchft enters it."""
+    results = run_world(two_worlds, 2, args=(given,), timeout=60)
+    assert results == [{"ranks": [0], "sum": 2.0}] * 2
+
+
+def _wrapped(ctx: RankContext) -> list[int]:
+    store = dist.PrefixStore(f"{ctx.world_id}/default", ctx.store)
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size)
+    pg = c10d.ErrorSwallowingProcessGroupWrapper(c10d.ProcessGroupGloo(timeout=20))
+    try:
+        pg.configure(ctx.addr(), "r", ctx.world_size - 1 - ctx.rank, ctx.world_size)
+        pg.register(f"wrapped-{ctx.world_id}")
+        ranks = dist.get_process_group_ranks(pg)
+        pg.unregister()
+        return ranks
+    finally:
+        pg.shutdown()
+        dist.destroy_process_group()
+
+
+def test_a_wrapper_is_registered_with_the_ranks_of_the_group_it_wraps() -> None:
+    assert run_world(wrapped, 2, timeout=60) == [[1, 0], [1, 0]]
+
+
+def _untimed_barrier(ctx: RankContext) -> tuple[str, float]:
+    pg = c10d.ProcessGroupGloo(timeout=timedelta(seconds=1))
+    try:
+        pg.configure(ctx.addr(), "r", ctx.rank, ctx.world_size)
+        pg.register(f"untimed-{ctx.world_id}-{ctx.rank}")
+        try:
+            if ctx.rank == 1:
+                ctx.wait_for_blocking("done")
+                return "absent", 0.0
+            started = time.monotonic()
+            try:
+                dist.monitored_barrier(pg)  # torch passes its 30-minute default
+            except ftcomm.CommTimeout as exc:
+                return type(exc).__name__, time.monotonic() - started
+            finally:
+                ctx.signal("done")
+            return "passed", 0.0
+        finally:
+            pg.unregister()
+    finally:
+        pg.shutdown()
+
+
+def test_monitored_barrier_without_a_timeout_keeps_the_groups_deadline() -> None:
+    results = run_world(untimed_barrier, 2, mode="thread", timeout=60)
+    assert results[1] == ("absent", 0.0)
+    assert results[0][0] == "CommTimeout"
+    assert results[0][1] < 1.0 + 2.0  # the group's 1 s, not torch's 30 minutes
+
+
+async def two_worlds(ctx: RankContext, given: str) -> Any:
+    return await asyncio.to_thread(_two_worlds, ctx, given)
+
+
+async def wrapped(ctx: RankContext) -> Any:
+    return await asyncio.to_thread(_wrapped, ctx)
+
+
+async def untimed_barrier(ctx: RankContext) -> Any:
+    return await asyncio.to_thread(_untimed_barrier, ctx)

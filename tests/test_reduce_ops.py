@@ -167,3 +167,14 @@ def test_abandon_waits_for_an_after_in_progress() -> None:
     assert finished == [True]
     ender.join()
     abandoner.join()
+
+
+def test_an_integer_average_is_refused_only_where_avg_is_ftcomms() -> None:
+    from ftcomm._validate import check_reduce_dtype
+    from ftcomm.backends import backend_class
+
+    ints = torch.ones(2, dtype=torch.int32)
+    assert backend_class("gloo").int_avg is False
+    with pytest.raises(ValueError, match="needs floating point"):
+        check_reduce_dtype(dist.ReduceOp.AVG, ints, "t", int_avg=False)
+    check_reduce_dtype(dist.ReduceOp.AVG, ints, "t", int_avg=True)  # NCCL's own AVG takes them

@@ -72,6 +72,9 @@ class Backend(abc.ABC):
     dtypes: ClassVar[frozenset[torch.dtype] | None] = None
     """The dtypes it can send (``None``: any)."""
     reduce_ops: ClassVar[frozenset[ReduceOp.RedOpType]]
+    int_avg: ClassVar[bool] = True
+    """Whether AVG of integer tensors is the backend's own (NCCL's); where
+    it is not (Gloo's AVG is ftcomm's SUM and division), it is refused."""
     short_allreduce: ClassVar[bool] = False
     """Whether :meth:`allreduce_sum` is this backend's own short path, which
     ``Group.allreduce`` takes for a plain op (see there); else every op goes

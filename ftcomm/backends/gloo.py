@@ -243,6 +243,7 @@ class GlooBackend(Backend):
         }
     )
 
+    int_avg: ClassVar[bool] = False  # its AVG is a SUM and a division
     short_allreduce: ClassVar[bool] = True
 
     def __init__(

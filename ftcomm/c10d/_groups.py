@@ -11,6 +11,8 @@ default result and how to issue it; wrappers override that.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -18,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from .._runtime.deadline import to_seconds
 from .._runtime.loop import get_runtime
@@ -223,7 +226,8 @@ class _Facade(ProcessGroup):
             CommError: the group failed.
         """
         opts = dist.BarrierOptions()
-        if timeout is not None:
+        # torch passes its own default (30 minutes) where the caller gave none
+        if timeout is not None and timeout != default_pg_timeout:
             opts.timeout = timedelta(seconds=to_seconds(timeout, "timeout"))
         self.barrier(opts).wait()
 
@@ -271,13 +275,11 @@ class _Facade(ProcessGroup):
             )
         )
         self._global_ranks = None
-        if global_ranks is not None:
-            self._global_ranks = [int(r) for r in global_ranks]
-        elif dist.is_initialized():
-            # Which global rank each member is: torch's tables map a
-            # group's ranks to the default group's, and a group spanning
-            # replicas (HSDP's replicate dimension) has no other way to say.
-            self._global_ranks = runtime.call(_global_ranks(group, device))
+        if dist.is_initialized():
+            # Which default-group rank each member is: torch's tables map a
+            # group's ranks to the default group's. Trusted only where the
+            # members share one default world (see _global_ranks).
+            self._global_ranks = runtime.call(_global_ranks(group, device, global_ranks))
         _registry.refresh(self)
 
     def abort(self, errored: bool = True) -> None:
@@ -397,6 +399,8 @@ class ProcessGroupWrapper(_Facade):
     """
 
     _backend: ClassVar[str | None] = None
+    _sized_as_inner: ClassVar[bool] = True
+    """Whether this wrapper has the wrapped group's ranks (a manager's does not)."""
     """The ftcomm backend a group of its own uses (None: a pure wrapper)."""
     _subprocess: ClassVar[bool] = False
     """Whether that group runs in a worker process (the ``Baby`` classes)."""
@@ -456,6 +460,9 @@ class ProcessGroupWrapper(_Facade):
                 group_world_size,
                 global_ranks,
             )
+            # a wrapper's ranks are those of the group it wraps
+            inner: list[int] | None = getattr(self._inner, "_global_ranks", None)
+            self._global_ranks = inner if self._sized_as_inner else None
             _registry.refresh(self)
             return
         self._configure_group(
@@ -522,14 +529,37 @@ class ProcessGroupWrapper(_Facade):
         return f"ftcomm-baby-{self._backend}" if self._subprocess else f"ftcomm-{self._backend}"
 
 
-async def _global_ranks(group: Group, device: int | None) -> list[int]:
-    """Every member's rank in the default group, by group rank: one
-    allgather over the new configuration (on the group's device)."""
+def _job_tag() -> int:
+    """This job's mark: members of one default world share it (torchrun's
+    run id where there is one; 0 elsewhere)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return int.from_bytes(hashlib.sha256(run.encode()).digest()[:7], "big") if run else 0
+
+
+async def _global_ranks(
+    group: Group, device: int | None, given: Sequence[int] | None
+) -> list[int] | None:
+    """Every member's rank in the default group, by group rank, or ``None``
+    where they do not share one default world (torchft's replica groups:
+    each its own job, their ranks repeat) or ``given`` does not name this
+    rank's (torchft's Manager passes replica-major numbers, not ranks).
+
+    One allgather over the new configuration (on the group's device) of
+    (default rank, default world size, job mark): trusted when the ranks
+    are distinct and within one world size, and the marks agree."""
     where = torch.device("cpu")
     if device is not None:
         where = torch.device(group._backend_cls.device_type, device)
-    mine = torch.tensor([dist.get_rank()], dtype=torch.int64, device=where)
-    return [int(t.item()) for t in await group.allgather(mine)]
+    me = (dist.get_rank(), dist.get_world_size(), _job_tag())
+    mine = torch.tensor(me, dtype=torch.int64, device=where)
+    rows = [tuple(int(v) for v in t.tolist()) for t in await group.allgather(mine)]
+    ranks = [r for r, _, _ in rows]
+    one_world = len({(w, tag) for _, w, tag in rows}) == 1
+    if not one_world or len(set(ranks)) != len(ranks) or not all(0 <= r < me[1] for r in ranks):
+        return None
+    if given is not None and [int(r) for r in given] != ranks:
+        return None
+    return ranks
 
 
 _DEVICES = {"gloo": "cpu", "nccl": "cuda", "xccl": "xpu"}

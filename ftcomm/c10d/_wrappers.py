@@ -182,6 +182,8 @@ class ManagedProcessGroup(ProcessGroupWrapper):
             is not an ftcomm.c10d ``ProcessGroup``.
     """
 
+    _sized_as_inner = False  # sized by its manager, not by the wrapped group
+
     def __init__(self, manager: Manager, pg: ProcessGroup | None = None) -> None:
         missing = [
             m

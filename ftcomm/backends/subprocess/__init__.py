@@ -223,6 +223,7 @@ def subprocess_class(name: str) -> type[SubprocessBackend]:
             "device_type": inner.device_type,
             "dtypes": CARRIED if inner.dtypes is None else inner.dtypes & CARRIED,
             "reduce_ops": inner.reduce_ops,
+            "int_avg": inner.int_avg,
         },
     )
 
