@@ -186,7 +186,10 @@ def test_a_dropped_member_that_resumes_is_evicted_and_joins_again() -> None:
     assert rejoined[0] == "rejoined"
     for rank in (0, 1):
         log = results[rank]
-        assert log[0] == ("recovered", "CommTimeout", 2, 2)
+        # the first to reach its deadline aborts; its peer may see that first
+        assert log[0][0] == "recovered"
+        assert log[0][1] in ("CommTimeout", "CommFailed")
+        assert log[0][2:] == (2, 2)
         # let in at a step boundary (once, or twice where it came after the window)
         grown = [entry for entry in log if entry[0] == "grown"]
         assert grown[-1] == ("grown", rejoined[1], 3, rejoined[3])

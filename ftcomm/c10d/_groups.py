@@ -11,8 +11,6 @@ default result and how to issue it; wrappers override that.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -279,7 +277,7 @@ class _Facade(ProcessGroup):
             # Which default-group rank each member is: torch's tables map a
             # group's ranks to the default group's. Trusted only where the
             # members share one default world (see _global_ranks).
-            self._global_ranks = runtime.call(_global_ranks(group, device, global_ranks))
+            self._global_ranks = runtime.call(_registry.global_ranks(group, device, global_ranks))
         _registry.refresh(self)
 
     def abort(self, errored: bool = True) -> None:
@@ -527,39 +525,6 @@ class ProcessGroupWrapper(_Facade):
         if self._backend is None:
             raise NotImplementedError(f"{type(self).__name__} wraps nothing: it has no backend")
         return f"ftcomm-baby-{self._backend}" if self._subprocess else f"ftcomm-{self._backend}"
-
-
-def _job_tag() -> int:
-    """This job's mark: members of one default world share it (torchrun's
-    run id where there is one; 0 elsewhere)."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return int.from_bytes(hashlib.sha256(run.encode()).digest()[:7], "big") if run else 0
-
-
-async def _global_ranks(
-    group: Group, device: int | None, given: Sequence[int] | None
-) -> list[int] | None:
-    """Every member's rank in the default group, by group rank, or ``None``
-    where they do not share one default world (torchft's replica groups:
-    each its own job, their ranks repeat) or ``given`` does not name this
-    rank's (torchft's Manager passes replica-major numbers, not ranks).
-
-    One allgather over the new configuration (on the group's device) of
-    (default rank, default world size, job mark): trusted when the ranks
-    are distinct and within one world size, and the marks agree."""
-    where = torch.device("cpu")
-    if device is not None:
-        where = torch.device(group._backend_cls.device_type, device)
-    me = (dist.get_rank(), dist.get_world_size(), _job_tag())
-    mine = torch.tensor(me, dtype=torch.int64, device=where)
-    rows = [tuple(int(v) for v in t.tolist()) for t in await group.allgather(mine)]
-    ranks = [r for r, _, _ in rows]
-    one_world = len({(w, tag) for _, w, tag in rows}) == 1
-    if not one_world or len(set(ranks)) != len(ranks) or not all(0 <= r < me[1] for r in ranks):
-        return None
-    if given is not None and [int(r) for r in given] != ranks:
-        return None
-    return ranks
 
 
 _DEVICES = {"gloo": "cpu", "nccl": "cuda", "xccl": "xpu"}

@@ -7,23 +7,31 @@ are torch internals, so every touch of them lives here.
 
 Rank mapping (``pg_group_ranks``: global rank -> group rank), refreshed at
 every ``configure``: with a default process group (``init_process_group``),
-the members' global ranks, from ``configure(global_ranks=...)`` or else one
-allgather of each member's default-group rank over the new configuration,
-so that ``src``/``dst`` (global) and ``group_src``/``group_dst`` mean what
-they mean for torch's own groups and DeviceMesh sees the group's real
-ranks. A group that cannot say (a wrapper over a manager) is entered as
-torchft enters it, this process's global rank alone. Without a default
-group, global and group ranks are the same: ``{r: r}``.
+the members' global ranks, found by :func:`global_ranks` (one allgather
+over the new configuration), so that ``src``/``dst`` (global) and
+``group_src``/``group_dst`` mean what they mean for torch's own groups and
+DeviceMesh sees the group's real ranks. A group whose members do not share
+one default world (torchft's replica groups), or that cannot say (a
+wrapper over a manager), is entered as torchft enters it: this process's
+global rank alone. Without a default group, global and group ranks are the
+same: ``{r: r}``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 from torch.distributed import distributed_c10d as c10d
+
+if TYPE_CHECKING:
+    from ..group import Group
 
 _lock = threading.Lock()
 
@@ -97,3 +105,36 @@ def unregister(pg: dist.ProcessGroup) -> str:
         if tag is not None and not members:
             world.tags_to_pg.pop(tag, None)
         return name
+
+
+def _job_tag() -> int:
+    """This job's mark: members of one default world share it (torchrun's
+    run id where there is one; 0 elsewhere)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return int.from_bytes(hashlib.sha256(run.encode()).digest()[:7], "big") if run else 0
+
+
+async def global_ranks(
+    group: Group, device: int | None, given: Sequence[int] | None
+) -> list[int] | None:
+    """Every member's rank in the default group, by group rank, or ``None``
+    where they do not share one default world (torchft's replica groups:
+    each its own job, their ranks repeat) or ``given`` does not name this
+    rank's (torchft's Manager passes replica-major numbers, not ranks).
+
+    One allgather over the new configuration (on the group's device) of
+    (default rank, default world size, job mark): trusted when the ranks
+    are distinct and within one world size, and the marks agree."""
+    where = torch.device("cpu")
+    if device is not None:
+        where = torch.device(group._backend_cls.device_type, device)
+    me = (dist.get_rank(), dist.get_world_size(), _job_tag())
+    mine = torch.tensor(me, dtype=torch.int64, device=where)
+    rows = [tuple(int(v) for v in t.tolist()) for t in await group.allgather(mine)]
+    ranks = [r for r, _, _ in rows]
+    one_world = len({(w, tag) for _, w, tag in rows}) == 1
+    if not one_world or len(set(ranks)) != len(ranks) or not all(0 <= r < me[1] for r in ranks):
+        return None
+    if given is not None and [int(r) for r in given] != ranks:
+        return None
+    return ranks
