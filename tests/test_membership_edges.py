@@ -337,7 +337,9 @@ async def test_close_during_a_join_ends_it_with_a_membership_error(store: Any) -
         joining = asyncio.ensure_future(a.join(group))
         await _until(lambda: a._busy == "join" and a._running is not None, "join running")  # type: ignore[attr-defined]
         await a.close()
-        with pytest.raises(ftcomm.MembershipError, match="closed during the call"):
+        # during agree's wait: "closed during the call"; between two of its
+        # engine calls (a slow machine): the next one finds it "was closed"
+        with pytest.raises(ftcomm.MembershipError, match="was closed"):
             await joining
     assert not _membership_threads()
 
