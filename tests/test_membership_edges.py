@@ -7,7 +7,6 @@ chosen call), not left to chance."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import socket
 import threading
 import time
@@ -87,6 +86,22 @@ class Gate:
         self._go.set()
 
 
+def _pause_at_second_look(member: ftcomm.Membership, generation: int) -> Gate:
+    """Gate ``member``'s store client so that its agree pauses as it looks
+    at ``world/<generation>`` again, after its ready line went in."""
+    ready = threading.Event()
+
+    def second_look(name: str, args: tuple[Any, ...]) -> bool:
+        if name == "append" and args[0] == f"ready/{generation}":
+            ready.set()
+        return name == "compare_set" and args[0] == f"world/{generation}" and ready.is_set()
+
+    engine: Any = member._engine  # type: ignore[attr-defined]
+    gate = Gate(engine._store, second_look)
+    engine._store = gate
+    return gate
+
+
 async def test_a_join_cancelled_as_its_world_forms_gives_the_world_up(store: Any) -> None:
     """b's ready line is in and a decides a world with b; b's join is
     cancelled before b reads it. b tells that world it quit, and a, instead
@@ -95,15 +110,7 @@ async def test_a_join_cancelled_as_its_world_forms_gives_the_world_up(store: Any
     (a,) = _members(store, "a", min_size=1)
     client = _client(store)
     async with a, b, ftcomm.Group("gloo") as ga, ftcomm.Group("gloo") as gb:
-        readies: collections.Counter[str] = collections.Counter()
-
-        def second_look(name: str, args: tuple[Any, ...]) -> bool:
-            if name == "append" and args[0] == "ready/1":
-                readies["b"] += 1
-            return name == "compare_set" and args[0] == "world/1" and readies["b"] > 0
-
-        gate = Gate(b._engine._store, second_look)  # type: ignore[attr-defined]
-        b._engine._store = gate  # type: ignore[attr-defined]
+        gate = _pause_at_second_look(b, 1)
         joined = asyncio.ensure_future(b.join(gb))
         await asyncio.to_thread(gate.paused.wait, 10)
         started = time.monotonic()
@@ -172,15 +179,7 @@ async def test_a_recover_retried_after_a_cancelled_one_is_told_it_was_dropped(
     a, b = _members(store, "a", "b")
     async with a, b, ftcomm.Group("gloo") as ga, ftcomm.Group("gloo") as gb:
         await asyncio.gather(a.join(ga), b.join(gb))
-        readies: collections.Counter[str] = collections.Counter()
-
-        def second_look(name: str, args: tuple[Any, ...]) -> bool:
-            if name == "append" and args[0] == "ready/2":
-                readies["b"] += 1
-            return name == "compare_set" and args[0] == "world/2" and readies["b"] > 0
-
-        gate = Gate(b._engine._store, second_look)  # type: ignore[attr-defined]
-        b._engine._store = gate  # type: ignore[attr-defined]
+        gate = _pause_at_second_look(b, 2)
         recovering = asyncio.ensure_future(b.recover(gb))
         await asyncio.to_thread(gate.paused.wait, 10)
         first = asyncio.ensure_future(a.recover(ga))
