@@ -23,8 +23,15 @@ from ftcomm._bench import latency, membership, report, runner, torchft_rows
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+def _why(stderr: str) -> str:
+    """The bench's own failure lines first: the loop-lag warnings a loaded
+    machine prints (FTCOMM_DEBUG) can fill what a CI log shows."""
+    said = [line for line in stderr.splitlines() if line.startswith("ftcomm bench")]
+    return "\n".join([*said, "-- stderr's end:", stderr[-4000:]])
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     tiny = [
         "--iters",
@@ -44,15 +51,18 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     tiny += ["--membership-trials", "1"]
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     tiny += ["--json", str(out_json), "--plot", str(out_png)]
+    # Deadlines for a loaded 2-core machine, where the suite's other workers
+    # start processes too: the table part took 13 s alone, 43 s beside four
+    # busy loops; the whole run 28 s and 77 s.
     proc = subprocess.run(
-        [sys.executable, "-m", "ftcomm", "bench", *tiny, "--timeout", "50"],
+        [sys.executable, "-m", "ftcomm", "bench", *tiny, "--timeout", "150"],
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=280,
         check=False,
     )
-    assert proc.returncode == 0, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 0, _why(proc.stderr)
+    assert "Traceback" not in proc.stderr, _why(proc.stderr)
     assert "group aborted" not in proc.stderr, proc.stderr  # the kills it does on purpose
     out = proc.stdout
     assert re.search(r"^allreduce 1xfp32\s+raw\s+\d+\.\d+\s+\d+\.\d+\s*$", out, re.M), out

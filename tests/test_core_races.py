@@ -501,7 +501,7 @@ def test_configure_shutdown_abort_and_ops_from_three_threads() -> None:
 async def test_a_refill_queued_before_shutdown_starts_no_spare(store: StoreServer) -> None:
     """configure() queues a spare's start on a control thread; if that runs
     after shutdown() (s7 with ``subprocess=True``), no spare may start."""
-    g = ftcomm.Group("dummy", subprocess=True, timeout=30)
+    g = ftcomm.Group("dummy", subprocess=True, timeout=30, configure_timeout=60)
     await g.configure(f"127.0.0.1:{store.port}/refill", 0, 1)
     config = g._config
     launcher = g._launcher

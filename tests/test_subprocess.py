@@ -56,7 +56,9 @@ async def _until_dead(worker: WorkerProcess, timeout: float = 5.0) -> None:
 
 @pytest_asyncio.fixture
 async def group(store: StoreServer) -> AsyncIterator[ftcomm.Group]:
-    async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10) as g:
+    async with ftcomm.Group(
+        "gloo", subprocess=True, spare_worker=False, timeout=10, configure_timeout=60
+    ) as g:
         await g.configure(f"127.0.0.1:{store.port}/g0", 0, 1)
         yield g
 
@@ -64,7 +66,7 @@ async def group(store: StoreServer) -> AsyncIterator[ftcomm.Group]:
 # -- lifecycle -------------------------------------------------------------------------------
 @pytest.mark.asyncio
 async def test_configure_starts_a_worker_and_shutdown_reaps_it(store: StoreServer) -> None:
-    g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10)
+    g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10, configure_timeout=60)
     await g.configure(f"127.0.0.1:{store.port}/a", 0, 1)
     worker = subprocess_backend(g).worker
     assert _is_child(worker.pid)
@@ -85,7 +87,7 @@ async def test_each_configure_gets_a_fresh_worker_the_spare_when_there_is_one(
     store: StoreServer,
 ) -> None:
     rt = get_runtime()
-    async with ftcomm.Group("gloo", subprocess=True, timeout=10) as g:
+    async with ftcomm.Group("gloo", subprocess=True, timeout=10, configure_timeout=60) as g:
         await g.configure(f"127.0.0.1:{store.port}/a", 0, 1)
         first = subprocess_backend(g).worker
         launcher = g._launcher
@@ -240,7 +242,9 @@ async def _on_loop(fn: Any, *args: Any) -> None:
 async def test_configure_that_fails_leaves_no_worker(store: StoreServer) -> None:
     # World size 2 with nobody else joining: the worker's group construction
     # times out; the worker is killed and reaped (the leak fixture checks).
-    async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10) as g:
+    async with ftcomm.Group(
+        "gloo", subprocess=True, spare_worker=False, timeout=10, configure_timeout=60
+    ) as g:
         with pytest.raises((CommTimeout, ftcomm.CommFailed)):
             await g.configure(f"127.0.0.1:{store.port}/lonely", 0, 2, timeout=2.5)
         assert g.errored() is None
@@ -307,7 +311,7 @@ async def stale_reply(ctx: RankContext) -> dict[str, Any]:
     """Op 1 times out on rank 0 (rank 1 joins late); op 2 must carry op 2's data."""
     r, n = ctx.rank, ctx.world_size
     out: dict[str, Any] = {}
-    async with ftcomm.Group("gloo", subprocess=True, timeout=10) as g:
+    async with ftcomm.Group("gloo", subprocess=True, timeout=10, configure_timeout=60) as g:
         await g.configure(ctx.addr("g0"), r, n)
         first = torch.full((4,), 100.0 + r)
         if r == 0:
@@ -342,7 +346,9 @@ def test_drill_stale_reply_never_reaches_a_later_op() -> None:
 
 
 async def crash_with_a_worker(ctx: RankContext, record: str) -> None:
-    async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10) as g:
+    async with ftcomm.Group(
+        "gloo", subprocess=True, spare_worker=False, timeout=10, configure_timeout=60
+    ) as g:
         await g.configure(ctx.addr(), ctx.rank, ctx.world_size)
         await g.allreduce(torch.ones(1 << 16))  # a segment in the pool
         worker = subprocess_backend(g).worker
@@ -426,9 +432,12 @@ def _sync_chain(pg: Any) -> str:
 def test_a_future_callback_may_wait_for_another_op(store: StoreServer) -> None:
     from ftcomm.c10d import ProcessGroupBabyGloo
 
-    pg = ProcessGroupBabyGloo(timeout=5.0)
+    # configure's deadline is the facade's timeout: generous (a worker starts
+    # slowly on a loaded machine); the ops' is 5 s, which the chain must beat
+    pg = ProcessGroupBabyGloo(timeout=60.0)
     try:
         pg.configure(f"127.0.0.1:{store.port}/cb", "0", 0, 1)
+        pg.set_timeout(5.0)
         started = time.monotonic()
         assert _sync_chain(pg) == "ok"
         assert time.monotonic() - started < 4.0  # not ended by the 5 s deadline
@@ -442,7 +451,7 @@ import asyncio, gc, json, sys, ftcomm
 from torch._C._distributed_c10d import TCPStore
 async def main():
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10)
+    g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10, configure_timeout=60)
     await g.configure(f"127.0.0.1:{store.port}/drop", 0, 1)
     worker = g._config.backend.worker
     del g
@@ -476,7 +485,7 @@ def test_a_group_dropped_without_shutdown_does_not_keep_its_worker() -> None:
 @pytest.mark.asyncio
 async def test_a_dead_spare_is_replaced_not_used(store: StoreServer) -> None:
     rt = get_runtime()
-    async with ftcomm.Group("gloo", subprocess=True, timeout=10) as g:
+    async with ftcomm.Group("gloo", subprocess=True, timeout=10, configure_timeout=60) as g:
         await g.configure(f"127.0.0.1:{store.port}/a", 0, 1)
         assert await asyncio.to_thread(rt.control.wait_idle, 10.0)
         launcher = g._launcher
@@ -494,7 +503,7 @@ import asyncio, os, signal, sys, torch, ftcomm
 from torch._C._distributed_c10d import TCPStore
 async def main():
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=30)
+    g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=30, configure_timeout=60)
     await g.configure(f"127.0.0.1:{store.port}/x", 0, 1)
     worker = g._config.backend.worker
     os.kill(worker.pid, signal.SIGSTOP)
@@ -540,7 +549,9 @@ def test_the_parent_going_away_takes_worker_and_segments_with_it(how: str) -> No
 # -- tensors already in shared memory: passed in place, by file descriptor ------------------------
 async def shared_in_place(ctx: RankContext) -> dict[str, Any]:
     r, n = ctx.rank, ctx.world_size
-    async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=20) as g:
+    async with ftcomm.Group(
+        "gloo", subprocess=True, spare_worker=False, timeout=20, configure_timeout=60
+    ) as g:
         await g.configure(ctx.addr(), r, n)
         worker = subprocess_backend(g).worker
         t = torch.arange(8, dtype=torch.float32) + r
@@ -583,7 +594,12 @@ async def moved_in_place(ctx: RankContext) -> dict[str, Any]:
     r, n = ctx.rank, ctx.world_size
     out: dict[str, Any] = {}
     async with ftcomm.Group(
-        "gloo", subprocess=True, spare_worker=False, timeout=20, share_min_bytes=1 << 20
+        "gloo",
+        subprocess=True,
+        spare_worker=False,
+        timeout=20,
+        share_min_bytes=1 << 20,
+        configure_timeout=60,
     ) as g:
         await g.configure(ctx.addr(), r, n)
         worker = subprocess_backend(g).worker
@@ -606,7 +622,9 @@ async def moved_in_place(ctx: RankContext) -> dict[str, Any]:
         for _ in range(3):
             await g.allreduce(wrapped)
         out["numpy"] = (wrapped.is_shared(), float(arr[0]))
-    async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=20) as g:
+    async with ftcomm.Group(
+        "gloo", subprocess=True, spare_worker=False, timeout=20, configure_timeout=60
+    ) as g:
         await g.configure(ctx.addr("never"), r, n)
         t = torch.full((1 << 18,), float(r + 1))
         for _ in range(3):

@@ -107,7 +107,9 @@ PIPELINED = 64
 
 async def pipelined_rank(ctx: RankContext) -> list[torch.Tensor]:
     r, n = ctx.rank, ctx.world_size
-    async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=TIMEOUT) as g:
+    async with ftcomm.Group(
+        "gloo", subprocess=True, spare_worker=False, timeout=TIMEOUT, configure_timeout=60
+    ) as g:
         await g.configure(ctx.addr(), r, n)
         worker = subprocess_backend(g).worker
         if r > 0:  # the others issue only once rank 0 has all of its ops in flight
@@ -146,7 +148,9 @@ async def caller_tensors_rank(ctx: RankContext) -> list[str]:
     peer = (r + 1) % n
     ranks = range(n)
     checked: list[str] = []
-    async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=TIMEOUT) as g:
+    async with ftcomm.Group(
+        "gloo", subprocess=True, spare_worker=False, timeout=TIMEOUT, configure_timeout=60
+    ) as g:
         await g.configure(ctx.addr(), r, n)
 
         # A contiguous view that starts past its storage's first element: only

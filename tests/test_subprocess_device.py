@@ -433,7 +433,9 @@ class InFlight:
 
 @pytest_asyncio.fixture
 async def in_flight(store: StoreServer) -> AsyncIterator[InFlight]:
-    async with ftcomm.Group("dummy", subprocess=True, spare_worker=False, timeout=10) as g:
+    async with ftcomm.Group(
+        "dummy", subprocess=True, spare_worker=False, timeout=10, configure_timeout=60
+    ) as g:
         await g.configure(f"127.0.0.1:{store.port}/d", 0, 1)
         worker = g._config.backend.worker  # type: ignore[union-attr]
         calls = FakeCalls()
@@ -500,7 +502,9 @@ async def test_a_killed_workers_ipc_references_are_given_back(in_flight: InFligh
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.asyncio
 async def test_cuda_end_to_end(store: StoreServer) -> None:  # pragma: no cover - needs a GPU
-    async with ftcomm.Group("dummy", subprocess=True, spare_worker=False, timeout=30) as g:
+    async with ftcomm.Group(
+        "dummy", subprocess=True, spare_worker=False, timeout=30, configure_timeout=60
+    ) as g:
         await g.configure(f"127.0.0.1:{store.port}/cuda", 0, 1)
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):

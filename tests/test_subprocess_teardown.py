@@ -42,7 +42,9 @@ pytestmark = pytest.mark.one_loop
 
 @pytest_asyncio.fixture
 async def group(store: StoreServer) -> AsyncIterator[ftcomm.Group]:
-    async with ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10) as g:
+    async with ftcomm.Group(
+        "gloo", subprocess=True, spare_worker=False, timeout=10, configure_timeout=60
+    ) as g:
         await g.configure(f"127.0.0.1:{store.port}/t0", 0, 1)
         yield g
 
