@@ -50,7 +50,7 @@ def test_bad_faults_are_rejected(make: Any, error: type[Exception], match: str) 
 
 
 async def delayed_then_failed(ctx: RankContext) -> dict[str, Any]:
-    g = ftcomm.Group("gloo", timeout=5)
+    g = ftcomm.Group("gloo", timeout=5, configure_timeout=30)
     await g.configure(ctx.addr(), ctx.rank, 2)
     out: dict[str, Any] = {}
     await g.allreduce(torch.ones(1))  # op 0
@@ -99,7 +99,7 @@ def test_a_hung_op_ends_at_its_deadline_on_every_rank() -> None:
 
 
 async def store_breaks(ctx: RankContext) -> dict[str, Any]:
-    g = ftcomm.Group("gloo", timeout=5)
+    g = ftcomm.Group("gloo", timeout=5, configure_timeout=30)
     await g.configure(ctx.addr("a"), ctx.rank, 2)
     sums = [(await g.allreduce(torch.ones(1))).item() for _ in range(3)]  # rank 0 breaks at op 1
     started = time.monotonic()

@@ -57,7 +57,7 @@ def test_thread_mode_runs_ranks_as_threads(loop: str) -> None:
 
 
 async def error_on_rank_1(ctx: RankContext) -> str:
-    async with ftcomm.Group("gloo", timeout=5) as g:
+    async with ftcomm.Group("gloo", timeout=5, configure_timeout=30) as g:
         await g.configure(ctx.addr(), ctx.rank, ctx.world_size)
         try:
             await g.allreduce(torch.ones(1))
