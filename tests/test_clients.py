@@ -7,6 +7,8 @@ members, and the two compared."""
 from __future__ import annotations
 
 import gc
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,3 +154,121 @@ def test_fsdp2_dtensor_and_dcp_match_torchs_own_group(facade: str, tmp_path: Pat
     assert torch.equal(ftcomm_1["dtensor"]["scattered"], 3 * pending[2:])
     assert torch.equal(ftcomm_0["dcp"]["w"], torch.arange(8.0) * 3)
     assert ftcomm_1["dcp"]["step"] == 7
+
+
+# -- HSDP: FSDP2 inside each replica, the replicate dimension an ftcomm group ------------------
+def _hsdp_model(mesh: Any) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train(
+    model: torch.nn.Module,
+    rank: int,
+    steps: range,
+    failed: Callable[[], bool] = lambda: False,
+) -> None:
+    """SGD steps on a batch of this rank's own per step; a step whose
+    reduction ``failed()`` is skipped (its gradients dropped)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in steps:
+        torch.manual_seed(100 * step + rank)
+        model(torch.randn(4, 8)).square().sum().backward()
+        if not failed():
+            optimizer.step()
+        optimizer.zero_grad()
+
+
+def _full(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach() for p in model.parameters()]
+
+
+def hsdp_rank(ctx: RankContext) -> dict[str, Any] | None:
+    """Two replicas of two ranks: mesh [[0, 1], [2, 3]] (replicate, shard).
+    The shard dimension is each replica's torch group; the replicate one an
+    ftcomm group per shard index (ErrorSwallowing: a replica that dies makes
+    the survivors' step a no-op they can see, not an exception inside
+    backward, which leaves FSDP's state half-way). Replica 1 dies after
+    three steps; replica 0 skips the failed step, reconfigures its
+    replicate groups alone and trains on with the same model and mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    r = ctx.rank
+    replica, shard = divmod(r, 2)
+    store = dist.PrefixStore(f"{ctx.world_id}/default", ctx.store)
+    dist.init_process_group("gloo", store=store, rank=r, world_size=4)
+    # torch's own groups, every rank creating each (new_group's rule); see
+    # clients_rank for why they are left out of the leak check
+    shard_pg = [dist.new_group([0, 1]), dist.new_group([2, 3])][replica]
+    torch_replicate = [dist.new_group([0, 2]), dist.new_group([1, 3])][shard]
+    layout = {"mesh": [[0, 1], [2, 3]], "mesh_dim_names": ("replicate", "shard")}
+    reference = DeviceMesh.from_group([torch_replicate, shard_pg], "cpu", **layout)
+    want = _hsdp_model(reference)
+    _train(want, r, range(3))
+    out: dict[str, Any] = {"want3": _full(want)}
+    del want, reference
+    gc.collect()
+    ctx.baseline()
+
+    replicate = c10d.ErrorSwallowingProcessGroupWrapper(c10d.ProcessGroupGloo(timeout=20))
+    try:
+        replicate.configure(ctx.addr(f"replicate{shard}"), "0", replica, 2)
+        replicate.register(f"replicate{shard}")
+        mesh = DeviceMesh.from_group([replicate, shard_pg], "cpu", **layout)
+
+        def failed() -> bool:
+            """Whether any rank of this replica saw its replicate group fail:
+            the replica's ranks skip a step together or not at all."""
+            flag = torch.tensor([replicate.error() is not None], dtype=torch.int32)
+            dist.all_reduce(flag, dist.ReduceOp.MAX, group=shard_pg)
+            return bool(flag.item())
+
+        model = _hsdp_model(mesh)
+        _train(model, r, range(3), failed)
+        out["got3"] = _full(model)
+        if replica == 1:
+            os._exit(0)  # the replica dies between two steps
+        _train(model, r, range(3, 4), failed)  # its replicate allreduce fails
+        out["error"] = type(replicate.error()).__name__
+        out["after_failed_step"] = _full(model)
+        replicate.configure(ctx.addr(f"replicate{shard}-alone"), "0", 0, 1)
+        _train(model, r, range(4, 6), failed)
+        out["got6"] = _full(model)
+        out["errored"] = replicate.error()
+        # What replica 0 alone does from the same parameters: FSDP over its
+        # shard group only, torch's own.
+        alone = _hsdp_model(DeviceMesh.from_group(shard_pg, "cpu"))
+        with torch.no_grad():
+            for p, value in zip(alone.parameters(), out["got3"], strict=True):
+                p.to_local().copy_(value.chunk(2)[shard])  # Shard(0), even sizes
+        _train(alone, r, range(4, 6))
+        out["want6"] = _full(alone)
+        replicate.unregister()
+        del mesh, model, alone
+        return out
+    finally:
+        replicate.shutdown()
+        dist.destroy_process_group()
+        gc.collect()
+
+
+@pytest.mark.slow
+def test_hsdp_over_an_ftcomm_replicate_group_goes_on_after_a_replica_dies() -> None:
+    ranks = run_world(hsdp_rank, 4, expect_exit={2: 0, 3: 0}, timeout=120)
+    for rank in (0, 1):
+        out = ranks[rank]
+        # before the fault: as torch's own replicate groups would have it
+        _assert_same(out["got3"], out["want3"], f"rank {rank}, step 3")
+        # the failed step is seen and changes nothing
+        assert out["error"] == "CommFailed", out["error"]
+        _assert_same(out["after_failed_step"], out["got3"], f"rank {rank}, failed step")
+        # then: the survivors' replica trains as a replica of its own would
+        assert out["errored"] is None, out["errored"]
+        _assert_same(out["got6"], out["want6"], f"rank {rank}, step 6")
+        assert not all(torch.equal(a, b) for a, b in zip(out["got6"], out["got3"], strict=True))
+    _assert_same(ranks[0]["got6"], ranks[1]["got6"], "ranks 0 and 1")
+    assert ranks[2:] == [None, None]
