@@ -131,6 +131,8 @@ class Collectives:
             v.check_dtype(t, f"tensors[{i}]", ts[0], "tensors[0]")
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
         v.check_reduce_dtype(rop, ts[0], "tensors[0]", int_avg=cfg.backend.int_avg)
+        if rop == ReduceOp.AVG and not cfg.backend.int_avg:
+            v.check_apart(ts, "tensors")
         return self._issue(
             cfg,
             "allreduce_coalesced",
@@ -266,6 +268,8 @@ class Collectives:
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
         for i, o in enumerate(outs):  # the dtypes may differ from one pair to the next
             v.check_reduce_dtype(rop, o, f"outputs[{i}]", int_avg=cfg.backend.int_avg)
+        if rop == ReduceOp.AVG and not cfg.backend.int_avg:
+            v.check_apart(outs, "outputs")
         return self._issue(
             cfg,
             "reduce_scatter_tensor_coalesced",

@@ -7,6 +7,7 @@ group and the caller's tensors as they were.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -174,6 +175,28 @@ def check_reduce_dtype(
         )
     if t.is_complex() and op not in _COMPLEX_OK:
         raise ValueError(f"op {op} is not defined on complex tensors ({name} is {t.dtype})")
+
+
+def check_apart(tensors: Sequence[torch.Tensor], name: str) -> None:
+    """For an AVG of ftcomm's (a SUM, then each tensor divided in place):
+    no two of ``tensors`` may share memory, or the shared part would be
+    divided twice. Conservative: views whose byte ranges in one storage
+    meet are refused, even where they interleave without sharing."""
+    spans = []
+    for i, t in enumerate(tensors):
+        if t.numel() == 0:
+            continue
+        start = t.data_ptr()
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+        spans.append((start, start + (last + 1) * t.element_size(), i))
+    spans.sort()
+    for (_, end, i), (start, _, j) in itertools.pairwise(spans):
+        if start < end:
+            first, second = sorted((i, j))
+            raise ValueError(
+                f"{name}[{first}] and {name}[{second}] share memory: an AVG (a SUM, then a "
+                "division of each tensor) would divide it twice; pass distinct tensors"
+            )
 
 
 def check_splits(

@@ -971,3 +971,53 @@ def test_device_mesh_and_dist_calls_see_the_groups_real_ranks() -> None:
             "broadcast": (0.0, 1.0),
             "group_rank": 1 - rank,
         }
+
+
+def wrapped_after_configure_rank(ctx: RankContext) -> dict[str, Any]:
+    store = dist.PrefixStore(f"{ctx.world_id}/default", ctx.store)
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size)
+    inner = c10d.ProcessGroupGloo(timeout=20)
+    try:
+        inner.configure(ctx.addr(), "0", 1 - ctx.rank, 2)  # group ranks the other way round
+        wrapper = c10d.ErrorSwallowingProcessGroupWrapper(inner)  # built after the configure
+        wrapper.register("wrapped")
+        out: dict[str, Any] = {"ranks": dist.get_process_group_ranks(wrapper)}
+        t = torch.tensor([float(ctx.rank)])
+        dist.broadcast(t, src=1, group=wrapper)  # global rank 1: group rank 0
+        out.update(broadcast=t.item(), error=wrapper.error())
+        wrapper.unregister()
+        return out
+    finally:
+        inner.shutdown()
+        dist.destroy_process_group()
+
+
+def test_a_wrapper_registered_after_its_group_was_configured_has_its_ranks() -> None:
+    """The wrapper's ranks are the wrapped group's as they are now, not a
+    copy taken at the wrapper's own configure (review: it was entered as
+    this rank alone, and the peers translated src differently)."""
+    results = run_world(wrapped_after_configure_rank, 2, timeout=60)
+    assert results == [{"ranks": [1, 0], "broadcast": 1.0, "error": None}] * 2
+
+
+def default_group_on_one_side_rank(ctx: RankContext) -> list[float]:
+    if ctx.rank == 0:  # a default world of its own; its peer has none
+        store = dist.PrefixStore(f"{ctx.world_id}/own", ctx.store)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    pg = c10d.ProcessGroupGloo(timeout=20)
+    try:
+        pg.configure(ctx.addr(), "0", ctx.rank, 2)
+        t = torch.tensor([ctx.rank + 1.0])
+        pg.allreduce([t]).wait()
+        return t.tolist()
+    finally:
+        pg.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_members_with_and_without_a_default_group_configure_alike() -> None:
+    """configure()'s exchange of default-group ranks runs on every member,
+    default group or not (review: only the member with one ran it, so its
+    peer's first op met that exchange and both timed out)."""
+    assert run_world(default_group_on_one_side_rank, 2, timeout=60) == [[3.0], [3.0]]

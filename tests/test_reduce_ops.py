@@ -69,6 +69,48 @@ def test_an_integer_average_is_refused_not_truncated() -> None:
     assert run_world(_int_avg, 2, mode="thread") == ["[2, 2]", "[2, 2]"]
 
 
+async def _aliased_avg(ctx: RankContext) -> dict[str, Any]:
+    """Rank r holds r + 1 (2 ranks: the mean is 1.5)."""
+    r = float(ctx.rank + 1)
+    async with ftcomm.Group("gloo", timeout=10) as g:
+        await g.configure(ctx.addr(), ctx.rank, ctx.world_size)
+        out: dict[str, Any] = {}
+        t = torch.full((2,), r)
+        base = torch.full((3,), r)
+        for name, tensors in {"same": [t, t], "overlap": [base[0:2], base[1:3]]}.items():
+            try:
+                g.allreduce_coalesced(tensors, "avg")
+            except ValueError as exc:
+                out[name] = str(exc)
+        pairs = [torch.zeros(2), torch.zeros(2)]
+        try:
+            inputs = [torch.full((4,), r), torch.full((4,), r)]
+            g.reduce_scatter_tensor_coalesced([pairs[0], pairs[0]], inputs, "avg")
+        except ValueError as exc:
+            out["outputs"] = str(exc)
+        out["untouched"] = t.tolist() + base.tolist() + pairs[0].tolist()
+        # views side by side in one storage are apart: each is divided once
+        halves = torch.full((4,), r)
+        await g.allreduce_coalesced([halves[:2], halves[2:]], "avg")
+        out["halves"] = halves.tolist()
+        out["sum"] = (await g.allreduce_coalesced([t, t])).__len__()  # SUM: torch's own
+        return out
+
+
+def test_an_average_of_tensors_that_share_memory_is_refused() -> None:
+    """ftcomm's AVG divides each tensor in place after the SUM: memory two
+    of them share would be divided twice (the mean of 1 and 2 came out as
+    0.75). It is refused before anything is issued, the tensors untouched."""
+    for out in run_world(_aliased_avg, 2, mode="thread"):
+        assert out["same"].startswith("tensors[0] and tensors[1] share memory"), out
+        assert out["overlap"].startswith("tensors[0] and tensors[1] share memory"), out
+        assert out["outputs"].startswith("outputs[0] and outputs[1] share memory"), out
+        assert out["halves"] == [1.5] * 4
+        assert out["sum"] == 2
+    ranks = run_world(_aliased_avg, 2, mode="thread")
+    assert [out["untouched"] for out in ranks] == [[1.0] * 5 + [0.0] * 2, [2.0] * 5 + [0.0] * 2]
+
+
 def _facade_avg(ctx: RankContext) -> list[float]:
     pg = c10d.ProcessGroupGloo()
     try:

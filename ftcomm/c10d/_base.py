@@ -165,6 +165,12 @@ class ProcessGroup(dist.ProcessGroup):
         (``monitored_barrier`` is Gloo's only); ``None``: no such backend."""
         return None
 
+    def _members_global_ranks(self) -> list[int] | None:
+        """Every member's rank in the default process group, by group rank,
+        for torch's tables when the group is registered; ``None``: unknown
+        (the group is entered as this process's rank alone)."""
+        return None
+
     def abort(self, errored: bool = True) -> None:
         """Abort the group (nothing to abort in the base class)."""
 

@@ -24,7 +24,7 @@ from .._runtime.deadline import to_seconds
 from .._runtime.loop import get_runtime
 from .._runtime.observe import Event, GroupStats, Subscription
 from .._validate import check_int
-from ..errors import CommError, NotConfigured
+from ..errors import CommError, CommTimeout, NotConfigured
 from ..group import Group
 from . import _registry
 from ._base import ProcessGroup, logger
@@ -255,9 +255,7 @@ class _Facade(ProcessGroup):
         group_world_size: int | None,
         global_ranks: Sequence[int] | None,
     ) -> None:
-        device = group._backend_cls.caller_device()
-        runtime = get_runtime()
-        runtime.call(
+        get_runtime().call(
             group.configure(
                 store_addr,
                 rank,
@@ -269,16 +267,28 @@ class _Facade(ProcessGroup):
                 global_ranks=global_ranks,
                 timeout=self._timeout,  # set_timeout() reaches configure too
                 # NCCL/XCCL: this thread's current device (configure runs on the owner loop's)
-                device_id=device,
+                device_id=group._backend_cls.caller_device(),
             )
         )
+        # Which default-group rank each member is: torch's tables map a
+        # group's ranks to the default group's. Exchanged in the store at
+        # every configure, by every member alike (see _registry.global_ranks).
         self._global_ranks = None
-        if dist.is_initialized():
-            # Which default-group rank each member is: torch's tables map a
-            # group's ranks to the default group's. Trusted only where the
-            # members share one default world (see _global_ranks).
-            self._global_ranks = runtime.call(_registry.global_ranks(group, device, global_ranks))
+        try:
+            self._global_ranks = _registry.global_ranks(
+                store_addr, rank, world_size, global_ranks, self._timeout
+            )
+        except TimeoutError as exc:  # a member went away since the group was built
+            self.abort()
+            raise CommTimeout(
+                f"configure timed out after {self._timeout:g} seconds: {exc}"
+            ) from exc
         _registry.refresh(self)
+
+    def _members_global_ranks(self) -> list[int] | None:
+        """Every member's default-group rank, by group rank, or ``None``
+        where they do not share one default world (found at configure)."""
+        return self._global_ranks
 
     def abort(self, errored: bool = True) -> None:
         """Abort the group: ops in flight end with ``CommAborted``, later ops
@@ -397,9 +407,9 @@ class ProcessGroupWrapper(_Facade):
     """
 
     _backend: ClassVar[str | None] = None
+    """The ftcomm backend a group of its own uses (None: a pure wrapper)."""
     _sized_as_inner: ClassVar[bool] = True
     """Whether this wrapper has the wrapped group's ranks (a manager's does not)."""
-    """The ftcomm backend a group of its own uses (None: a pure wrapper)."""
     _subprocess: ClassVar[bool] = False
     """Whether that group runs in a worker process (the ``Baby`` classes)."""
 
@@ -458,9 +468,6 @@ class ProcessGroupWrapper(_Facade):
                 group_world_size,
                 global_ranks,
             )
-            # a wrapper's ranks are those of the group it wraps
-            inner: list[int] | None = getattr(self._inner, "_global_ranks", None)
-            self._global_ranks = inner if self._sized_as_inner else None
             _registry.refresh(self)
             return
         self._configure_group(
@@ -512,6 +519,13 @@ class ProcessGroupWrapper(_Facade):
     def _group_options(self) -> dict[str, Any]:
         """More keyword arguments for the :class:`~ftcomm.Group` it builds."""
         return {}
+
+    def _members_global_ranks(self) -> list[int] | None:
+        # a wrapper's are the wrapped group's as they are now, however that
+        # group was configured (through this wrapper or not)
+        if self._inner is not None:
+            return self._inner._members_global_ranks() if self._sized_as_inner else None
+        return self._global_ranks
 
     def _c10d_backend(self) -> tuple[str, str] | None:
         if self._inner is not None:

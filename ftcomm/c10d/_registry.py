@@ -7,8 +7,8 @@ are torch internals, so every touch of them lives here.
 
 Rank mapping (``pg_group_ranks``: global rank -> group rank), refreshed at
 every ``configure``: with a default process group (``init_process_group``),
-the members' global ranks, found by :func:`global_ranks` (one allgather
-over the new configuration), so that ``src``/``dst`` (global) and
+the members' global ranks, found by :func:`global_ranks` (an exchange in
+the new configuration's store, by every member), so that ``src``/``dst`` (global) and
 ``group_src``/``group_dst`` mean what they mean for torch's own groups and
 DeviceMesh sees the group's real ranks. A group whose members do not share
 one default world (torchft's replica groups), or that cannot say (a
@@ -23,22 +23,24 @@ import hashlib
 import os
 import threading
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 from torch.distributed import distributed_c10d as c10d
 
+from .._store import connect_store, resolve_store_addr
+
 if TYPE_CHECKING:
-    from ..group import Group
+    from ._base import ProcessGroup
 
 _lock = threading.Lock()
 
 
-def _rank_mapping(pg: dist.ProcessGroup) -> dict[int, int]:
+def _rank_mapping(pg: ProcessGroup) -> dict[int, int]:
     if dist.is_initialized():
-        known: list[int] | None = getattr(pg, "_global_ranks", None)
+        known = pg._members_global_ranks()
         if known:  # a facade group's members, found at configure
             return {g: i for i, g in enumerate(known)}
         return {dist.get_rank(): 0}  # a group that cannot say (a manager's): this rank alone
@@ -49,7 +51,7 @@ def _rank_mapping(pg: dist.ProcessGroup) -> dict[int, int]:
     return {r: r for r in range(size)}
 
 
-def register(pg: dist.ProcessGroup, group_name: str) -> None:
+def register(pg: ProcessGroup, group_name: str) -> None:
     """Enter ``pg`` under ``group_name``.
 
     Raises:
@@ -76,7 +78,7 @@ def register(pg: dist.ProcessGroup, group_name: str) -> None:
         world.tags_to_pg.setdefault(tag, []).append(pg)
 
 
-def refresh(pg: dist.ProcessGroup) -> None:
+def refresh(pg: ProcessGroup) -> None:
     """Update the rank mapping of a registered group after ``configure``."""
     world: Any = c10d._world  # torch's private registry tables
     with _lock:
@@ -84,7 +86,7 @@ def refresh(pg: dist.ProcessGroup) -> None:
             world.pg_group_ranks[pg] = _rank_mapping(pg)
 
 
-def unregister(pg: dist.ProcessGroup) -> str:
+def unregister(pg: ProcessGroup) -> str:
     """Forget ``pg``'s entry; returns the name it had.
 
     Raises:
@@ -114,23 +116,52 @@ def _job_tag() -> int:
     return int.from_bytes(hashlib.sha256(run.encode()).digest()[:7], "big") if run else 0
 
 
-async def global_ranks(
-    group: Group, device: int | None, given: Sequence[int] | None
+_RANK_KEY = "ftcomm/c10d/default-rank/{rank}"
+"""Where a member of a configuration writes its default-group rank (under
+the configuration's own store prefix, beside the group's own keys)."""
+
+
+def _row(value: bytes) -> tuple[int, int, int]:
+    rank, size, tag = (int(v) for v in value.decode().split(","))
+    return rank, size, tag
+
+
+def global_ranks(
+    store_addr: str, rank: int, world_size: int, given: Sequence[int] | None, timeout: float
 ) -> list[int] | None:
     """Every member's rank in the default group, by group rank, or ``None``
     where they do not share one default world (torchft's replica groups:
     each its own job, their ranks repeat) or ``given`` does not name this
     rank's (torchft's Manager passes replica-major numbers, not ranks).
 
-    One allgather over the new configuration (on the group's device) of
-    (default rank, default world size, job mark): trusted when the ranks
-    are distinct and within one world size, and the marks agree."""
-    where = torch.device("cpu")
-    if device is not None:
-        where = torch.device(group._backend_cls.device_type, device)
-    me = (dist.get_rank(), dist.get_world_size(), _job_tag())
-    mine = torch.tensor(me, dtype=torch.int64, device=where)
-    rows = [tuple(int(v) for v in t.tolist()) for t in await group.allgather(mine)]
+    Exchanged in the configuration's store, not over the group (no op a
+    user sees in stats, events or a fault plan's op count), by every member
+    alike, with a default group or not (then ``(-1, 0, mark)``): a member
+    that skipped it would leave the others waiting. Each member writes
+    (default rank, default world size, job mark) and reads everyone's:
+    trusted when the ranks are distinct and within one world size, and the
+    marks agree. Every member reads the same rows, so every member decides
+    alike. Blocks the calling thread for ``timeout`` at most.
+
+    Raises:
+        TimeoutError: a member did not write its row in time.
+    """
+    me = (-1, 0, _job_tag())
+    if dist.is_initialized():
+        me = (dist.get_rank(), dist.get_world_size(), _job_tag())
+    if world_size == 1:  # nobody to ask (a dummy group has no store at all)
+        rows = [me]
+    else:
+        store = connect_store(resolve_store_addr(store_addr), timeout)
+        keys = [_RANK_KEY.format(rank=r) for r in range(world_size)]
+        store.set(keys[rank], ",".join(map(str, me)))
+        try:
+            store.wait(keys, timedelta(seconds=timeout))
+        except RuntimeError as exc:  # c10d's DistStoreError: a member never wrote its row
+            why = f"a member did not say its default-group rank in {timeout:g} s"
+            raise TimeoutError(why) from exc
+        rows = [_row(bytes(r)) for r in store.multi_get(keys)]
+        del store  # the connection closes with the last reference
     ranks = [r for r, _, _ in rows]
     one_world = len({(w, tag) for _, w, tag in rows}) == 1
     if not one_world or len(set(ranks)) != len(ranks) or not all(0 <= r < me[1] for r in ranks):
