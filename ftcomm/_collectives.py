@@ -41,7 +41,7 @@ class Collectives:
         return False
 
     def _enqueue(
-        self, cfg: Config, tensor: torch.Tensor, rop: ReduceOp.RedOpType, timeout: Timeout | None
+        self, cfg: Config, tensor: torch.Tensor, rop: v.ReduceOpArg, timeout: Timeout | None
     ) -> Work[torch.Tensor]:
         """Add an allreduce to the open batch (``fuse=True``)."""
         raise NotImplementedError
@@ -66,7 +66,7 @@ class Collectives:
         self,
         cfg: Config,
         tensor: torch.Tensor,
-        rop: ReduceOp.RedOpType,
+        rop: v.ReduceOpArg,
         timeout: Timeout | None,
         cut: bool = True,
     ) -> Work[torch.Tensor]:
@@ -85,11 +85,16 @@ class Collectives:
     def allreduce(
         self,
         tensor: torch.Tensor,
-        op: ReduceOp.RedOpType | str = _SUM,
+        op: ReduceOp.RedOpType | ReduceOp | str = _SUM,
         *,
         timeout: Timeout | None = None,
     ) -> Work[torch.Tensor]:
         """Reduce ``tensor`` in place across all ranks; ``await`` gives ``tensor``.
+
+        ``op``: a ``ReduceOp`` member or its lower-case name (``"sum"``,
+        ``"avg"``, ``"max"`` ...), or ``ReduceOp.PREMUL_SUM(factor)``. Where
+        the backend lacks AVG or PREMUL_SUM (Gloo), ftcomm makes them: a SUM,
+        then a division or a multiplication, done before the op ends.
 
         Raises:
             TypeError, ValueError: bad arguments (the group stays usable).
@@ -106,7 +111,7 @@ class Collectives:
             # The default, valid for every dtype: each check is a few calls
             # into torch, and on the small-op path they cost more than the op's
             # Python elsewhere (cold caches after every wait).
-            rop: ReduceOp.RedOpType = _SUM
+            rop: v.ReduceOpArg = _SUM
         else:
             rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
             v.check_reduce_dtype(rop, tensor, "tensor", int_avg=cfg.backend.int_avg)
@@ -117,7 +122,7 @@ class Collectives:
     def allreduce_coalesced(
         self,
         tensors: Sequence[torch.Tensor],
-        op: ReduceOp.RedOpType | str = _SUM,
+        op: ReduceOp.RedOpType | ReduceOp | str = _SUM,
         *,
         timeout: Timeout | None = None,
     ) -> Work[list[torch.Tensor]]:
@@ -131,7 +136,7 @@ class Collectives:
             v.check_dtype(t, f"tensors[{i}]", ts[0], "tensors[0]")
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
         v.check_reduce_dtype(rop, ts[0], "tensors[0]", int_avg=cfg.backend.int_avg)
-        if rop == ReduceOp.AVG and not cfg.backend.int_avg:
+        if v.scaled_after(rop, cfg.backend.int_avg):
             v.check_apart(ts, "tensors")
         return self._issue(
             cfg,
@@ -219,7 +224,7 @@ class Collectives:
         self,
         output: torch.Tensor,
         inputs: Sequence[torch.Tensor],
-        op: ReduceOp.RedOpType | str = _SUM,
+        op: ReduceOp.RedOpType | ReduceOp | str = _SUM,
         *,
         timeout: Timeout | None = None,
     ) -> Work[torch.Tensor]:
@@ -250,7 +255,7 @@ class Collectives:
         self,
         outputs: Sequence[torch.Tensor],
         inputs: Sequence[torch.Tensor],
-        op: ReduceOp.RedOpType | str = _SUM,
+        op: ReduceOp.RedOpType | ReduceOp | str = _SUM,
         *,
         timeout: Timeout | None = None,
     ) -> Work[list[torch.Tensor]]:
@@ -268,7 +273,7 @@ class Collectives:
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
         for i, o in enumerate(outs):  # the dtypes may differ from one pair to the next
             v.check_reduce_dtype(rop, o, f"outputs[{i}]", int_avg=cfg.backend.int_avg)
-        if rop == ReduceOp.AVG and not cfg.backend.int_avg:
+        if v.scaled_after(rop, cfg.backend.int_avg):
             v.check_apart(outs, "outputs")
         return self._issue(
             cfg,

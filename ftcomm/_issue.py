@@ -31,6 +31,7 @@ from ._runtime.settle import aborted_by
 from ._runtime.table import Broken, OpTable
 from ._runtime.work import Work
 from ._state import Config, GroupCore
+from ._validate import ReduceOpArg
 from ._verify import Chain, VerifiedOp, describe, reduce_code
 from .backends import Backend
 from .errors import CommAborted, CommError, CommFailed, NotConfigured
@@ -143,7 +144,7 @@ class Issuing(Collectives):
     def allreduce(
         self,
         tensor: torch.Tensor,
-        op: ReduceOp.RedOpType | str = _SUM,
+        op: ReduceOp.RedOpType | ReduceOp | str = _SUM,
         *,
         timeout: Timeout | None = None,
     ) -> Work[torch.Tensor]:
@@ -351,7 +352,7 @@ class Issuing(Collectives):
         return bool(scopes) and any(s.group is self and s.active for s in scopes)
 
     def _enqueue(
-        self, cfg: Config, tensor: torch.Tensor, rop: ReduceOp.RedOpType, timeout: Timeout | None
+        self, cfg: Config, tensor: torch.Tensor, rop: ReduceOpArg, timeout: Timeout | None
     ) -> Work[torch.Tensor]:
         """A small allreduce, fused: it joins the open batch (one of its key:
         dtype and reduce op; else the open one is sent first, a cut point);

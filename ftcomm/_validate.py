@@ -8,8 +8,10 @@ group and the caller's tensors as they were.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias
 
 import torch
 from torch.distributed import ReduceOp
@@ -131,12 +133,59 @@ def check_stacked(
         )
 
 
+@dataclass(frozen=True, slots=True)
+class PremulSum:
+    """``ReduceOp.PREMUL_SUM(factor)``: each rank's input times ``factor``,
+    then summed (FSDP2's reduction when a gradient divide factor is set).
+    Where the backend lacks it (Gloo), a SUM whose outputs are multiplied by
+    ``factor`` before the op ends."""
+
+    factor: float
+
+    @property
+    def value(self) -> int:
+        """torch's number for the op (what :func:`reduce_code` reads)."""
+        return int(ReduceOp.PREMUL_SUM.value)
+
+    def __str__(self) -> str:
+        return f"PREMUL_SUM({self.factor:g})"
+
+
+ReduceOpArg: TypeAlias = "ReduceOp.RedOpType | PremulSum"
+"""A checked reduce op: a member of torch's, or a PREMUL_SUM with its factor."""
+
+
+def _premul_sum(value: object, name: str) -> PremulSum:
+    """torch's ``ReduceOp.PREMUL_SUM(factor)`` (a float, or a one-element CPU
+    tensor: one on a device would be read back with a sync at every op) as
+    ftcomm's :class:`PremulSum`."""
+    factor = getattr(value, "factor", None)
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1 or factor.device.type != "cpu":
+            raise ValueError(f"{name}'s PREMUL_SUM factor must be a float, got a tensor {factor}")
+        factor = factor.item()
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise ValueError(f"{name} PREMUL_SUM needs a factor: ReduceOp.PREMUL_SUM(factor)")
+    if not math.isfinite(factor):
+        raise ValueError(f"{name}'s PREMUL_SUM factor must be finite, got {factor}")
+    return PremulSum(float(factor))
+
+
 def check_reduce_op(
     value: object, supported: frozenset[ReduceOp.RedOpType], backend: str, name: str = "op"
-) -> ReduceOp.RedOpType:
-    """A ``ReduceOp`` member or its lower-case name (``"sum"``, ``"max"`` …)."""
+) -> ReduceOpArg:
+    """A ``ReduceOp`` member or its lower-case name (``"sum"``, ``"max"`` …),
+    or ``ReduceOp.PREMUL_SUM(factor)``."""
     if value is ReduceOp:
         raise TypeError(f"{name} must be a ReduceOp member such as ReduceOp.SUM, got the class")
+    if isinstance(value, PremulSum):
+        if ReduceOp.PREMUL_SUM not in supported:
+            raise ValueError(f"{name} {value} is not supported by the {backend} backend")
+        return value
+    if isinstance(value, ReduceOp) and getattr(value, "op", None) == ReduceOp.PREMUL_SUM:
+        if ReduceOp.PREMUL_SUM not in supported:
+            raise ValueError(f"{name} PREMUL_SUM is not supported by the {backend} backend")
+        return _premul_sum(value, name)
     if isinstance(value, str):
         op = _REDUCE_OPS_BY_NAME.get(value.lower())
         if op is None:
@@ -148,24 +197,32 @@ def check_reduce_op(
         wrapped: object = value
         found = next((m for m in _REDUCE_OPS_BY_NAME.values() if wrapped == m), None)
         if found is None:
-            raise ValueError(f"{name} {value!r} is not supported (premul_sum and custom ops)")
+            raise ValueError(f"{name} {value!r} is not supported (a custom op)")
         op = found
     else:
         raise TypeError(
             f"{name} must be a torch.distributed.ReduceOp or str, got {type(value).__name__}"
         )
+    if op == ReduceOp.PREMUL_SUM:
+        raise ValueError(f"{name} PREMUL_SUM needs a factor: ReduceOp.PREMUL_SUM(factor)")
     if op not in supported:
         raise ValueError(f"{name} {op} is not supported by the {backend} backend")
     return op
 
 
 def check_reduce_dtype(
-    op: ReduceOp.RedOpType, t: torch.Tensor, name: str, *, int_avg: bool = True
+    op: ReduceOpArg, t: torch.Tensor, name: str, *, int_avg: bool = True
 ) -> None:
     """torch's own rules: bitwise ops need integers, complex only sums; and,
     where the backend's AVG is ftcomm's (``int_avg`` false: Gloo's, a SUM
     and a division), an average of integers, which it would truncate, is
     refused rather than rounded."""
+    if isinstance(op, PremulSum):
+        if not (t.is_floating_point() or t.is_complex()):
+            raise ValueError(
+                f"op {op} needs floating point or complex tensors, {name} is {t.dtype}"
+            )
+        return
     if op in _BITWISE and (t.is_floating_point() or t.is_complex()):
         raise ValueError(f"op {op} needs integer or bool tensors, {name} is {t.dtype}")
     if op == ReduceOp.AVG and not int_avg and not (t.is_floating_point() or t.is_complex()):
@@ -177,10 +234,16 @@ def check_reduce_dtype(
         raise ValueError(f"op {op} is not defined on complex tensors ({name} is {t.dtype})")
 
 
+def scaled_after(op: ReduceOpArg, native: bool) -> bool:
+    """Whether ``op`` is a SUM whose outputs ftcomm scales in place after it
+    (AVG or PREMUL_SUM on a backend where they are not native)."""
+    return not native and (op == ReduceOp.AVG or isinstance(op, PremulSum))
+
+
 def check_apart(tensors: Sequence[torch.Tensor], name: str) -> None:
-    """For an AVG of ftcomm's (a SUM, then each tensor divided in place):
-    no two of ``tensors`` may share memory, or the shared part would be
-    divided twice. Conservative: views whose byte ranges in one storage
+    """For an AVG or PREMUL_SUM of ftcomm's (a SUM, then each tensor scaled
+    in place): no two of ``tensors`` may share memory, or the shared part
+    would be scaled twice. Conservative: views whose byte ranges in one storage
     meet are refused, even where they interleave without sharing."""
     spans = []
     for i, t in enumerate(tensors):
@@ -194,8 +257,8 @@ def check_apart(tensors: Sequence[torch.Tensor], name: str) -> None:
         if start < end:
             first, second = sorted((i, j))
             raise ValueError(
-                f"{name}[{first}] and {name}[{second}] share memory: an AVG (a SUM, then a "
-                "division of each tensor) would divide it twice; pass distinct tensors"
+                f"{name}[{first}] and {name}[{second}] share memory: an AVG or PREMUL_SUM (a "
+                "SUM, then each tensor scaled) would scale it twice; pass distinct tensors"
             )
 
 

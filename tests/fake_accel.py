@@ -134,7 +134,9 @@ class FakeGroup:
 
     def _reduce(self, t: torch.Tensor, op: Any) -> None:
         n = self.world_size
-        if op == ReduceOp.SUM:
+        if getattr(op, "op", None) == ReduceOp.PREMUL_SUM:  # NCCL's, the factor in it
+            t.mul_(n * op.factor)
+        elif op == ReduceOp.SUM:
             t.mul_(n)
         elif op == ReduceOp.PRODUCT:
             t.pow_(n)

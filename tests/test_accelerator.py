@@ -153,6 +153,28 @@ def test_the_backend_classes_share_one_implementation() -> None:
     assert backend_class("nccl") is nccl  # built once
 
 
+@pytest.mark.asyncio
+async def test_premul_sum_is_nccls_own_with_its_factor(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    """NCCL has PREMUL_SUM: the native op gets it, the factor with it (no
+    SUM and scaling afterwards, as on Gloo)."""
+    async with ftcomm.Group("nccl", timeout=5.0) as g:
+        await g.configure(_addr(store), 0, 1)
+        t = torch.tensor([2.0, 4.0])
+        await g.allreduce(t, torch.distributed.ReduceOp.PREMUL_SUM(0.5))
+        assert t.tolist() == [1.0, 2.0]  # world size 1: the factor alone
+        out = await g.reduce_scatter(
+            torch.zeros(2), [torch.tensor([8.0, 6.0])], torch.distributed.ReduceOp.PREMUL_SUM(0.25)
+        )
+        assert out.tolist() == [2.0, 1.5]
+        native = [w.opts.reduceOp for w in fake.group.ops[1:]]
+        assert [(op.op, op.factor) for op in native] == [
+            (torch.distributed.ReduceOp.PREMUL_SUM, 0.5),
+            (torch.distributed.ReduceOp.PREMUL_SUM, 0.25),
+        ]
+
+
 # -- ops end when their device work has ----------------------------------------------
 
 

@@ -22,10 +22,13 @@ from ftcomm.testing import RankContext, run_world
 FACADES = ("ProcessGroupGloo", "ProcessGroupBabyGloo")
 
 
-def _fsdp_step(mesh: Any, rank: int, mixed: bool) -> dict[str, Any]:
+def _fsdp_step(
+    mesh: Any, rank: int, mixed: bool, divide_factor: float | None = None
+) -> dict[str, Any]:
     """One FSDP2 step of a two-layer model, the same seed on every rank and
     a batch of each rank's own: the gradients and parameters every rank
-    ends with (the full tensors: gathered over the mesh)."""
+    ends with (the full tensors: gathered over the mesh). A divide factor
+    other than the mesh's size makes FSDP2 reduce with PREMUL_SUM."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
@@ -34,6 +37,9 @@ def _fsdp_step(mesh: Any, rank: int, mixed: bool) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": policy} if mixed else {"mesh": mesh}
     fully_shard(model[0], **kwargs)
     fully_shard(model, **kwargs)
+    if divide_factor is not None:  # each FSDP module's own (the call is not recursive)
+        for module in (model[0], model):
+            module.set_gradient_divide_factor(divide_factor)  # type: ignore[operator]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(1 + rank)
     model(torch.randn(4, 8)).square().sum().backward()
@@ -86,6 +92,8 @@ def _clients(group: dist.ProcessGroup, rank: int, path: Path) -> dict[str, Any]:
 
 
 def clients_rank(ctx: RankContext, facade: str, tmp: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import DeviceMesh
+
     store = dist.PrefixStore(f"{ctx.world_id}/default", ctx.store)
     dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size)
     pg = getattr(c10d, facade)(timeout=30)
@@ -101,9 +109,17 @@ def clients_rank(ctx: RankContext, facade: str, tmp: str) -> dict[str, Any]:
         gc.collect()
         ctx.baseline()
         try:
+            got = _clients(pg, ctx.rank, Path(tmp) / "ftcomm")
+            # FSDP2 with a divide factor of 4 on 2 ranks: a PREMUL_SUM(1/4),
+            # which torch's own Gloo refuses; the mean halved, bit for bit
+            mesh = DeviceMesh.from_group(pg, "cpu")
+            quarter = _fsdp_step(mesh, ctx.rank, mixed=False, divide_factor=4.0)["grads"]
+            del mesh
+            halved = [g / 2 for g in want["fsdp"]["grads"]]
             return {
                 "torch": want,
-                "ftcomm": _clients(pg, ctx.rank, Path(tmp) / "ftcomm"),
+                "ftcomm": got,
+                "premul": (quarter, halved),
                 "errored": pg.errored(),
             }
         finally:
@@ -139,6 +155,7 @@ def test_fsdp2_dtensor_and_dcp_match_torchs_own_group(facade: str, tmp_path: Pat
     for rank, out in enumerate(ranks):
         assert out["errored"] is None, out["errored"]
         _assert_same(out["ftcomm"], out["torch"], f"rank {rank}")
+        _assert_same(*out["premul"], f"rank {rank}, divide factor 4")
     ftcomm_0, ftcomm_1 = ranks[0]["ftcomm"], ranks[1]["ftcomm"]
     # Not a pair of no-ops: the step reduced both ranks' batches, so the
     # ranks agree on gradients they could not have computed alone, and the

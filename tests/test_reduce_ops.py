@@ -1,6 +1,7 @@
 """Reduce ops a native backend lacks, made by ftcomm: AVG on Gloo is a SUM
-and a division before the op ends, in every op that reduces, in process and
-in a subprocess group, through the async API and the c10d facade."""
+and a division before the op ends, PREMUL_SUM a SUM and a multiplication,
+in every op that reduces, in process and in a subprocess group, through the
+async API and the c10d facade."""
 
 from __future__ import annotations
 
@@ -53,6 +54,83 @@ def test_avg_on_gloo_is_the_mean_in_every_reducing_op(subprocess: bool) -> None:
         assert out["reduce_scatter_tensor"] == [mean * (rank + 1)] * 2
         assert out["complex"] == [mean, -mean]
         assert out["sum after"] == [float(n)]
+
+
+async def _premul_sums(ctx: RankContext, subprocess: bool) -> dict[str, list[float]]:
+    """Rank r holds r + 1; PREMUL_SUM(0.5): half of the sum (2 ranks: 1.5)."""
+    r = float(ctx.rank + 1)
+    half = dist.ReduceOp.PREMUL_SUM(0.5)
+    async with ftcomm.Group("gloo", subprocess=subprocess, spare_worker=False, timeout=20) as g:
+        await g.configure(ctx.addr(), ctx.rank, ctx.world_size, timeout=20)
+        out: dict[str, list[float]] = {}
+        out["allreduce"] = (await g.allreduce(torch.full((3,), r), half)).tolist()
+        both = await g.allreduce_coalesced([torch.full((2,), r), torch.full((1,), 2 * r)], half)
+        out["coalesced"] = [v for t in both for v in t.tolist()]
+        chunks = [torch.full((2,), r * (d + 1)) for d in range(ctx.world_size)]
+        out["reduce_scatter"] = (await g.reduce_scatter(torch.zeros(2), chunks, half)).tolist()
+        (into,) = await g.reduce_scatter_tensor_coalesced(
+            [torch.zeros(2)], [torch.cat(chunks)], half
+        )
+        out["reduce_scatter_tensor"] = into.tolist()
+        # a factor as torch also takes it: a one-element tensor
+        quarter = dist._make_nccl_premul_sum(torch.tensor([0.25]))
+        out["tensor factor"] = (await g.allreduce(torch.full((1,), r), quarter)).tolist()
+        out["sum after"] = (await g.allreduce(torch.ones(1))).tolist()  # SUM is SUM still
+        return out
+
+
+@pytest.mark.parametrize("subprocess", [False, True], ids=["in-process", "subprocess"])
+def test_premul_sum_on_gloo_is_the_scaled_sum_in_every_reducing_op(subprocess: bool) -> None:
+    results = run_world(_premul_sums, 2, args=(subprocess,), mode="thread", timeout=90)
+    for rank, out in enumerate(results):
+        assert out["allreduce"] == [1.5] * 3
+        assert out["coalesced"] == [1.5, 1.5, 3.0]
+        assert out["reduce_scatter"] == [1.5 * (rank + 1)] * 2
+        assert out["reduce_scatter_tensor"] == [1.5 * (rank + 1)] * 2
+        assert out["tensor factor"] == [0.75]
+        assert out["sum after"] == [2.0]
+
+
+async def _bad_premul(ctx: RankContext) -> dict[str, str]:
+    out: dict[str, str] = {}
+    async with ftcomm.Group("gloo", timeout=10) as g:
+        await g.configure(ctx.addr(), ctx.rank, ctx.world_size)
+        t = torch.ones(2, dtype=torch.int64)
+        cases = {
+            "no factor": (torch.ones(2), dist.ReduceOp.PREMUL_SUM),
+            "integers": (t, dist.ReduceOp.PREMUL_SUM(0.5)),
+            "nan": (torch.ones(2), dist.ReduceOp.PREMUL_SUM(float("nan"))),
+            # a factor on a device (meta here: CUDA on a GPU) would be read
+            # back with a device sync on every op
+            "device factor": (
+                torch.ones(2),
+                dist._make_nccl_premul_sum(torch.tensor([0.5], device="meta")),
+            ),
+        }
+        for name, (tensor, op) in cases.items():
+            try:
+                g.allreduce(tensor, op)
+            except ValueError as exc:
+                out[name] = str(exc)
+        out["untouched"] = str(t.tolist())
+        out["after"] = str((await g.allreduce(torch.ones(1))).tolist())
+    async with ftcomm.Group("dummy") as d:
+        await d.configure("127.0.0.1:1/x", 0, 1)
+        try:
+            d.allreduce(torch.ones(1), dist.ReduceOp.PREMUL_SUM(0.5))
+        except ValueError as exc:
+            out["dummy"] = str(exc)
+    return out
+
+
+def test_a_premul_sum_without_a_float_factor_or_on_integers_is_refused() -> None:
+    for out in run_world(_bad_premul, 2, mode="thread"):
+        assert "PREMUL_SUM needs a factor" in out["no factor"], out
+        assert "needs floating point or complex tensors" in out["integers"], out
+        assert "factor must be finite" in out["nan"], out
+        assert "factor must be a float" in out["device factor"], out
+        assert "not supported by the dummy backend" in out["dummy"], out
+        assert (out["untouched"], out["after"]) == ("[1, 1]", "[2.0]")
 
 
 async def _int_avg(ctx: RankContext) -> str:
@@ -119,7 +197,13 @@ def _facade_avg(ctx: RankContext) -> list[float]:
         dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
         out = torch.zeros(1)
         dist.reduce_scatter_single(out, torch.full((2,), float(ctx.rank)), dist.ReduceOp.AVG, pg)
-        return [*t.tolist(), *out.tolist()]
+        # FSDP2's reduction with a divide factor: PREMUL_SUM(1 / factor)
+        scaled = torch.full((2,), float(ctx.rank + 1))
+        dist.all_reduce(scaled, op=dist.ReduceOp.PREMUL_SUM(0.25), group=pg)
+        into = torch.zeros(1)
+        whole = torch.full((2,), float(ctx.rank + 1))
+        dist.reduce_scatter_single(into, whole, dist.ReduceOp.PREMUL_SUM(0.25), pg)
+        return [*t.tolist(), *out.tolist(), *scaled.tolist(), *into.tolist()]
     finally:
         pg.shutdown()
 
@@ -130,8 +214,8 @@ async def _facade_avg_async(ctx: RankContext) -> list[float]:
     return await asyncio.to_thread(_facade_avg, ctx)
 
 
-def test_the_facade_takes_avg_as_torch_passes_it() -> None:
-    assert run_world(_facade_avg_async, 2, mode="thread") == [[0.5, 0.5, 0.5]] * 2
+def test_the_facade_takes_avg_and_premul_sum_as_torch_passes_them() -> None:
+    assert run_world(_facade_avg_async, 2, mode="thread") == [[0.5, 0.5, 0.5, 0.75, 0.75, 0.75]] * 2
 
 
 class _Manual:

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -302,3 +303,24 @@ def dump_before_abort(calls: DeviceCalls, rank: int) -> None:
         log.warning("ftcomm: this torch has no in-process flight recorder dump")
     else:
         log.warning("ftcomm: flight recorder trace written to %s before the abort", path)
+
+
+def coalesced(
+    pg: Any, method: str, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], opts: Any
+) -> Any:
+    """The work of ``pg.method(output, input, opts)`` for every pair (a
+    single-tensor op every torch since 2.7 has on the backend): the call's
+    own for one pair, else that of a coalescing block around the calls,
+    whose end is theirs."""
+    call = getattr(pg, method)
+    if len(pairs) == 1:
+        return call(pairs[0][0], pairs[0][1], opts)
+    pg._start_coalescing()
+    try:
+        for output, input_ in pairs:
+            call(output, input_, opts)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the call's error is the one to raise
+            pg._end_coalescing()
+        raise
+    return pg._end_coalescing()

@@ -20,6 +20,7 @@ from torch.distributed import ReduceOp
 
 from .._runtime.native import NativeOp
 from .._store import ConnectProgress, StoreAddr
+from .._validate import ReduceOpArg
 from ..errors import CommError
 
 NUMERIC_DTYPES: frozenset[torch.dtype] = frozenset(
@@ -128,7 +129,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def allreduce(
-        self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType, timeout: float
+        self, tensors: Sequence[torch.Tensor], op: ReduceOpArg, timeout: float
     ) -> NativeOp: ...
 
     def allreduce_sum(self, tensor: torch.Tensor, timeout: float) -> NativeOp:
@@ -156,7 +157,7 @@ class Backend(abc.ABC):
         self,
         output: torch.Tensor,
         inputs: Sequence[torch.Tensor],
-        op: ReduceOp.RedOpType,
+        op: ReduceOpArg,
         timeout: float,
     ) -> NativeOp: ...
 
@@ -165,7 +166,7 @@ class Backend(abc.ABC):
         self,
         outputs: Sequence[torch.Tensor],
         inputs: Sequence[torch.Tensor],
-        op: ReduceOp.RedOpType,
+        op: ReduceOpArg,
         timeout: float,
     ) -> NativeOp: ...
 

@@ -51,18 +51,21 @@ from torch._C._distributed_c10d import (
     AllToAllOptions,
     BroadcastOptions,
     ReduceScatterOptions,
+    _make_nccl_premul_sum,
 )
 from torch.distributed import ReduceOp
 
 from .._runtime.loop import get_runtime
 from .._runtime.native import Done, NativeOp
 from .._store import Stopped, connect_store, meet
+from .._validate import PremulSum, ReduceOpArg
 from ..errors import CommAborted, CommError, CommFailed
 from ._accel_device import (
     FLAVORS,
     WATCHDOG_TIMEOUT,
     DeviceCalls,
     Flavor,
+    coalesced,
     device_calls,
     dump_before_abort,
     prepare_environment,
@@ -282,7 +285,14 @@ class AcceleratorBackend(Backend):
     flavor: ClassVar[Flavor]
     dtypes: ClassVar[frozenset[torch.dtype] | None] = NUMERIC_DTYPES
     reduce_ops: ClassVar[frozenset[ReduceOp.RedOpType]] = frozenset(
-        {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX}
+        {
+            ReduceOp.SUM,
+            ReduceOp.AVG,
+            ReduceOp.PREMUL_SUM,
+            ReduceOp.PRODUCT,
+            ReduceOp.MIN,
+            ReduceOp.MAX,
+        }
     )
 
     def __init__(
@@ -490,7 +500,9 @@ class AcceleratorBackend(Backend):
         opts = self._options.get(key)
         if opts is None:
             opts = kind()
-            if reduce_op is not None:
+            if isinstance(reduce_op, PremulSum):  # NCCL's own, the factor with it
+                opts.reduceOp = _make_nccl_premul_sum(reduce_op.factor)
+            elif reduce_op is not None:
                 opts.reduceOp = reduce_op
             if kind is BroadcastOptions:
                 opts.rootRank = root
@@ -542,7 +554,7 @@ class AcceleratorBackend(Backend):
         return stop._located(None, None, None)  # a copy: raising adds a traceback
 
     def allreduce(
-        self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType, timeout: float
+        self, tensors: Sequence[torch.Tensor], op: ReduceOpArg, timeout: float
     ) -> NativeOp:
         ts = list(tensors)
         if len(ts) == 1:
@@ -564,7 +576,7 @@ class AcceleratorBackend(Backend):
         opts = self._opts(AllgatherOptions)
         pairs = list(zip(outputs, inputs, strict=True))
         return self._issue(
-            [*inputs, *outputs], lambda pg: _coalesced(pg, "_allgather_base", pairs, opts)
+            [*inputs, *outputs], lambda pg: coalesced(pg, "_allgather_base", pairs, opts)
         )
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout: float) -> NativeOp:
@@ -575,7 +587,7 @@ class AcceleratorBackend(Backend):
         self,
         output: torch.Tensor,
         inputs: Sequence[torch.Tensor],
-        op: ReduceOp.RedOpType,
+        op: ReduceOpArg,
         timeout: float,
     ) -> NativeOp:
         opts = self._opts(ReduceScatterOptions, op)
@@ -586,13 +598,13 @@ class AcceleratorBackend(Backend):
         self,
         outputs: Sequence[torch.Tensor],
         inputs: Sequence[torch.Tensor],
-        op: ReduceOp.RedOpType,
+        op: ReduceOpArg,
         timeout: float,
     ) -> NativeOp:
         opts = self._opts(ReduceScatterOptions, op)
         pairs = list(zip(outputs, inputs, strict=True))
         return self._issue(
-            [*outputs, *inputs], lambda pg: _coalesced(pg, "_reduce_scatter_base", pairs, opts)
+            [*outputs, *inputs], lambda pg: coalesced(pg, "_reduce_scatter_base", pairs, opts)
         )
 
     def alltoall_base(
@@ -644,27 +656,6 @@ def warn_local_aborts(flavor: Flavor) -> None:
         RuntimeWarning,
         stacklevel=2,
     )
-
-
-def _coalesced(
-    pg: Any, method: str, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], opts: Any
-) -> Any:
-    """The work of ``pg.method(output, input, opts)`` for every pair (a
-    single-tensor op every torch since 2.7 has on the backend): the call's
-    own for one pair, else that of a coalescing block around the calls,
-    whose end is theirs."""
-    call = getattr(pg, method)
-    if len(pairs) == 1:
-        return call(pairs[0][0], pairs[0][1], opts)
-    pg._start_coalescing()
-    try:
-        for output, input_ in pairs:
-            call(output, input_, opts)
-    except BaseException:
-        with contextlib.suppress(Exception):  # the call's error is the one to raise
-            pg._end_coalescing()
-        raise
-    return pg._end_coalescing()
 
 
 def check_available(flavor: Flavor, calls: DeviceCalls | None = None) -> None:

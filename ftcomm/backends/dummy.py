@@ -15,6 +15,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from .._runtime.native import DoneOp, NativeOp, write_outputs
+from .._validate import ReduceOpArg
 from ._base import Backend, ConnectSpec
 
 
@@ -43,7 +44,7 @@ class DummyBackend(Backend):
         return cls(spec.rank, spec.world_size)
 
     def allreduce(
-        self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType, timeout: float
+        self, tensors: Sequence[torch.Tensor], op: ReduceOpArg, timeout: float
     ) -> NativeOp:
         return DoneOp()
 
@@ -68,7 +69,7 @@ class DummyBackend(Backend):
         self,
         output: torch.Tensor,
         inputs: Sequence[torch.Tensor],
-        op: ReduceOp.RedOpType,
+        op: ReduceOpArg,
         timeout: float,
     ) -> NativeOp:
         write_outputs([(output, inputs[0])])
@@ -78,7 +79,7 @@ class DummyBackend(Backend):
         self,
         outputs: Sequence[torch.Tensor],
         inputs: Sequence[torch.Tensor],
-        op: ReduceOp.RedOpType,
+        op: ReduceOpArg,
         timeout: float,
     ) -> NativeOp:
         write_outputs(

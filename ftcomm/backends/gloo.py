@@ -60,9 +60,11 @@ from .._runtime.native import (
     WorkOp,
     WorksOp,
     divide,
+    multiply,
     write_outputs,
 )
 from .._store import StoreAddr, connect_store, meet
+from .._validate import PremulSum, ReduceOpArg
 from ._base import NUMERIC_DTYPES, Backend, ConnectSpec
 from ._gloo_pairs import (
     LISTENER_KEY,
@@ -229,11 +231,13 @@ class GlooBackend(Backend):
         torch.complex64,
         torch.complex128,
     }
-    # AVG is not Gloo's: a SUM, then a division (ThenOp), before the op ends
+    # AVG and PREMUL_SUM are not Gloo's: a SUM, then a division or a
+    # multiplication (ThenOp), before the op ends
     reduce_ops: ClassVar[frozenset[ReduceOp.RedOpType]] = frozenset(
         {
             ReduceOp.SUM,
             ReduceOp.AVG,
+            ReduceOp.PREMUL_SUM,
             ReduceOp.PRODUCT,
             ReduceOp.MIN,
             ReduceOp.MAX,
@@ -243,7 +247,7 @@ class GlooBackend(Backend):
         }
     )
 
-    int_avg: ClassVar[bool] = False  # its AVG is a SUM and a division
+    int_avg: ClassVar[bool] = False  # its AVG is a SUM and a division (PREMUL_SUM alike)
     short_allreduce: ClassVar[bool] = True
 
     def __init__(
@@ -349,11 +353,14 @@ class GlooBackend(Backend):
         return pg
 
     def allreduce(
-        self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType, timeout: float
+        self, tensors: Sequence[torch.Tensor], op: ReduceOpArg, timeout: float
     ) -> NativeOp:
         if op == ReduceOp.AVG:
             summed = self.allreduce(tensors, _SUM, timeout)
             return ThenOp(summed, divide(tensors, self.world_size))
+        if isinstance(op, PremulSum):
+            summed = self.allreduce(tensors, _SUM, timeout)
+            return ThenOp(summed, multiply(tensors, op.factor))
         if len(tensors) == 1:
             opts = self._opts(AllreduceOptions, timeout, op)
             return WorkOp(self.pg.allreduce(list(tensors), opts), self._sever)
@@ -395,7 +402,7 @@ class GlooBackend(Backend):
         self,
         output: torch.Tensor,
         inputs: Sequence[torch.Tensor],
-        op: ReduceOp.RedOpType,
+        op: ReduceOpArg,
         timeout: float,
     ) -> NativeOp:
         return self._reduce_scatter([(output, inputs)], op, timeout)
@@ -404,7 +411,7 @@ class GlooBackend(Backend):
         self,
         outputs: Sequence[torch.Tensor],
         inputs: Sequence[torch.Tensor],
-        op: ReduceOp.RedOpType,
+        op: ReduceOpArg,
         timeout: float,
     ) -> NativeOp:
         n = self.world_size
@@ -415,7 +422,7 @@ class GlooBackend(Backend):
     def _reduce_scatter(
         self,
         pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]],
-        op: ReduceOp.RedOpType,
+        op: ReduceOpArg,
         timeout: float,
     ) -> NativeOp:
         """Reduce-scatter ``chunks`` (one per rank) into ``output``, for each pair:
@@ -424,6 +431,9 @@ class GlooBackend(Backend):
         if op == ReduceOp.AVG:
             summed = self._reduce_scatter(pairs, _SUM, timeout)
             return ThenOp(summed, divide((o for o, _ in pairs), self.world_size))
+        if isinstance(op, PremulSum):
+            summed = self._reduce_scatter(pairs, _SUM, timeout)
+            return ThenOp(summed, multiply((o for o, _ in pairs), op.factor))
         pg = self.pg  # before any output is written
         works = []
         for bucket in _buckets(_scatter_buffers(pairs, self.rank)):

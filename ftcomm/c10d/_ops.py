@@ -25,6 +25,7 @@ from ..group import Group
 from ._work import DoneWork, OpWork
 
 _SUM = ReduceOp.SUM
+_PREMUL_SUM = ReduceOp.PREMUL_SUM
 
 
 def one(values: object, name: str) -> Any:
@@ -72,12 +73,11 @@ def reduce_args(opts: object) -> tuple[Any, float | None]:
 
 
 def _member(op: Any) -> Any:
-    """``ReduceOp(ReduceOp.MAX)`` -> ``ReduceOp.MAX`` (torch's stubs lack ``.op``).
-
-    PREMUL_SUM's factor is dropped: no ftcomm backend accepts PREMUL_SUM, and
-    the group rejects it by name.
-    """
-    return op.op
+    """``ReduceOp(ReduceOp.MAX)`` -> ``ReduceOp.MAX`` (torch's stubs lack
+    ``.op``); ``ReduceOp.PREMUL_SUM(f)`` stays as it is, the factor with it
+    (the group checks it)."""
+    member = op.op
+    return op if member == _PREMUL_SUM else member
 
 
 class GroupOps:

@@ -35,18 +35,18 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
-from torch.distributed import ReduceOp
 
 from ..._protocol import Scalar
 from ..._runtime.loop import get_runtime
 from ..._runtime.native import NativeOp
+from ..._validate import ReduceOpArg
 from ...errors import CommError, ProtocolError
 from .. import backend_class
 from .._base import Backend, ConnectSpec
 from ._client import Call, WorkerProcess, starting
 from ._device import PoolClosed
 from ._layout import CARRIED
-from ._ops import reduce_op_name
+from ._ops import reduce_options
 
 __all__ = ["MAX_TENSORS", "Launcher", "SubprocessBackend"]
 
@@ -125,10 +125,10 @@ class SubprocessBackend(Backend):
         return worker.submit(op, staged, options)
 
     def allreduce(
-        self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType, timeout: float
+        self, tensors: Sequence[torch.Tensor], op: ReduceOpArg, timeout: float
     ) -> NativeOp:
         items = [(t, "inout") for t in tensors]
-        return self._op("allreduce", items, timeout, reduce_op=reduce_op_name(op))
+        return self._op("allreduce", items, timeout, "tensors", **reduce_options(op))
 
     def allgather(
         self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, timeout: float
@@ -150,7 +150,7 @@ class SubprocessBackend(Backend):
         self,
         output: torch.Tensor,
         inputs: Sequence[torch.Tensor],
-        op: ReduceOp.RedOpType,
+        op: ReduceOpArg,
         timeout: float,
     ) -> NativeOp:
         items = [(output, "out"), *((i, "in") for i in inputs)]
@@ -159,14 +159,14 @@ class SubprocessBackend(Backend):
             items,
             timeout,
             "inputs (and the output)",
-            reduce_op=reduce_op_name(op),
+            **reduce_options(op),
         )
 
     def reduce_scatter_tensor(
         self,
         outputs: Sequence[torch.Tensor],
         inputs: Sequence[torch.Tensor],
-        op: ReduceOp.RedOpType,
+        op: ReduceOpArg,
         timeout: float,
     ) -> NativeOp:
         items = [*((o, "out") for o in outputs), *((i, "in") for i in inputs)]
@@ -175,7 +175,7 @@ class SubprocessBackend(Backend):
             items,
             timeout,
             "outputs and inputs",
-            reduce_op=reduce_op_name(op),
+            **reduce_options(op),
         )
 
     def alltoall_base(

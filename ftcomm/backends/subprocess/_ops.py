@@ -16,19 +16,28 @@ from torch.distributed import ReduceOp
 
 from ..._protocol import Scalar
 from ..._runtime.native import NativeOp
+from ..._validate import PremulSum, ReduceOpArg
 from .._base import Backend
 
 _REDUCE_OPS: dict[str, ReduceOp.RedOpType] = dict(ReduceOp.RedOpType.__members__)
 
 
-def reduce_op_name(op: ReduceOp.RedOpType) -> str:
-    return str(op.name)
+def reduce_options(op: ReduceOpArg) -> dict[str, Scalar]:
+    """A reduce op as an OP frame's options: its name, and PREMUL_SUM's factor."""
+    if isinstance(op, PremulSum):
+        return {"reduce_op": "PREMUL_SUM", "premul_factor": op.factor}
+    return {"reduce_op": str(op.name)}
 
 
-def _reduce_op(options: Mapping[str, Scalar]) -> ReduceOp.RedOpType:
+def _reduce_op(options: Mapping[str, Scalar]) -> ReduceOpArg:
     name = options["reduce_op"]
     if not isinstance(name, str) or name not in _REDUCE_OPS:
         raise ValueError(f"unknown reduce op {name!r}")
+    if name == "PREMUL_SUM":
+        factor = options.get("premul_factor")
+        if type(factor) is not float:
+            raise ValueError(f"PREMUL_SUM needs a float premul_factor, got {factor!r}")
+        return PremulSum(factor)
     return _REDUCE_OPS[name]
 
 
