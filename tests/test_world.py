@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import os
+import threading
 import time
 
 import pytest
@@ -31,6 +33,28 @@ async def hangs(ctx: RankContext) -> None:
 def test_a_leaked_fd_fails_the_world() -> None:
     with pytest.raises(WorldError, match="fds left open"):
         run_world(leaks_an_fd, 1)
+
+
+def leaks_a_thread(ctx: RankContext) -> None:
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+
+
+def a_native_thread_runs_python(ctx: RankContext) -> str:
+    """A thread that Python's threading did not start (Gloo's, a c10d
+    future's, here one from _thread) runs Python code: threading lists it as
+    a _DummyThread from then on, even after it ended."""
+    ran = threading.Event()
+    names: list[str] = []
+    _thread.start_new_thread(lambda: (names.append(threading.current_thread().name), ran.set()), ())
+    assert ran.wait(10)
+    return names[0]
+
+
+def test_a_leaked_thread_fails_the_world_a_native_callback_does_not() -> None:
+    with pytest.raises(WorldError, match="threads left running"):
+        run_world(leaks_a_thread, 1)
+    # seen under load: a Gloo thread ran a callback, and the rank "left" it
+    assert run_world(a_native_thread_runs_python, 1)[0].startswith("Dummy-")
 
 
 def test_a_rank_error_arrives_with_its_traceback() -> None:

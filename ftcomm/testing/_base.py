@@ -125,7 +125,15 @@ def _fds() -> set[str]:
 
 
 def _threads() -> set[int]:
-    return {t.ident or 0 for t in threading.enumerate() if not t.name.startswith("ftcomm-")}
+    """Python threads other than ftcomm's own. A native thread (Gloo's, a
+    c10d future's) that once ran a Python callback is listed too, as a
+    ``_DummyThread``, and Python 3.11 keeps it listed after it has ended: it
+    is no thread the rank started, and not counted."""
+    return {
+        t.ident or 0
+        for t in threading.enumerate()
+        if not t.name.startswith("ftcomm-") and not isinstance(t, threading._DummyThread)
+    }
 
 
 def _stat(pid: object) -> list[str]:
