@@ -94,7 +94,8 @@ class Collectives:
         ``op``: a ``ReduceOp`` member or its lower-case name (``"sum"``,
         ``"avg"``, ``"max"`` ...), or ``ReduceOp.PREMUL_SUM(factor)``. Where
         the backend lacks AVG or PREMUL_SUM (Gloo), ftcomm makes them: a SUM,
-        then a division or a multiplication, done before the op ends.
+        then a division before the op ends; each rank's input multiplied by
+        its own factor, then a SUM (as NCCL does).
 
         Raises:
             TypeError, ValueError: bad arguments (the group stays usable).
@@ -136,7 +137,7 @@ class Collectives:
             v.check_dtype(t, f"tensors[{i}]", ts[0], "tensors[0]")
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
         v.check_reduce_dtype(rop, ts[0], "tensors[0]", int_avg=cfg.backend.int_avg)
-        if v.scaled_after(rop, cfg.backend.int_avg):
+        if v.scaled_in_place(rop, cfg.backend.int_avg):
             v.check_apart(ts, "tensors")
         return self._issue(
             cfg,
@@ -273,7 +274,7 @@ class Collectives:
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
         for i, o in enumerate(outs):  # the dtypes may differ from one pair to the next
             v.check_reduce_dtype(rop, o, f"outputs[{i}]", int_avg=cfg.backend.int_avg)
-        if v.scaled_after(rop, cfg.backend.int_avg):
+        if v.scaled_in_place(rop, cfg.backend.int_avg):
             v.check_apart(outs, "outputs")
         return self._issue(
             cfg,

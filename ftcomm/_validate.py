@@ -135,10 +135,11 @@ def check_stacked(
 
 @dataclass(frozen=True, slots=True)
 class PremulSum:
-    """``ReduceOp.PREMUL_SUM(factor)``: each rank's input times ``factor``,
-    then summed (FSDP2's reduction when a gradient divide factor is set).
-    Where the backend lacks it (Gloo), a SUM whose outputs are multiplied by
-    ``factor`` before the op ends."""
+    """``ReduceOp.PREMUL_SUM(factor)``: each rank's input times its own
+    ``factor``, then summed (FSDP2's reduction when a gradient divide factor
+    is set). Where the backend lacks it (Gloo), ftcomm multiplies this
+    rank's input in place (an allreduce's tensor, a reduce-scatter's own
+    copies of its inputs) and issues a SUM."""
 
     factor: float
 
@@ -234,16 +235,17 @@ def check_reduce_dtype(
         raise ValueError(f"op {op} is not defined on complex tensors ({name} is {t.dtype})")
 
 
-def scaled_after(op: ReduceOpArg, native: bool) -> bool:
-    """Whether ``op`` is a SUM whose outputs ftcomm scales in place after it
-    (AVG or PREMUL_SUM on a backend where they are not native)."""
+def scaled_in_place(op: ReduceOpArg, native: bool) -> bool:
+    """Whether ``op`` is a SUM whose tensors ftcomm scales in place (AVG's
+    outputs after it, PREMUL_SUM's inputs before it) on a backend where
+    they are not native."""
     return not native and (op == ReduceOp.AVG or isinstance(op, PremulSum))
 
 
 def check_apart(tensors: Sequence[torch.Tensor], name: str) -> None:
-    """For an AVG or PREMUL_SUM of ftcomm's (a SUM, then each tensor scaled
-    in place): no two of ``tensors`` may share memory, or the shared part
-    would be scaled twice. Conservative: views whose byte ranges in one storage
+    """For an AVG or PREMUL_SUM of ftcomm's (a SUM, each tensor scaled in
+    place after or before it): no two of ``tensors`` may share memory, or
+    the shared part would be scaled twice. Conservative: views whose byte ranges in one storage
     meet are refused, even where they interleave without sharing."""
     spans = []
     for i, t in enumerate(tensors):
@@ -258,7 +260,7 @@ def check_apart(tensors: Sequence[torch.Tensor], name: str) -> None:
             first, second = sorted((i, j))
             raise ValueError(
                 f"{name}[{first}] and {name}[{second}] share memory: an AVG or PREMUL_SUM (a "
-                "SUM, then each tensor scaled) would scale it twice; pass distinct tensors"
+                "SUM, each tensor scaled in place) would scale it twice; pass distinct tensors"
             )
 
 

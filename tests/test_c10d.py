@@ -985,6 +985,12 @@ def wrapped_after_configure_rank(ctx: RankContext) -> dict[str, Any]:
         t = torch.tensor([float(ctx.rank)])
         dist.broadcast(t, src=1, group=wrapper)  # global rank 1: group rank 0
         out.update(broadcast=t.item(), error=wrapper.error())
+        # the wrapped group configured again, directly: the wrapper follows
+        inner.configure(ctx.addr("again"), "0", ctx.rank, 2)
+        out["ranks again"] = dist.get_process_group_ranks(wrapper)
+        u = torch.tensor([float(ctx.rank)])
+        dist.broadcast(u, src=1, group=wrapper)
+        out["broadcast again"] = u.item()
         wrapper.unregister()
         return out
     finally:
@@ -997,7 +1003,19 @@ def test_a_wrapper_registered_after_its_group_was_configured_has_its_ranks() -> 
     copy taken at the wrapper's own configure (review: it was entered as
     this rank alone, and the peers translated src differently)."""
     results = run_world(wrapped_after_configure_rank, 2, timeout=60)
-    assert results == [{"ranks": [1, 0], "broadcast": 1.0, "error": None}] * 2
+    assert (
+        results
+        == [
+            {
+                "ranks": [1, 0],
+                "broadcast": 1.0,
+                "error": None,
+                "ranks again": [0, 1],
+                "broadcast again": 1.0,
+            }
+        ]
+        * 2
+    )
 
 
 def default_group_on_one_side_rank(ctx: RankContext) -> list[float]:
@@ -1021,3 +1039,71 @@ def test_members_with_and_without_a_default_group_configure_alike() -> None:
     default group or not (review: only the member with one ran it, so its
     peer's first op met that exchange and both timed out)."""
     assert run_world(default_group_on_one_side_rank, 2, timeout=60) == [[3.0], [3.0]]
+
+
+def exchange_superseded_rank(ctx: RankContext, how: str) -> dict[str, Any]:
+    """Rank 1 is slow to its exchange of default-group ranks; meanwhile rank
+    0's configure is superseded, by abort() or by another configure()."""
+    from ftcomm.c10d import _registry
+
+    store = dist.PrefixStore(f"{ctx.world_id}/default", ctx.store)
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size)
+    connect, reached = _registry.connect_store, threading.Event()
+
+    def slow_or_seen(*args: Any) -> Any:
+        if ctx.rank == 1:
+            time.sleep(5)  # rank 0's configure would wait up to its 20 s for this
+        reached.set()
+        return connect(*args)
+
+    _registry.connect_store = slow_or_seen  # type: ignore[assignment]
+    pg = c10d.ProcessGroupGloo(timeout=20)
+    out: dict[str, Any] = {}
+    try:
+        if ctx.rank == 1:
+            pg.configure(ctx.addr("g0"), "0", 1, 2)
+            return out
+        ended: list[Any] = []
+
+        def first() -> None:
+            try:
+                pg.configure(ctx.addr("g0"), "0", 0, 2)
+                ended.append("returned")
+            except ftcomm.CommError as exc:
+                ended.append(exc)
+            ended.append(time.monotonic())
+
+        thread = threading.Thread(target=first)
+        thread.start()
+        assert reached.wait(20)  # the first configure is at its exchange
+        superseded_at = time.monotonic()
+        if how == "abort":
+            pg.abort()
+        else:
+            pg.configure(ctx.addr("g1"), "0", 0, 1)
+        thread.join(30)
+        out["first"] = type(ended[0]).__name__
+        out["took"] = ended[1] - superseded_at
+        out["errored"] = type(pg.errored()).__name__ if pg.errored() else None
+        if how == "configure":  # the newer configuration is untouched
+            t = torch.ones(1)
+            pg.allreduce([t]).wait()
+            out["after"] = t.item()
+        return out
+    finally:
+        pg.shutdown()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("how", ["abort", "configure"])
+def test_a_configure_superseded_during_its_rank_exchange_ends_at_once(how: str) -> None:
+    """Review: the exchange ignored abort() (configure went on to its
+    timeout), and a superseded configure that timed out aborted the newer
+    configuration."""
+    out = run_world(exchange_superseded_rank, 2, args=(how,), timeout=90)[0]
+    assert out["first"] == "CommAborted", out
+    assert out["took"] < 3.0, out  # not the 5 s rank 1 takes, nor the 20 s timeout
+    if how == "abort":
+        assert out["errored"] == "CommAborted", out
+    else:
+        assert (out["errored"], out["after"]) == (None, 1.0), out

@@ -75,6 +75,15 @@ async def _premul_sums(ctx: RankContext, subprocess: bool) -> dict[str, list[flo
         # a factor as torch also takes it: a one-element tensor
         quarter = dist._make_nccl_premul_sum(torch.tensor([0.25]))
         out["tensor factor"] = (await g.allreduce(torch.full((1,), r), quarter)).tolist()
+        # each rank's own factor scales its own input (NCCL's PREMUL_SUM):
+        # 1 x 1 + 1 x 2 on both ranks, not each rank's factor times the sum
+        own = dist.ReduceOp.PREMUL_SUM(float(ctx.rank + 1))
+        out["own factors"] = (await g.allreduce(torch.ones(1), own)).tolist()
+        mine = await g.reduce_scatter(torch.zeros(1), [torch.ones(1)] * ctx.world_size, own)
+        out["own factors, reduce_scatter"] = mine.tolist()
+        # scaled before the sum: 2 x 40000 is past float16's range, 2 x 20000 is not
+        big = torch.full((1,), 40000.0, dtype=torch.float16)
+        out["float16"] = (await g.allreduce(big, half)).tolist()
         out["sum after"] = (await g.allreduce(torch.ones(1))).tolist()  # SUM is SUM still
         return out
 
@@ -88,6 +97,8 @@ def test_premul_sum_on_gloo_is_the_scaled_sum_in_every_reducing_op(subprocess: b
         assert out["reduce_scatter"] == [1.5 * (rank + 1)] * 2
         assert out["reduce_scatter_tensor"] == [1.5 * (rank + 1)] * 2
         assert out["tensor factor"] == [0.75]
+        assert out["own factors"] == out["own factors, reduce_scatter"] == [3.0]
+        assert out["float16"] == [40000.0]
         assert out["sum after"] == [2.0]
 
 

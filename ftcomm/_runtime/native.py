@@ -291,19 +291,6 @@ def divide(tensors: Iterable[torch.Tensor], n: int) -> Callable[[], None]:
     return run
 
 
-def multiply(tensors: Iterable[torch.Tensor], factor: float) -> Callable[[], None]:
-    """A step for :class:`ThenOp`: multiply each tensor by ``factor`` in place
-    (a SUM made a PREMUL_SUM), unrecorded by autograd, as a native op writes."""
-    targets = list(tensors)
-
-    def run() -> None:
-        with torch.inference_mode():
-            for t in targets:
-                t.mul_(factor)
-
-    return run
-
-
 def countdown(n: int, then: Callable[[], object]) -> Callable[[object], None]:
     """A callback to call ``n`` times, from any threads at once: the last
     call runs ``then()``."""

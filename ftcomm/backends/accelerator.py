@@ -499,6 +499,8 @@ class AcceleratorBackend(Backend):
         key = (kind, reduce_op, root)
         opts = self._options.get(key)
         if opts is None:
+            if len(self._options) >= 64:  # many PREMUL_SUM factors: start over
+                self._options.clear()
             opts = kind()
             if isinstance(reduce_op, PremulSum):  # NCCL's own, the factor with it
                 opts.reduceOp = _make_nccl_premul_sum(reduce_op.factor)

@@ -60,7 +60,6 @@ from .._runtime.native import (
     WorkOp,
     WorksOp,
     divide,
-    multiply,
     write_outputs,
 )
 from .._store import StoreAddr, connect_store, meet
@@ -203,6 +202,16 @@ def _scatter_buffers(
     return [b for pair in bufs for b in pair]
 
 
+def _premultiply(tensors: Sequence[torch.Tensor], factor: float) -> None:
+    """PREMUL_SUM's first half, in place (unrecorded by autograd, as a
+    native op writes): each rank's own input times its own factor, so that
+    ranks with different factors get NCCL's answer, and a float16 sum stays
+    in range where the scaled sum does."""
+    with torch.inference_mode():
+        for t in tensors:
+            t.mul_(factor)
+
+
 def _buckets(bufs: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``bufs`` packed by dtype, in order, into buckets of at most
     :data:`_FUSE_MAX_BYTES` (one buffer that big or bigger: a bucket alone).
@@ -231,8 +240,8 @@ class GlooBackend(Backend):
         torch.complex64,
         torch.complex128,
     }
-    # AVG and PREMUL_SUM are not Gloo's: a SUM, then a division or a
-    # multiplication (ThenOp), before the op ends
+    # AVG and PREMUL_SUM are not Gloo's: a SUM, then a division (ThenOp)
+    # before the op ends; each rank's input multiplied, then a SUM
     reduce_ops: ClassVar[frozenset[ReduceOp.RedOpType]] = frozenset(
         {
             ReduceOp.SUM,
@@ -358,9 +367,10 @@ class GlooBackend(Backend):
         if op == ReduceOp.AVG:
             summed = self.allreduce(tensors, _SUM, timeout)
             return ThenOp(summed, divide(tensors, self.world_size))
-        if isinstance(op, PremulSum):
-            summed = self.allreduce(tensors, _SUM, timeout)
-            return ThenOp(summed, multiply(tensors, op.factor))
+        if isinstance(op, PremulSum):  # this rank's input scaled, then summed: NCCL's
+            self.pg  # noqa: B018 - a closed group raises before the tensors are written
+            _premultiply(tensors, op.factor)
+            return self.allreduce(tensors, _SUM, timeout)
         if len(tensors) == 1:
             opts = self._opts(AllreduceOptions, timeout, op)
             return WorkOp(self.pg.allreduce(list(tensors), opts), self._sever)
@@ -431,12 +441,14 @@ class GlooBackend(Backend):
         if op == ReduceOp.AVG:
             summed = self._reduce_scatter(pairs, _SUM, timeout)
             return ThenOp(summed, divide((o for o, _ in pairs), self.world_size))
-        if isinstance(op, PremulSum):
-            summed = self._reduce_scatter(pairs, _SUM, timeout)
-            return ThenOp(summed, multiply((o for o, _ in pairs), op.factor))
+        premul = op.factor if isinstance(op, PremulSum) else None
+        op = _SUM if premul is not None else op
         pg = self.pg  # before any output is written
+        bufs = _scatter_buffers(pairs, self.rank)  # the outputs, and copies of the inputs
+        if premul is not None:  # this rank's shares scaled, then summed: NCCL's
+            _premultiply(bufs, premul)
         works = []
-        for bucket in _buckets(_scatter_buffers(pairs, self.rank)):
+        for bucket in _buckets(bufs):
             if len(bucket) == 1:
                 works.append(pg.allreduce(bucket, self._opts(AllreduceOptions, timeout, op)))
             else:

@@ -12,6 +12,7 @@ default result and how to issue it; wrappers override that.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -24,7 +25,7 @@ from .._runtime.deadline import to_seconds
 from .._runtime.loop import get_runtime
 from .._runtime.observe import Event, GroupStats, Subscription
 from .._validate import check_int
-from ..errors import CommError, CommTimeout, NotConfigured
+from ..errors import CommAborted, CommError, CommFailed, CommTimeout, NotConfigured
 from ..group import Group
 from . import _registry
 from ._base import ProcessGroup, logger
@@ -255,6 +256,7 @@ class _Facade(ProcessGroup):
         group_world_size: int | None,
         global_ranks: Sequence[int] | None,
     ) -> None:
+        deadline = time.monotonic() + self._timeout  # configure's, the exchange's part too
         get_runtime().call(
             group.configure(
                 store_addr,
@@ -273,16 +275,26 @@ class _Facade(ProcessGroup):
         # Which default-group rank each member is: torch's tables map a
         # group's ranks to the default group's. Exchanged in the store at
         # every configure, by every member alike (see _registry.global_ranks).
+        config = group._config
+
+        def superseded() -> bool:  # by abort(), shutdown() or another configure()
+            return group._config is not config or group.errored() is not None
+
         self._global_ranks = None
         try:
             self._global_ranks = _registry.global_ranks(
-                store_addr, rank, world_size, global_ranks, self._timeout
+                store_addr, rank, world_size, global_ranks, deadline, superseded
             )
-        except TimeoutError as exc:  # a member went away since the group was built
-            self.abort()
-            raise CommTimeout(
-                f"configure timed out after {self._timeout:g} seconds: {exc}"
-            ) from exc
+        except _registry.Superseded:
+            why = "configure was superseded (abort, shutdown or another configure)"
+            raise CommAborted(why, rank=rank, op="configure") from None
+        except (TimeoutError, RuntimeError) as exc:  # a member or the store went away
+            if not superseded():  # this configuration's own failure: it is broken
+                group.abort()
+            timed_out = isinstance(exc, TimeoutError)
+            kind = CommTimeout if timed_out else CommFailed
+            what = f"timed out after {self._timeout:g} seconds" if timed_out else "failed"
+            raise kind(f"configure {what}: {exc}", rank=rank, op="configure") from exc
         _registry.refresh(self)
 
     def _members_global_ranks(self) -> list[int] | None:

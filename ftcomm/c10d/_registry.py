@@ -22,8 +22,8 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Sequence
-from datetime import timedelta
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -79,11 +79,17 @@ def register(pg: ProcessGroup, group_name: str) -> None:
 
 
 def refresh(pg: ProcessGroup) -> None:
-    """Update the rank mapping of a registered group after ``configure``."""
+    """Update the rank mapping of a registered group after ``configure``,
+    and of every registered wrapper around it (a wrapper's ranks are its
+    group's, however that group was configured)."""
     world: Any = c10d._world  # torch's private registry tables
     with _lock:
-        if pg in world.pg_group_ranks:
-            world.pg_group_ranks[pg] = _rank_mapping(pg)
+        stale = [pg]
+        while stale:
+            group = stale.pop()
+            if group in world.pg_group_ranks:
+                world.pg_group_ranks[group] = _rank_mapping(group)
+            stale += [w for w in world.pg_group_ranks if getattr(w, "_inner", None) is group]
 
 
 def unregister(pg: ProcessGroup) -> str:
@@ -116,6 +122,8 @@ def _job_tag() -> int:
     return int.from_bytes(hashlib.sha256(run.encode()).digest()[:7], "big") if run else 0
 
 
+_POLL = 0.002
+"""Seconds between two looks for the other members' rows."""
 _RANK_KEY = "ftcomm/c10d/default-rank/{rank}"
 """Where a member of a configuration writes its default-group rank (under
 the configuration's own store prefix, beside the group's own keys)."""
@@ -126,8 +134,18 @@ def _row(value: bytes) -> tuple[int, int, int]:
     return rank, size, tag
 
 
+class Superseded(Exception):
+    """The configuration whose ranks were being exchanged is no longer the
+    group's (an abort, a shutdown or another configure came)."""
+
+
 def global_ranks(
-    store_addr: str, rank: int, world_size: int, given: Sequence[int] | None, timeout: float
+    store_addr: str,
+    rank: int,
+    world_size: int,
+    given: Sequence[int] | None,
+    deadline: float,
+    superseded: Callable[[], bool],
 ) -> list[int] | None:
     """Every member's rank in the default group, by group rank, or ``None``
     where they do not share one default world (torchft's replica groups:
@@ -141,10 +159,13 @@ def global_ranks(
     (default rank, default world size, job mark) and reads everyone's:
     trusted when the ranks are distinct and within one world size, and the
     marks agree. Every member reads the same rows, so every member decides
-    alike. Blocks the calling thread for ``timeout`` at most.
+    alike. Blocks the calling thread until ``deadline`` (``time.monotonic()``)
+    at most, and looks at ``superseded()`` every few milliseconds.
 
     Raises:
-        TimeoutError: a member did not write its row in time.
+        TimeoutError: the store or a member did not answer by the deadline.
+        Superseded: ``superseded()`` said so first.
+        RuntimeError: the store failed (c10d's ``DistError``).
     """
     me = (-1, 0, _job_tag())
     if dist.is_initialized():
@@ -152,16 +173,21 @@ def global_ranks(
     if world_size == 1:  # nobody to ask (a dummy group has no store at all)
         rows = [me]
     else:
-        store = connect_store(resolve_store_addr(store_addr), timeout)
-        keys = [_RANK_KEY.format(rank=r) for r in range(world_size)]
-        store.set(keys[rank], ",".join(map(str, me)))
+        store = connect_store(
+            resolve_store_addr(store_addr), max(deadline - time.monotonic(), 0.01)
+        )
         try:
-            store.wait(keys, timedelta(seconds=timeout))
-        except RuntimeError as exc:  # c10d's DistStoreError: a member never wrote its row
-            why = f"a member did not say its default-group rank in {timeout:g} s"
-            raise TimeoutError(why) from exc
-        rows = [_row(bytes(r)) for r in store.multi_get(keys)]
-        del store  # the connection closes with the last reference
+            keys = [_RANK_KEY.format(rank=r) for r in range(world_size)]
+            store.set(keys[rank], ",".join(map(str, me)))
+            while not store.check(keys):
+                if superseded():
+                    raise Superseded
+                if time.monotonic() >= deadline:
+                    raise TimeoutError("a member did not say its default-group rank in time")
+                time.sleep(_POLL)
+            rows = [_row(bytes(r)) for r in store.multi_get(keys)]
+        finally:
+            del store  # the connection closes with it, whatever is raised
     ranks = [r for r, _, _ in rows]
     one_world = len({(w, tag) for _, w, tag in rows}) == 1
     if not one_world or len(set(ranks)) != len(ranks) or not all(0 <= r < me[1] for r in ranks):
