@@ -193,6 +193,14 @@ def _settled(left: Callable[[], set[str]], cap: float = 2.0) -> set[str]:
     return found
 
 
+def _passing(link: str) -> bool:
+    """An fd that may still be on its way out when the rank's code is done:
+    a native group's epoll (see :func:`_settled`), or a Python source file
+    that another thread has open to format a traceback (a logged error's,
+    seen as ``threading.py``), which linecache closes once it is read."""
+    return link == "anon_inode:[eventpoll]" or link.endswith(".py")
+
+
 def _leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str | None:
     """What the rank left behind, once ftcomm's blocking work has ended."""
     # A finished call leaves the pool's books just after its future completes.
@@ -217,8 +225,8 @@ def _leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str
         # are the reaper's until then, so there is nothing to compare.
         return None
     new_fds = _fds() - fds
-    if any(_link(fd) == "anon_inode:[eventpoll]" for fd in new_fds):
-        new_fds = _settled(lambda: _fds() - fds)  # a native group's epoll: see _settled
+    if any(_passing(_link(fd)) for fd in new_fds):
+        new_fds = _settled(lambda: _fds() - fds)  # see _passing
     if new_fds:
         paths = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in new_fds]
         return f"fds left open: {paths}"
