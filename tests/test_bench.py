@@ -18,7 +18,7 @@ import torch
 
 import ftcomm
 from ftcomm import _bench
-from ftcomm._bench import latency, membership, report, runner, torchft_rows
+from ftcomm._bench import fsdp, latency, membership, report, runner, torchft_rows
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -49,6 +49,7 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     tiny += ["--recovery-samples", "1", "--no-torchft"]  # torchft's rows: make bench
     tiny += ["--with", "stats-off"]
     tiny += ["--membership-trials", "1"]
+    tiny += ["--fsdp-steps", "1"]
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     tiny += ["--json", str(out_json), "--plot", str(out_png)]
     # Deadlines for a loaded 2-core machine, where the suite's other workers
@@ -82,12 +83,16 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
         row = rf"^ftcomm store: {what}\s+\d+\.\d\s+\d+\.\d\s+-?\d+\.\d\s+-?\d+\.\d\s+1$"
         assert re.search(row, out, re.M), out
     assert "torchft Manager rows skipped: --no-torchft" in out, out
+    assert re.search(r"^torch's gloo group\s+\d+\.\d\s+\d+\.\d\s*$", out, re.M), out
+    assert re.search(r"^ftcomm ProcessGroupGloo\s+[\d.]+\s+[\d.]+\s+\d+\.\d\dx$", out, re.M), out
     assert f"json: {out_json}" in out, out
     assert f"plot: {out_png}" in out, out
 
     # --json: every row of the table, the same figures, the plan, the versions.
     doc = json.loads(out_json.read_text())
     assert (doc["ftcomm"], doc["torch"]) == (ftcomm.__version__, torch.__version__)
+    assert [row["impl"] for row in doc["fsdp"]["rows"]] == ["torch", "ftcomm"]
+    assert doc["fsdp"]["ratio_p50"] > 0
     assert doc["plan"]["rounds"] == 2
     assert [w["iters"] for w in doc["plan"]["workloads"]] == [240, 2, 2]
     assert [w["turn"] for w in doc["plan"]["workloads"]] == [50, 1, 1]
@@ -401,3 +406,16 @@ def test_an_engine_whose_module_is_not_there_is_skipped_with_a_note() -> None:
     deeper = membership.Engine("nowhere", membership._serve_store, needs=("no_such_pkg.sub",))
     assert deeper.missing() == "no_such_pkg.sub is not there (yet)"
     assert membership._on_loopback("http://vm:4242") == "http://127.0.0.1:4242"
+
+
+def test_the_fsdp2_rows_show_both_groups_and_the_ratio() -> None:
+    rows = fsdp.Rows(2, 2, {"torch": [0.010, 0.012, 0.011, 0.013], "ftcomm": [0.011] * 4})
+    text = fsdp.format_fsdp(rows)
+    assert re.search(r"^torch's gloo group\s+11\.5\s+12\.7\s*$", text, re.M), text
+    assert re.search(r"^ftcomm ProcessGroupGloo\s+11\.0\s+11\.0\s+0\.96x$", text, re.M), text
+    doc = fsdp.fsdp_json(rows)
+    assert doc["ratio_p50"] == pytest.approx(0.011 / 0.0115)
+    assert [(r["impl"], round(r["p50_ms"], 1)) for r in doc["rows"]] == [
+        ("torch", 11.5),
+        ("ftcomm", 11.0),
+    ]

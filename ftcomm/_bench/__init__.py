@@ -43,12 +43,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._server import serve_store
+from . import fsdp
 from .cases import CASES, workloads
 from .membership import TRIALS, format_membership, measure, membership_json
 from .recovery import _recovery, format_recovery
 from .report import PLOT_HINT, format_table, matplotlib_missing, results, write_plot
 from .runner import HOST, BenchFailed, Plan, Seconds, _run_children, _unpinnable
 from .torchft_rows import _torchft_missing
+
+FSDP_STEPS = 10
+"""Timed FSDP2 steps per round and group (``--fsdp-steps``)."""
+FSDP_ROUNDS = 4
+"""Rounds in which the two groups take turns."""
 
 
 # -- CLI --------------------------------------------------------------------------------
@@ -137,6 +143,13 @@ def parser() -> argparse.ArgumentParser:
         default=TRIALS,
         help="trials of each membership recovery row: a member of three SIGKILLed or "
         f"SIGSTOPped, to the survivors' first good allreduce ({TRIALS}; 0: skip)",
+    )
+    p.add_argument(
+        "--fsdp-steps",
+        type=_non_negative,
+        default=FSDP_STEPS,
+        help="timed FSDP2 training steps per round and group in the FSDP2 rows: a step over "
+        f"torch's own Gloo group against one over ftcomm's ({FSDP_STEPS}; 0: skip)",
     )
     p.add_argument(
         "--json",
@@ -279,8 +292,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             members = membership_json(rows, member_notes)
             if tables:
                 print(format_membership(rows, member_notes), flush=True)
+    fsdp_rows: dict[str, Any] | None = None
+    if args.fsdp_steps:
+        try:
+            measured = fsdp.measure(args.fsdp_steps, FSDP_ROUNDS)
+        except fsdp.FsdpFailed as exc:
+            print(f"ftcomm bench: fsdp2 failed: {exc}", file=sys.stderr)
+            report.failures.append(f"fsdp2: {exc}")
+            failed = True
+        else:
+            fsdp_rows = fsdp.fsdp_json(measured)
+            if tables:
+                print(fsdp.format_fsdp(measured), flush=True)
     if json_path is not None:
-        text = json.dumps(results(plan, report, notes, times, members), indent=2)
+        text = json.dumps(results(plan, report, notes, times, members, fsdp_rows), indent=2)
         if json_path == "-":
             print(text, flush=True)
         else:

@@ -111,11 +111,13 @@ def results(
     notes: Sequence[str],
     recovery: Mapping[str, Seconds] | None,
     membership: Mapping[str, Any] | None = None,
+    fsdp: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every figure of the table and of the recovery part, as one JSON-able object.
 
     ``membership``: the membership recovery rows, as
-    :func:`~ftcomm._bench.membership.membership_json` gives them (``None``: not run).
+    :func:`~ftcomm._bench.membership.membership_json` gives them (``None``: not run);
+    ``fsdp``: the FSDP2 rows, as :func:`~ftcomm._bench.fsdp.fsdp_json` gives them.
 
     ``rows``: one per (workload, case), the table's order; latencies in
     microseconds; ``ratio_p50_vs_raw`` is p50 / raw's p50 (lower is better),
@@ -187,6 +189,7 @@ def results(
             ]
         ),
         "membership": None if membership is None else dict(membership),
+        "fsdp": None if fsdp is None else dict(fsdp),
         "notes": list(notes),
         "failures": list(report.failures),
     }
