@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .report import percentile
-from .runner import HOST
+from .runner import HOST, end_children
 
 WORLD = 2
 LAYERS = 4
@@ -149,14 +149,7 @@ def measure(steps: int, rounds: int, timeout: float = 300.0) -> Rows:
             answers.append(value)
         return Rows(steps, rounds, answers[0])
     finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-            proc.close()
-        for conn in conns:
-            conn.close()
+        end_children(procs, conns)
         server.close()
 
 

@@ -23,7 +23,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -356,18 +356,26 @@ def _run_children(plan: Plan, timeout: float) -> Report:
             send_end.close()  # the child holds the only write end: its exit gives EOF
         return _collect(procs, conns, time.monotonic() + timeout)
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in procs:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-            proc.close()
-        for conn in conns:
-            conn.close()
+        end_children(procs, conns)
         store.close()
+
+
+def end_children(
+    procs: Sequence[multiprocessing.process.BaseProcess], conns: Iterable[Connection]
+) -> None:
+    """Stop the ranks still running (SIGTERM, SIGKILL 5 s later), reap every
+    one, and close their pipes."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        proc.close()
+    for conn in conns:
+        conn.close()
 
 
 def _collect(
