@@ -57,6 +57,28 @@ def test_a_leaked_thread_fails_the_world_a_native_callback_does_not() -> None:
     assert run_world(a_native_thread_runs_python, 1)[0].startswith("Dummy-")
 
 
+def reads_a_source_file_after_returning(ctx: RankContext, hold: float) -> None:
+    """What a traceback logged on another thread does (linecache reading the
+    source): a .py file open for a moment after the rank's code is done."""
+    opened = threading.Event()
+
+    def read() -> None:
+        with open(threading.__file__) as f:
+            opened.set()
+            time.sleep(hold)  # the rank's code returns meanwhile
+            f.read()
+
+    # named as ftcomm's threads are: the fd is what this test looks at
+    threading.Thread(target=read, name="ftcomm-test-reader", daemon=True).start()
+    assert opened.wait(10)
+
+
+def test_a_source_file_read_on_another_thread_settles_one_left_open_fails() -> None:
+    run_world(reads_a_source_file_after_returning, 1, args=(0.3,))
+    with pytest.raises(WorldError, match=r"fds left open: .*threading\.py"):
+        run_world(reads_a_source_file_after_returning, 1, args=(30.0,), timeout=60)
+
+
 def test_a_rank_error_arrives_with_its_traceback() -> None:
     with pytest.raises(WorldError, match=r"(?s)rank 1 raised.*KeyError: 'boom on rank 1'"):
         run_world(raises, 2)
