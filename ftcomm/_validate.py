@@ -179,14 +179,12 @@ def check_reduce_op(
     or ``ReduceOp.PREMUL_SUM(factor)``."""
     if value is ReduceOp:
         raise TypeError(f"{name} must be a ReduceOp member such as ReduceOp.SUM, got the class")
+    if isinstance(value, ReduceOp) and getattr(value, "op", None) == ReduceOp.PREMUL_SUM:
+        value = _premul_sum(value, name)
     if isinstance(value, PremulSum):
         if ReduceOp.PREMUL_SUM not in supported:
             raise ValueError(f"{name} {value} is not supported by the {backend} backend")
         return value
-    if isinstance(value, ReduceOp) and getattr(value, "op", None) == ReduceOp.PREMUL_SUM:
-        if ReduceOp.PREMUL_SUM not in supported:
-            raise ValueError(f"{name} PREMUL_SUM is not supported by the {backend} backend")
-        return _premul_sum(value, name)
     if isinstance(value, str):
         op = _REDUCE_OPS_BY_NAME.get(value.lower())
         if op is None:
@@ -245,8 +243,9 @@ def scaled_in_place(op: ReduceOpArg, native: bool) -> bool:
 def check_apart(tensors: Sequence[torch.Tensor], name: str) -> None:
     """For an AVG or PREMUL_SUM of ftcomm's (a SUM, each tensor scaled in
     place after or before it): no two of ``tensors`` may share memory, or
-    the shared part would be scaled twice. Conservative: views whose byte ranges in one storage
-    meet are refused, even where they interleave without sharing."""
+    the shared part would be scaled twice. Conservative: views whose byte
+    ranges in one storage meet are refused, even where they interleave
+    without sharing."""
     spans = []
     for i, t in enumerate(tensors):
         if t.numel() == 0:

@@ -159,10 +159,9 @@ def format_fsdp(rows: Rows) -> str:
         "a DeviceMesh of each group, taking turns):",
         f"{'what':<24}{'p50_ms':>9}{'p90_ms':>9}{'ratio':>10}",
     ]
-    base = percentile(rows.times["torch"], 50)
     for impl, label in zip(IMPLS, ("torch's gloo group", "ftcomm ProcessGroupGloo"), strict=True):
         p50, p90 = (percentile(rows.times[impl], q) * 1e3 for q in (50, 90))
-        ratio = "" if impl == "torch" else f"{p50 / 1e3 / base:9.2f}x"
+        ratio = "" if impl == "torch" else f"{rows.ratio():9.2f}x"
         lines.append(f"{label:<24}{p50:9.1f}{p90:9.1f}{ratio:>10}")
     lines.append(
         f"({rows.rounds} rounds of {rows.steps} steps each, rank 0's times; target: ratio <= 1.15x)"

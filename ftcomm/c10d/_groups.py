@@ -479,8 +479,7 @@ class ProcessGroupWrapper(_Facade):
                 group_rank,
                 group_world_size,
                 global_ranks,
-            )
-            _registry.refresh(self)
+            )  # its refresh of torch's tables covers this wrapper too
             return
         self._configure_group(
             self._own_group(),

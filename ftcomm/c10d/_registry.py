@@ -64,8 +64,7 @@ def register(pg: ProcessGroup, group_name: str) -> None:
         if group_name in world.pg_names.values():
             raise ValueError(f"a process group named {group_name!r} is registered already")
         ranks = _rank_mapping(pg)  # before any write: it may raise (a manager's size)
-        answer = getattr(pg, "_c10d_backend", None)  # ftcomm's groups have it
-        native: tuple[str, str] | None = answer() if answer is not None else None
+        native = pg._c10d_backend()
         _register_process_group(group_name, pg)  # type: ignore[arg-type]  # a GroupName
         # torch's get_backend(pg) reads pg_map, get_backend_config(pg) the
         # config: the native backend's, as for c10d's own groups of it
