@@ -10,6 +10,7 @@ from . import errors as errors
 from ._gather import gather as gather
 from ._membership import Membership as Membership
 from ._membership import World as World
+from ._membership import sync_state as sync_state
 from ._runtime.deadline import Timeout as Timeout
 from ._runtime.observe import Event as Event
 from ._runtime.observe import GroupStats as GroupStats
@@ -62,4 +63,5 @@ __all__ = [
     "errors",
     "gather",
     "serve_store",
+    "sync_state",
 ]

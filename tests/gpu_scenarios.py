@@ -12,10 +12,13 @@ tensors live, how a stream is held busy, how to wait for the device.
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -297,6 +300,31 @@ async def _timed(once: Callable[[], Awaitable[None]], n: int) -> list[float]:
     return samples
 
 
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fsdp2_fault_tolerant.py"
+EXAMPLE_GPUS = 4
+"""examples/fsdp2_fault_tolerant.py on NCCL: 2 replicas x 2 shards, one GPU each."""
+
+
+def fsdp2_example(rig: Rig, port: int) -> Figures:
+    """The FSDP2 fault-tolerance example on NCCL, where the machine has a GPU
+    per process (the CPU run is tests/test_clients.py's)."""
+    gpus = 0 if rig.fake else torch.cuda.device_count()
+    if gpus < EXAMPLE_GPUS:
+        return {"ran": False, "why": f"needs {EXAMPLE_GPUS} GPUs, this machine has {gpus}"}
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    print(done.stdout + done.stderr)
+    assert done.returncode == 0, f"exit {done.returncode}"
+    assert "RECOVERED" in done.stdout
+    return {"ran": True, "seconds": round(time.monotonic() - start, 1)}
+
+
 SCENARIOS: dict[str, Callable[[Rig, int], Any]] = {
     "every_collective": every_collective,
     "busy_stream_deadline": busy_stream_deadline,
@@ -304,6 +332,7 @@ SCENARIOS: dict[str, Callable[[Rig, int], Any]] = {
     "subprocess_ws1": subprocess_ws1,
     "facade_ws1": facade_ws1,
     "bench": bench,
+    "fsdp2_example": fsdp2_example,
 }
 
 UNVERIFIED = (
@@ -311,7 +340,8 @@ UNVERIFIED = (
     "other waits in the same collective, the peer's op failing (not "
     "completing) after the abort, and NCCL's async errors from a dead peer "
     "(get_error, TORCH_NCCL_ASYNC_ERROR_HANDLING=2 keeping the process alive) "
-    "are not checked here."
+    "are not checked here; nor is examples/fsdp2_fault_tolerant.py on NCCL, "
+    f"which needs {EXAMPLE_GPUS} GPUs (the fsdp2_example scenario runs it where they are)."
 )
 
 __all__ = ["SCENARIOS", "UNVERIFIED", "CommAborted", "FakeRig", "Rig"]

@@ -294,6 +294,31 @@ def test_a_newcomer_killed_during_the_state_copy_is_left_out() -> None:
         assert log[0][1:] == (3, 2)
 
 
+async def _sync_on_a_group(ctx: RankContext) -> tuple[Any, int]:
+    async with ftcomm.Group("gloo", timeout=10) as group:
+        await group.configure(ctx.addr(), ctx.rank, ctx.world_size)
+        with pytest.raises(TypeError, match=r"group must be an ftcomm\.Group"):
+            await ftcomm.sync_state(object(), {}, 0)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="step must be >= 0"):
+            await ftcomm.sync_state(group, {}, -1)
+        # ranks 1 and 2 are at step 7 (rank 1, the lowest, sends); rank 0 is behind
+        step = 7 if ctx.rank else 3
+        mine = {"w": torch.full((3,), float(ctx.rank)), "note": f"rank{ctx.rank}"}
+        state, got = await ftcomm.sync_state(group, mine, step, timeout=10)
+        return {"w": state["w"].tolist(), "note": state["note"]}, got
+
+
+def test_sync_state_on_any_group_copies_from_the_lowest_rank_furthest_ahead() -> None:
+    """ftcomm.sync_state: Membership.sync_state's copy on a group the
+    membership does not configure (another shard's group of the same world)."""
+    results = run_world(_sync_on_a_group, 3, mode="thread", timeout=30)
+    assert results == [
+        ({"w": [1.0, 1.0, 1.0], "note": "rank1"}, 7),
+        ({"w": [1.0, 1.0, 1.0], "note": "rank1"}, 7),
+        ({"w": [2.0, 2.0, 2.0], "note": "rank2"}, 7),
+    ]
+
+
 # -- the engine going away, bad input, cancelling ------------------------------
 
 

@@ -1,11 +1,13 @@
 """Membership: generations of a job's world agreed on an existing engine.
 
-Owns nothing itself; re-exports :class:`Membership` and :class:`World`.
+Owns nothing itself; re-exports :class:`Membership`, :class:`World` and
+:func:`sync_state`.
 The rule is ``_rule``; the store engine ``_store_engine``; heartbeats
 ``_watch``; the state copy ``_state_copy``; the public calls ``membership``.
 """
 
+from ._state_copy import sync_state as sync_state
 from .membership import Membership as Membership
 from .membership import World as World
 
-__all__ = ["Membership", "World"]
+__all__ = ["Membership", "World", "sync_state"]

@@ -1,6 +1,7 @@
 """The state copy: the member with the highest step sends, the ones behind take it.
 
-Owns: :func:`sync_state`'s plan (one allgather of every member's step, then
+Owns: :func:`sync_state` (public as ``ftcomm.sync_state``, and the work of
+``Membership.sync_state``) and its plan (one allgather of every member's step, then
 point-to-point sends from one source to the members behind) and the wire
 form of a state (``torch.save`` bytes, read back with ``weights_only=True``
 and ``map_location="cpu"``: tensors and plain containers only, no code runs
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .._runtime.deadline import Timeout, resolve
 from ..group import Group
 
 S = TypeVar("S")
@@ -81,8 +83,54 @@ def plan(steps: list[int]) -> tuple[int, list[int]]:
     return steps.index(top), [r for r, s in enumerate(steps) if s < top]
 
 
-async def sync_state(group: Group, state: S, step: int, deadline: float) -> tuple[S, int]:
-    """See :meth:`ftcomm.Membership.sync_state` (this is its work, on ``group``)."""
+def check_step(step: object) -> int:
+    """Raises: TypeError, ValueError: ``step`` is not an int >= 0."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, got {type(step).__name__}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return step
+
+
+async def sync_state(
+    group: Group, state: S, step: int, *, timeout: Timeout | None = None
+) -> tuple[S, int]:
+    """Give the ranks of ``group`` that are behind the state of the rank furthest ahead.
+
+    Every rank of the configured ``group`` calls it, like a collective, with
+    its own ``state`` (a ``state_dict``, or any nesting of tensors and plain
+    values) and ``step``. The lowest rank at the highest step sends to every
+    rank at a lower step; each returns ``(state, step)``: its own where it
+    was not behind, else what it got (new CPU tensors: load them, e.g.
+    ``model.load_state_dict(state)``). The bytes are read back with
+    ``weights_only=True``: no code runs on the receivers.
+
+    :meth:`ftcomm.Membership.sync_state` is this call on the membership's
+    group; call this one on a group the membership does not configure
+    itself (another shard's group of the same world, say).
+
+    Args:
+        timeout: a deadline for the whole copy (default: ``group``'s).
+
+    Raises:
+        CommError: the group failed during the copy (``NotConfigured``: it
+            is not configured).
+        ValueError: ``step`` is negative; the state of the rank that sends
+            holds what cannot be loaded with ``weights_only=True`` (raised
+            there, and on the ranks behind, which keep theirs); or what came
+            is not a state.
+        TypeError: ``group`` is not an :class:`ftcomm.Group`; ``step`` is
+            not an int.
+    """
+    if not isinstance(group, Group):
+        raise TypeError(f"group must be an ftcomm.Group, got {type(group).__name__}")
+    check_step(step)
+    deadline = time.monotonic() + resolve(timeout, group.timeout)
+    return await copy_state(group, state, step, deadline)
+
+
+async def copy_state(group: Group, state: S, step: int, deadline: float) -> tuple[S, int]:
+    """:func:`sync_state`'s work, bound by ``deadline`` (a ``time.monotonic()`` value)."""
 
     def left() -> float:
         return max(deadline - time.monotonic(), 0.0)

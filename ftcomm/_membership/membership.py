@@ -356,7 +356,8 @@ class Membership:
         and plain values) and ``step``. The lowest rank at the highest step
         sends to every member at a lower step, over the group; each returns
         ``(state, step)``: its own where it was not behind, else what it got
-        (new tensors: load them, ``model.load_state_dict(state)``).
+        (new tensors: load them, ``model.load_state_dict(state)``). It is
+        :func:`ftcomm.sync_state` on the membership's group.
 
         Raises:
             CommError: the group failed during the copy (``recover()``, then
@@ -368,15 +369,12 @@ class Membership:
             TypeError: ``step`` is not an int.
             RuntimeError: not in a world, or another call running.
         """
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"step must be an int, got {type(step).__name__}")
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+        _state_copy.check_step(step)
         with self._call_slot("sync_state"):
             if self._world is None or self._group is None:
                 raise RuntimeError(f"member {self.member_id!r} is in no world: join() first")
             deadline = time.monotonic() + resolve(timeout, self._timeout)
-            return await _state_copy.sync_state(self._group, state, step, deadline)
+            return await _state_copy.copy_state(self._group, state, step, deadline)
 
     # -- inside -----------------------------------------------------------
 
