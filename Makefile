@@ -59,7 +59,7 @@ soak: install
 
 # On a GPU machine: NCCL checks and a bench against raw c10d NCCL, with that
 # machine's own python3 and torch (nothing installed: it may have no
-# network); a log and a JSON of figures land in $(OUT). Under 6 minutes.
+# network); a log and a JSON of figures land in $(OUT). Under 8 minutes.
 GPU_PYTHON ?= python3
 OUT ?= gpu-check-out
 gpu-check:

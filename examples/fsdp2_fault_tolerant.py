@@ -22,6 +22,7 @@ optimizer state, bit for bit, shard by shard, and the loss went down.
 import argparse
 import asyncio
 import contextlib
+import functools
 import hashlib
 import multiprocessing as mp
 import os
@@ -29,6 +30,7 @@ import queue
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
@@ -40,7 +42,8 @@ from torch.distributed.fsdp import fully_shard
 import ftcomm
 
 REPLICAS, SHARDS, STEPS, KILL_STEP, TOGETHER, N, LR = 2, 2, 30, 10, 10, 64, 0.02
-STEP_TIMEOUT, TIMEOUT = 5.0, 150.0  # an allreduce's deadline; the parent's, seconds
+STEP_TIMEOUT, ALONE = 5.0, 60.0  # an allreduce's deadline; how long replica 0 waits alone
+MEMBERSHIP_TIMEOUT, REPLICA_TIMEOUT = 40.0, 90.0  # shard 0's calls; the others wait longer
 
 
 def say(t0: float, who: str, text: str) -> None:
@@ -51,8 +54,8 @@ class Replica:
     """One process of a replica: its shard of the model, its group across replicas, and (on
     shard 0) the replica's membership."""
 
-    def __init__(self, replica: int, shard: int, device: torch.device, t0: float) -> None:
-        self.replica, self.shard, self.device, self.t0 = replica, shard, device, t0
+    def __init__(self, replica: int, shard: int, life: int, device: torch.device, t0: float):
+        self.replica, self.shard, self.life, self.device, self.t0 = replica, shard, life, device, t0
         self.who = f"replica{replica} shard{shard}"
         torch.manual_seed(0)  # the same data and initial weights everywhere
         self.model = torch.nn.Sequential(
@@ -71,6 +74,7 @@ class Replica:
         self.generations: list[int] = []
         self.errors: list[str] = []
         self.synced: int | None = None  # the step it got where it was behind
+        self.reunited = False  # in a full world again after the failure (or restarted)
 
     def together(self, ok: bool) -> bool:
         """Whether every process of this replica is ok (a collective of the replica's own)."""
@@ -78,12 +82,18 @@ class Replica:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    def tell(self, decided: Any) -> Any:
-        """Shard 0's ``decided`` on every process of this replica."""
-        box = [decided]
+    async def tell(self, ask: Callable[[], Awaitable[Any]] | None) -> Any:
+        """Shard 0's answer to ``ask()`` (its membership's), on every process of this replica;
+        a membership error is raised on every one of them alike."""
+        box: list[Any] = [None]
+        if ask is not None:
+            try:
+                box[0] = await ask()
+            except ftcomm.MembershipError as exc:
+                box[0] = f"{type(exc).__name__}: {exc}"
         dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], str):  # shard 0's membership call failed: so does every shard
-            raise RuntimeError(f"{self.who}: shard 0 could not regroup: {box[0]}")
+        if isinstance(box[0], str):
+            raise RuntimeError(f"{self.who}: shard 0's membership failed: {box[0]}")
         return box[0]
 
     def state(self) -> dict[str, Any]:
@@ -109,16 +119,20 @@ class Replica:
         """Join or recover (shard 0), configure every shard's group for that world, and copy
         the state to the replica behind; again until every shard of this replica got there."""
         state, got = None, step
-        while True:
-            decided: Any = None
-            if members is not None:
+
+        async def form(joining: bool) -> ftcomm.World:
+            assert members is not None
+            if not joining:
                 try:
-                    decided = await (members.join(group) if joining else members.recover(group))
-                except ftcomm.Evicted:  # the other went on without it: come back as a newcomer
-                    decided = await members.join(group)
-                except ftcomm.MembershipError as exc:
-                    decided = f"{type(exc).__name__}: {exc}"
-            world: ftcomm.World = self.tell(decided)
+                    return await members.recover(group)
+                except ftcomm.Evicted:  # the other went on without it: back as a newcomer
+                    pass
+            return await members.join(group)
+
+        while True:
+            world: ftcomm.World = await self.tell(
+                functools.partial(form, joining) if members is not None else None
+            )
             joining, ok = False, True
             try:
                 if members is None:  # shard 0's group is configured by its membership
@@ -134,11 +148,12 @@ class Replica:
             self.load(state)
             self.synced = got
         self.generations.append(world.generation)
+        self.reunited |= world.size == REPLICAS and bool(self.errors or self.life)
         if self.shard == 0:
             say(self.t0, self.who, f"generation {world.generation} at step {got}: {world.members}")
         return world, got
 
-    async def train(self, life: int, address: str) -> dict[str, Any]:
+    async def train(self, address: str) -> dict[str, Any]:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         losses: list[float] = []
         async with contextlib.AsyncExitStack() as stack:
@@ -151,15 +166,21 @@ class Replica:
                     min_size=1,
                     max_size=REPLICAS,
                     join_window=10.0,
-                    heartbeat_timeout=0.5,
+                    heartbeat_timeout=2.0,
+                    timeout=MEMBERSHIP_TIMEOUT,
                 )
                 await stack.enter_async_context(members)
             group = ftcomm.Group(backend, timeout=STEP_TIMEOUT, configure_timeout=30)
             await stack.enter_async_context(group)
             world, step = await self.regroup(members, group, 0, joining=True)
-            since = step
-            while world.size < REPLICAS or step < max(STEPS, since + TOGETHER):
-                if self.replica == 1 and life == 0 and step >= KILL_STEP:  # (late to join: at once)
+            since, alone = step, time.monotonic()
+            # train on while replica 1 is away (it comes back); then at least TOGETHER steps
+            while step < max(STEPS, since + TOGETHER) or (
+                world.size < REPLICAS and not self.reunited
+            ):
+                if world.size < REPLICAS and time.monotonic() - alone > ALONE:
+                    raise RuntimeError(f"{self.who}: alone for {ALONE:g} s: no replica came back")
+                if self.replica == 1 and self.life == 0 and step >= KILL_STEP and world.size > 1:
                     say(self.t0, self.who, f"step {step}: SIGKILL")
                     os.kill(os.getpid(), signal.SIGKILL)
                 part = N // (world.size * SHARDS)  # this process's samples
@@ -188,10 +209,10 @@ class Replica:
                 self.opt.zero_grad()
                 # a step boundary: regroup after a failure, or when shard 0's pending() says
                 # a newcomer waits (all members ask it at the same steps, and get one answer)
-                if agreed and not self.tell(members is not None and await members.pending()):
+                if agreed and not await self.tell(members.pending if members else None):
                     continue
                 world, step = await self.regroup(members, group, step, joining=False)
-                since = step
+                since, alone = step, time.monotonic()
         return {
             "generations": self.generations,
             "errors": self.errors,
@@ -222,10 +243,10 @@ def rank_main(
         store=dist.PrefixStore(f"replica{replica}/life{life}", server),
         rank=shard,
         world_size=SHARDS,
-        timeout=timedelta(seconds=30),
+        timeout=timedelta(seconds=REPLICA_TIMEOUT),
     )
     try:
-        report = asyncio.run(Replica(replica, shard, dev, t0).train(life, address))
+        report = asyncio.run(Replica(replica, shard, life, dev, t0).train(address))
     finally:
         dist.destroy_process_group()
     out.put(((replica, shard, life), report))
@@ -234,7 +255,9 @@ def rank_main(
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    device = parser.parse_args().device
+    parser.add_argument("--timeout", type=float, default=150.0, help="for the whole run, seconds")
+    args = parser.parse_args()
+    device, timeout = args.device, args.timeout
     if device == "cuda" and torch.cuda.device_count() < REPLICAS * SHARDS:
         print(
             f"--device cuda needs {REPLICAS * SHARDS} GPUs (one per process), "
@@ -257,12 +280,12 @@ def main() -> int:
             for replica in range(REPLICAS):
                 start(replica, 0)
             for shard in range(SHARDS):  # replica 1 kills itself at KILL_STEP: restart it
-                procs[(1, shard, 0)].join(TIMEOUT)
+                procs[(1, shard, 0)].join(max(t0 + timeout - time.monotonic(), 0.0))
             say(t0, "parent", "replica 1 is gone: restarting it")
             start(1, 1)
             while len(reports) < len(procs) - SHARDS:  # all but the killed ones report
-                if time.monotonic() > t0 + TIMEOUT:
-                    say(t0, "parent", f"not every process finished within {TIMEOUT:g} s")
+                if time.monotonic() > t0 + timeout:
+                    say(t0, "parent", f"not every process finished within {timeout:g} s")
                     break
                 with contextlib.suppress(queue.Empty):
                     key, report = out.get(timeout=1.0)
@@ -272,8 +295,8 @@ def main() -> int:
                     say(t0, "parent", "every process ended, not all of them with a report")
                     break
         finally:
-            for proc in procs.values():
-                proc.join(10 if proc.exitcode is None and len(reports) else 0)
+            for proc in procs.values():  # a process that reported ends at once
+                proc.join(5 if len(reports) == len(procs) - SHARDS else 0)
                 proc.kill()
                 proc.join()
     exits = {key: proc.exitcode for key, proc in procs.items()}

@@ -31,10 +31,13 @@ def test_scenario(name: str, store: StoreServer, monkeypatch: pytest.MonkeyPatch
     else:
         rig = gpu_scenarios.FakeRig(fake_accel.install(monkeypatch, NCCL))
     scenario = gpu_scenarios.SCENARIOS[name]
-    if asyncio.iscoroutinefunction(scenario):
-        figures = asyncio.run(scenario(rig, store.port))
-    else:
-        figures = scenario(rig, store.port)
+    try:
+        if asyncio.iscoroutinefunction(scenario):
+            figures = asyncio.run(scenario(rig, store.port))
+        else:
+            figures = scenario(rig, store.port)
+    except gpu_scenarios.Skipped as exc:
+        pytest.skip(str(exc))
     assert isinstance(figures, dict)
     assert figures
 
@@ -75,3 +78,26 @@ def test_the_gpu_check_runs_its_scenarios_and_writes_figures(tmp_path: Path) -> 
     assert summary["results"]["every_collective"]["passed"] is True
     assert summary["results"]["every_collective"]["figures"] == {"collectives": 12}
     assert "1/1 passed" in (tmp_path / "gpu_check.log").read_text()
+
+
+def test_the_gpu_check_records_a_scenario_this_machine_cannot_run_as_skipped(
+    tmp_path: Path,
+) -> None:
+    """fsdp2_example needs 4 GPUs: with fewer (or the fake layer) it is
+    skipped, said so, and not counted as passed."""
+    if GPU and torch.cuda.device_count() >= gpu_scenarios.EXAMPLE_GPUS:
+        pytest.skip("this machine can run it")
+    fake = [] if GPU else ["--fake"]
+    script = str(ROOT / "scripts" / "gpu_check.py")
+    proc = subprocess.run(
+        [sys.executable, script, str(tmp_path), *fake, "--only", "fsdp2_example"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "gpu_check.json").read_text())["results"]["fsdp2_example"]
+    assert "needs 4 GPUs" in result["skipped"]
+    assert "figures" not in result
+    assert "0/0 passed; skipped: ['fsdp2_example']" in (tmp_path / "gpu_check.log").read_text()

@@ -301,6 +301,8 @@ async def _sync_on_a_group(ctx: RankContext) -> tuple[Any, int]:
             await ftcomm.sync_state(object(), {}, 0)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="step must be >= 0"):
             await ftcomm.sync_state(group, {}, -1)
+        with pytest.raises(ValueError, match="fit in an int64, got 9223372036854775808"):
+            await ftcomm.sync_state(group, {}, 2**63)
         # ranks 1 and 2 are at step 7 (rank 1, the lowest, sends); rank 0 is behind
         step = 7 if ctx.rank else 3
         mine = {"w": torch.full((3,), float(ctx.rank)), "note": f"rank{ctx.rank}"}

@@ -83,12 +83,16 @@ def plan(steps: list[int]) -> tuple[int, list[int]]:
     return steps.index(top), [r for r, s in enumerate(steps) if s < top]
 
 
+STEP_MAX = 2**63 - 1
+"""The largest step: steps go over the group as int64."""
+
+
 def check_step(step: object) -> int:
-    """Raises: TypeError, ValueError: ``step`` is not an int >= 0."""
+    """Raises: TypeError, ValueError: ``step`` is not an int in 0..STEP_MAX."""
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int, got {type(step).__name__}")
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+    if not 0 <= step <= STEP_MAX:
+        raise ValueError(f"step must be >= 0 and fit in an int64, got {step}")
     return step
 
 
@@ -115,8 +119,8 @@ async def sync_state(
     Raises:
         CommError: the group failed during the copy (``NotConfigured``: it
             is not configured).
-        ValueError: ``step`` is negative; the state of the rank that sends
-            holds what cannot be loaded with ``weights_only=True`` (raised
+        ValueError: ``step`` is negative or over ``2**63 - 1``; the state
+            of the rank that sends holds what cannot be loaded with ``weights_only=True`` (raised
             there, and on the ranks behind, which keep theirs); or what came
             is not a state.
         TypeError: ``group`` is not an :class:`ftcomm.Group`; ``step`` is

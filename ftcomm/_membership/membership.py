@@ -362,10 +362,10 @@ class Membership:
         Raises:
             CommError: the group failed during the copy (``recover()``, then
                 call it again).
-            ValueError: ``step`` is negative; the state of the member that
-                sends holds what cannot be loaded with ``weights_only=True``
-                (raised there, and on the members behind, which keep theirs);
-                or what came is not a state.
+            ValueError: ``step`` is negative (or over ``2**63 - 1``); the
+                state of the member that sends holds what cannot be loaded
+                with ``weights_only=True`` (raised there, and on the members
+                behind, which keep theirs); or what came is not a state.
             TypeError: ``step`` is not an int.
             RuntimeError: not in a world, or another call running.
         """
