@@ -295,8 +295,11 @@ def main() -> int:
                     say(t0, "parent", "every process ended, not all of them with a report")
                     break
         finally:
-            for proc in procs.values():  # a process that reported ends at once
-                proc.join(5 if len(reports) == len(procs) - SHARDS else 0)
+            # every one reported: each ends by itself (closing its membership, groups
+            # and queue takes seconds on a busy machine); else they are killed at once
+            end = time.monotonic() + (30 if len(reports) == len(procs) - SHARDS else 0)
+            for proc in procs.values():
+                proc.join(max(end - time.monotonic(), 0))
                 proc.kill()
                 proc.join()
     exits = {key: proc.exitcode for key, proc in procs.items()}
