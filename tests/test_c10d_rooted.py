@@ -213,3 +213,42 @@ async def wrapped(ctx: RankContext) -> Any:
 
 async def untimed_barrier(ctx: RankContext) -> Any:
     return await asyncio.to_thread(_untimed_barrier, ctx)
+
+
+def _all_to_all(ctx: RankContext, pg: c10d.ProcessGroupGloo) -> dict[str, Any]:
+    r, n = ctx.rank, ctx.world_size
+    out: dict[str, Any] = {}
+    # rank r sends d + 1 values r*10 + d to rank d: sizes differ by pair
+    ins = [torch.full((d + 1,), r * 10.0 + d) for d in range(n)]
+    outs = [torch.zeros(r + 1) for _ in range(n)]
+    dist.all_to_all(outs, ins, group=pg)
+    out["sizes"] = [t.tolist() for t in outs]
+    # outputs that are not contiguous, filled through the work's future
+    grid = torch.zeros(2, n)
+    cols = [grid[:, d] for d in range(n)]
+    work = dist.all_to_all(cols, [torch.tensor([r, d], dtype=torch.float32) for d in range(n)],
+                           group=pg, async_op=True)  # fmt: skip
+    out["future"] = [t.tolist() for t in work.get_future().wait()]
+    out["grid"] = grid.tolist()
+    with pytest.raises(ValueError, match=f"output_tensors must hold {n} tensors"):
+        dist.all_to_all([torch.zeros(1)], [torch.zeros(1)] * n, group=pg)
+    mixed = [torch.zeros(1, dtype=torch.int64)] * n  # torch's all_to_all checks this first
+    with pytest.raises(ValueError, match=r"output_tensors\[0\] is torch.int64 on cpu: every"):
+        pg.alltoall(mixed, [torch.zeros(1)] * n)
+    assert pg.errored() is None
+    t = torch.ones(1)
+    dist.all_reduce(t, group=pg)  # the group is as it was
+    out["after"] = t.item()
+    return out
+
+
+def test_all_to_all_lists_of_any_sizes_over_a_facade_group() -> None:
+    """``dist.all_to_all`` (torch's own Gloo has no list alltoall): one
+    alltoall_base of the flattened lists, the outputs filled before wait()
+    returns or the future completes; bad lists refused, the group intact."""
+    results = run_world(_on_facade(_all_to_all), 3, mode="thread", timeout=60)
+    for r, out in enumerate(results):
+        assert out["sizes"] == [[s * 10.0 + r] * (r + 1) for s in range(3)]
+        assert out["grid"] == [[0.0, 1.0, 2.0], [float(r)] * 3]
+        assert out["future"] == [[s, r] for s in (0.0, 1.0, 2.0)]
+        assert out["after"] == 3.0

@@ -82,6 +82,16 @@ class ProcessGroup(dist.ProcessGroup):
         """Exchange slices of ``input_buffer`` along dim 0 (``all_to_all_single``)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement alltoall_base")
 
+    def alltoall(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: object = None,
+    ) -> dist.Work:
+        """Send ``input_tensors[r]`` to rank ``r``, receive rank ``r``'s into
+        ``output_tensors[r]`` (``all_to_all``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement alltoall")
+
     def barrier(self, opts: object = None) -> dist.Work:
         """Wait until every rank has reached the barrier."""
         raise NotImplementedError(f"{type(self).__name__} does not implement barrier")

@@ -185,6 +185,19 @@ class _Facade(ProcessGroup):
             ),
         )
 
+    def alltoall(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: object = None,
+    ) -> dist.Work:
+        """``torch.distributed.all_to_all`` (the list form)."""
+        return self._run(
+            "alltoall",
+            output_tensors,
+            lambda t: t.alltoall(output_tensors, input_tensors, opts),
+        )
+
     def barrier(self, opts: object = None) -> dist.Work:
         return self._run("barrier", None, lambda t: t.barrier(opts))
 

@@ -201,6 +201,42 @@ class GroupOps:
         )
         return OpWork(work, [output_buffer])
 
+    def alltoall(
+        self,
+        output_tensors: Sequence[torch.Tensor],
+        input_tensors: Sequence[torch.Tensor],
+        opts: object = None,
+    ) -> OpWork:
+        """``torch.distributed.all_to_all``: input ``r`` to rank ``r``, rank
+        ``r``'s into output ``r`` (sizes may differ). One ``alltoall_base`` of
+        the flattened lists; the outputs are filled once it succeeded."""
+        size = self.group.size()
+        outs = tensor_list(output_tensors, "output_tensors")
+        ins = tensor_list(input_tensors, "input_tensors")
+        for name, ts in (("output_tensors", outs), ("input_tensors", ins)):
+            if len(ts) != size:
+                raise ValueError(f"{name} must hold {size} tensors (one per rank), got {len(ts)}")
+            for i, t in enumerate(ts):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{name}[{i}] must be a tensor, got {type(t).__name__}")
+                if t.dtype != ins[0].dtype or t.device != ins[0].device:
+                    raise ValueError(
+                        f"{name}[{i}] is {t.dtype} on {t.device}: every tensor must be "
+                        f"{ins[0].dtype} on {ins[0].device}, as input_tensors[0]"
+                    )
+        takes, sends = [t.numel() for t in outs], [t.numel() for t in ins]
+        flat_in = torch.cat([t.reshape(-1) for t in ins])
+        flat_out = flat_in.new_empty(sum(takes))
+        work = self.group.alltoall_base(flat_out, flat_in, takes, sends, timeout=op_timeout(opts))
+
+        def fill() -> None:
+            offset = 0
+            for t, n in zip(outs, takes, strict=True):
+                t.copy_(flat_out[offset : offset + n].view(t.shape))
+                offset += n
+
+        return OpWork(work, output_tensors, fill)
+
     def barrier(self, opts: object = None) -> OpWork:
         return OpWork(self.group.barrier(timeout=op_timeout(opts)), None)
 

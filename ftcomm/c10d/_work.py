@@ -100,11 +100,27 @@ class OpWork(dist.Work):
     tensors (or its error).
     """
 
-    def __init__(self, op: FtWork[Any], value: Any) -> None:
+    def __init__(
+        self, op: FtWork[Any], value: Any, finish: Callable[[], None] | None = None
+    ) -> None:
         super().__init__()
         self._op = op
         self._value = value
         self._future: torch.futures.Future[Any] | None = None
+        # ``finish``: what makes ``value`` once the op succeeded (a copy out
+        # of the op's own buffer), run once, before wait() returns or the
+        # future completes; a second caller waits for the first one's run
+        self._finish = finish
+        self._finish_lock = threading.Lock()
+
+    def _finished(self) -> None:
+        """Run ``finish`` once (the op succeeded)."""
+        if self._finish is None:
+            return
+        with self._finish_lock:
+            finish, self._finish = self._finish, None
+            if finish is not None:
+                finish()
 
     def __repr__(self) -> str:
         return f"<ftcomm.c10d work of {self._op!r}>"
@@ -115,12 +131,14 @@ class OpWork(dist.Work):
         # NCCL/XCCL: the caller's stream waits, the CPU does not -- except for
         # a barrier, whose wait() blocks the CPU in c10d too.
         if seconds is None and op.op != "barrier" and op._order_stream():
+            self._finished()  # on the caller's stream, after the op
             return True
         if not op.done() and get_runtime().in_loop_thread():
             raise RuntimeError(
                 "wait() would block ftcomm's owner loop: call it from another thread"
             )
         op._wait(seconds, abort_on_timeout=True)  # raises the op's ftcomm error
+        self._finished()
         return True
 
     def is_completed(self) -> bool:
@@ -143,7 +161,9 @@ class OpWork(dist.Work):
         if source is not None:
             value = self._value
             op = self._op  # on the thread that ends it, whatever loop runs here
-            op._when_done(lambda: _complete_off_loop(source, op._outcome().error, value))
+            op._when_done(
+                lambda: _complete_off_loop(source, op._outcome().error, value, self._finished)
+            )
         return fut
 
 
@@ -164,13 +184,27 @@ def _claim_future(
 
 
 def _complete_off_loop(
-    fut: torch.futures.Future[Any], error: BaseException | None, value: Any
+    fut: torch.futures.Future[Any],
+    error: BaseException | None,
+    value: Any,
+    finish: Callable[[], None] | None = None,
 ) -> None:
+    """Settle ``fut`` off the owner loop, ``finish()`` first where the op succeeded."""
+
+    def settle() -> None:
+        failure = error
+        if failure is None and finish is not None:
+            try:
+                finish()
+            except Exception as exc:
+                failure = exc
+        _settle_future(fut, failure, value)
+
     runtime = get_runtime()
     if runtime.in_loop_thread():
-        runtime.run_callback(_settle_future, fut, error, value)
+        runtime.run_callback(settle)
     else:
-        _settle_future(fut, error, value)
+        settle()
 
 
 class ChainedWork(dist.Work):
