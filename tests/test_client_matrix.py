@@ -1,12 +1,13 @@
 """Every client of torch.distributed that issue 29 measured, over each facade
-group, in both setups: no default group, then a default group made first
-(every torchrun job), 2 ranks on CPU, each rank checking against values it
-computes alone. DDP (plain, fp16_compress_hook, PowerSGD, no_sync), the
-``dist.*`` functions, object collectives, point-to-point, functional
-collectives, the rooted functions and ``monitored_barrier``; FSDP2 and
-DTensor on a DeviceMesh made from the group where torch makes one (under a
-default group; without one, torch refuses: asserted, so that a torch that
-lifts it is noticed)."""
+group, in three setups: no default group; a default group of torch's made
+first (every torchrun job); the facade as the default group itself
+(``c10d.register_backends()``, then ``init_process_group("ftcomm-gloo")``).
+2 ranks on CPU, each checking against values it computes alone: DDP (plain,
+fp16_compress_hook, PowerSGD, no_sync), the ``dist.*`` functions, object
+collectives, point-to-point, functional collectives, the rooted functions
+and ``monitored_barrier``; FSDP2 and DTensor on a DeviceMesh made from the
+group where torch makes one (under a default group; without one, torch
+refuses: asserted, so that a torch that lifts it is noticed)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from ftcomm import c10d
 from ftcomm.testing import RankContext, run_world
 
 FACADES = ("ProcessGroupGloo", "ProcessGroupBabyGloo")
+SETUPS = ("none", "default first", "the default group")
+BACKEND = {"ProcessGroupGloo": "ftcomm-gloo", "ProcessGroupBabyGloo": "ftcomm-baby-gloo"}
 
 
 def _model() -> torch.nn.Module:
@@ -117,7 +120,11 @@ def _dist(pg: dist.ProcessGroup, rank: int) -> dict[str, Any]:
     parts = [torch.tensor([40.0]), torch.tensor([41.0])] if rank == 0 else None
     dist.scatter(piece, parts, group_src=0, group=pg)
     out["rooted"] = (r.item(), [x.item() for x in gathered] if gathered else None, piece.item())
-    dist.monitored_barrier(pg, timeout=timedelta(seconds=20))
+    if dist.get_backend(pg) == "gloo":
+        dist.monitored_barrier(pg, timeout=timedelta(seconds=20))
+    else:  # torch's own check: Gloo's only (a group torch knows as "ftcomm-gloo")
+        with pytest.raises(ValueError, match="only implemented for GLOO"):
+            dist.monitored_barrier(pg, timeout=timedelta(seconds=20))
     return out
 
 
@@ -158,11 +165,11 @@ def _battery(pg: dist.ProcessGroup, rank: int, with_default: bool) -> dict[str, 
 
 
 def matrix_rank(ctx: RankContext, facade: str) -> dict[str, Any]:
-    """The battery without a default group, then again with one made first."""
+    """The battery without a default group, then with one of torch's made first."""
     results: dict[str, Any] = {}
     pg = getattr(c10d, facade)(timeout=30)
     try:
-        for setup in ("none", "default first"):
+        for setup in SETUPS[:2]:
             if setup == "default first":
                 store = dist.PrefixStore(f"{ctx.world_id}/default", ctx.store)
                 dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=2)
@@ -177,6 +184,40 @@ def matrix_rank(ctx: RankContext, facade: str) -> dict[str, Any]:
         pg.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
+    return results
+
+
+def as_default_rank(ctx: RankContext, facade: str) -> dict[str, Any]:
+    """The battery with the facade as the default group. (A process of its
+    own: torch's DTensor caches keep meshes equal to an earlier one, with
+    that one's group names.)"""
+    results: dict[str, Any] = {}
+    assert c10d.register_backends() == c10d.register_backends()  # again: nothing changes
+    store = dist.PrefixStore(f"{ctx.world_id}/ftcomm-default", ctx.store)
+    dist.init_process_group(
+        BACKEND[facade], store=store, rank=ctx.rank, world_size=2, timeout=timedelta(seconds=30)
+    )
+    try:
+        default = dist.group.WORLD
+        assert type(default) is getattr(c10d, facade)
+        results["the default group"] = _battery(default, ctx.rank, with_default=True)
+        results["the default group"]["errored"] = default.errored()
+        sub = dist.new_group([0, 1], backend=BACKEND[facade])
+        one = torch.ones(1)
+        dist.all_reduce(one, group=sub)
+        results["the default group"]["new_group"] = (type(sub).__name__, one.item())
+    finally:
+        dist.destroy_process_group()
+    results["shut down"] = repr(default)
+    # made again in the same store (torch gives it the same namespace): a
+    # prefix of its own, not the last one's
+    dist.init_process_group(BACKEND[facade], store=store, rank=ctx.rank, world_size=2)
+    try:
+        again = torch.tensor([ctx.rank + 1.0])
+        dist.all_reduce(again)
+        results["again"] = (again.item(), repr(dist.group.WORLD) != results["shut down"])
+    finally:
+        dist.destroy_process_group()
     return results
 
 
@@ -197,36 +238,72 @@ def _fsdp_reference() -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _check_battery(ranks: list[dict[str, Any]], setup: str, facade: str) -> None:
+    """What every rank's battery in ``setup`` must have given."""
+    exact = _mean([_grads([_batch(r)]) for r in range(2)])
+    accumulated = _mean([_grads([_batch(r, 1), _batch(r)]) for r in range(2)])
+    for rank in range(2):
+        out, where = ranks[rank][setup], f"{facade}, {setup}, rank {rank}"
+        assert out["errored"] is None, where
+        _close(out["plain"], exact, f"{where}: DDP")
+        _close(out["fp16"], exact, f"{where}: DDP fp16_compress_hook", rtol=1e-3, atol=1e-3)
+        _close(out["no_sync"], accumulated, f"{where}: DDP no_sync")
+        assert out["all_reduce avg"] == 1.5, where
+        assert out["all_gather"] == [0.0, 1.0], where
+        assert out["all_gather_into_tensor"] == [0.0, 10.0], where
+        assert out["reduce_scatter_tensor"] == [3.0, 6.0][rank], where
+        assert out["broadcast"] == 1.0, where
+        assert out["all_to_all"] == [float(rank), 10.0 + rank], where
+        assert out["all_gather_object"] == [{"rank": 0}, {"rank": 1}], where
+        assert out["broadcast_object_list"] == "from 0", where
+        assert out["p2p"] == ((0.0 if rank == 0 else 7.0), 100.0 + (1 - rank)), where
+        assert out["functional"] == 3.0, where
+        reduced = 3.0 if rank == 0 else 2.0  # a rank that is not the root keeps its own
+        assert out["rooted"] == (reduced, [0.0, 5.0] if rank == 1 else None, 40.0 + rank)
+    # PowerSGD's low-rank gradients are its own: the same on both ranks
+    _close(ranks[0][setup]["powersgd"], ranks[1][setup]["powersgd"], f"{setup}: PowerSGD")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("facade", FACADES)
 def test_every_client_over_a_facade_group_with_and_without_a_default_group(facade: str) -> None:
     ranks = run_world(matrix_rank, 2, args=(facade,), timeout=150)
-    exact = _mean([_grads([_batch(r)]) for r in range(2)])
-    accumulated = _mean([_grads([_batch(r, 1), _batch(r)]) for r in range(2)])
-    for setup in ("none", "default first"):
-        for rank in range(2):
-            out, where = ranks[rank][setup], f"{facade}, {setup}, rank {rank}"
-            assert out["errored"] is None, where
-            _close(out["plain"], exact, f"{where}: DDP")
-            _close(out["fp16"], exact, f"{where}: DDP fp16_compress_hook", rtol=1e-3, atol=1e-3)
-            _close(out["no_sync"], accumulated, f"{where}: DDP no_sync")
-            assert out["all_reduce avg"] == 1.5, where
-            assert out["all_gather"] == [0.0, 1.0], where
-            assert out["all_gather_into_tensor"] == [0.0, 10.0], where
-            assert out["reduce_scatter_tensor"] == [3.0, 6.0][rank], where
-            assert out["broadcast"] == 1.0, where
-            assert out["all_to_all"] == [float(rank), 10.0 + rank], where
-            assert out["all_gather_object"] == [{"rank": 0}, {"rank": 1}], where
-            assert out["broadcast_object_list"] == "from 0", where
-            assert out["p2p"] == ((0.0 if rank == 0 else 7.0), 100.0 + (1 - rank)), where
-            assert out["functional"] == 3.0, where
-            reduced = 3.0 if rank == 0 else 2.0  # a rank that is not the root keeps its own
-            assert out["rooted"] == (reduced, [0.0, 5.0] if rank == 1 else None, 40.0 + rank)
-        # PowerSGD's low-rank gradients are its own: the same on both ranks
-        _close(ranks[0][setup]["powersgd"], ranks[1][setup]["powersgd"], f"{setup}: PowerSGD")
     reference = _fsdp_reference()
     for rank in range(2):
         out = ranks[rank]["default first"]
         _close(out["fsdp params"], reference, f"{facade}, rank {rank}: FSDP2")
         assert out["dtensor"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
         assert "fsdp params" not in ranks[rank]["none"]
+    _check_battery(ranks, "none", facade)
+    _check_battery(ranks, "default first", facade)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("facade", FACADES)
+def test_every_client_over_a_facade_that_is_the_default_group(facade: str) -> None:
+    """``c10d.register_backends()``, then ``init_process_group("ftcomm-gloo")``:
+    no group of torch's at all; DeviceMesh, FSDP2 and DTensor on ftcomm's."""
+    ranks = run_world(as_default_rank, 2, args=(facade,), timeout=150)
+    _check_battery(ranks, "the default group", facade)
+    reference = _fsdp_reference()
+    for rank in range(2):
+        out = ranks[rank]["the default group"]
+        _close(out["fsdp params"], reference, f"{facade}, rank {rank}: FSDP2")
+        assert out["dtensor"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        assert out["new_group"] == (facade, 2.0)
+        assert "closed" in ranks[rank]["shut down"]  # destroy_process_group shut it down
+        assert ranks[rank]["again"] == (3.0, True)
+
+
+def _hash_store(ctx: RankContext) -> str:
+    c10d.register_backends()
+    with pytest.raises(
+        ValueError, match="meet at a TCPStore's address; this job's store is a Hash"
+    ):
+        dist.init_process_group("ftcomm-gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert not dist.is_initialized()
+    return "refused"
+
+
+def test_a_job_store_that_is_not_a_tcp_store_is_refused_clearly() -> None:
+    assert run_world(_hash_store, 1, timeout=60) == ["refused"]

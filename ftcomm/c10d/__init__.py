@@ -3,13 +3,16 @@
 Swap ``from torchft.process_group import X`` for ``from ftcomm.c10d import X``.
 Every class here is a real ``torch.distributed.ProcessGroup``: pass it to
 ``DistributedDataParallel(process_group=pg)`` or ``torch.distributed.*(group=pg)``;
-after ``pg.register(name)`` functional collectives find it too. Ops are issued
+after ``pg.register(name)`` functional collectives find it too. After
+``register_backends()``, ``init_process_group("ftcomm-gloo")`` makes the
+default group one of them. Ops are issued
 on the calling thread and their works are ``torch.distributed.Work`` objects:
 ``wait()`` blocks the thread until the op ends or its deadline passes (then
 ``ftcomm.CommTimeout``, and the group is aborted until ``configure``),
 ``get_future()`` completes with the same outcome. See ``docs/migrating.md``.
 """
 
+from ._backend import register_backends as register_backends
 from ._base import ProcessGroup as ProcessGroup
 from ._base import create_store_client as create_store_client
 from ._groups import ProcessGroupBabyGloo as ProcessGroupBabyGloo
@@ -40,4 +43,5 @@ __all__ = [
     "ProcessGroupWrapper",
     "ProcessGroupXCCL",
     "create_store_client",
+    "register_backends",
 ]

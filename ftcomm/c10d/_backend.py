@@ -1,0 +1,122 @@
+"""ftcomm's facade groups as torch backends: ``init_process_group("ftcomm-gloo")``.
+
+Owns: :func:`register_backends` (torch's ``Backend.register_backend`` for
+each facade class) and the creator torch calls for a group of one of them.
+torch keeps a group a creator returns as the process group itself, so the
+default group (and ``new_group(backend=...)``'s) is then a facade: a job
+with no group of torch's own runs DeviceMesh, FSDP2, DTensor and DCP on
+ftcomm's groups, each op with a deadline.
+
+A creator gets the group's store from torch (a ``PrefixStore`` over the
+job's ``TCPStore``); the facade meets at the ``TCPStore``'s address under a
+prefix of its own, which rank 0 draws and hands the others through that
+store.
+Imports: ``ftcomm.c10d._groups`` (the classes), ``ftcomm._store``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+from .._store import StoreAddr
+from ._groups import (
+    ProcessGroupBabyGloo,
+    ProcessGroupBabyNCCL,
+    ProcessGroupBabyXCCL,
+    ProcessGroupGloo,
+    ProcessGroupNCCL,
+    ProcessGroupWrapper,
+    ProcessGroupXCCL,
+)
+
+BACKENDS: dict[str, tuple[type[ProcessGroupWrapper], str]] = {
+    "ftcomm-gloo": (ProcessGroupGloo, "cpu"),
+    "ftcomm-nccl": (ProcessGroupNCCL, "cuda"),
+    "ftcomm-xccl": (ProcessGroupXCCL, "xpu"),
+    "ftcomm-baby-gloo": (ProcessGroupBabyGloo, "cpu"),
+    "ftcomm-baby-nccl": (ProcessGroupBabyNCCL, "cuda"),
+    "ftcomm-baby-xccl": (ProcessGroupBabyXCCL, "xpu"),
+}
+"""torch's name for each facade class (its ``getBackendName()``), and its device."""
+
+_PREFIX_KEY = "ftcomm/backend-prefix"
+_MAKINGS_KEY = "ftcomm/backend-makings"
+_lock = threading.Lock()
+
+
+def register_backends() -> list[str]:
+    """Make ftcomm's facade groups torch backends; returns their names.
+
+    After it, ``dist.init_process_group("ftcomm-gloo", init_method=...,
+    rank=r, world_size=n)`` makes the default group a
+    :class:`ProcessGroupGloo` (``"ftcomm-nccl"``: a :class:`ProcessGroupNCCL`;
+    ``"ftcomm-baby-gloo"``: a :class:`ProcessGroupBabyGloo`; ...), and
+    ``dist.new_group(ranks, backend="ftcomm-gloo")`` a group of its own, so
+    that DeviceMesh, FSDP2, DTensor and DCP run with no group of torch's.
+    Each op has the group's timeout (``init_process_group``'s ``timeout``) as
+    its deadline. The job's store must be a ``TCPStore`` (``env://``,
+    ``tcp://``, torchrun's, or ``store=TCPStore(...)``): the group meets at
+    its address. Calling it again changes nothing.
+
+    Such a group keeps the members it was made with: torch's tables fix its
+    ranks. To go on after a failure with other members, use a group you
+    ``configure()`` and ``register()`` (docs/migrating.md).
+    """
+    with _lock:
+        for name, (_, device) in BACKENDS.items():
+            if name not in dist.Backend.backend_list:
+                creator = functools.partial(_create, name)
+                dist.Backend.register_backend(name, creator, extended_api=True, devices=[device])
+    return list(BACKENDS)
+
+
+def _create(name: str, opts: Any, backend_options: object = None) -> ProcessGroupWrapper:
+    """torch's call for a group of backend ``name`` (``opts``: c10d's
+    ``_DistributedBackendOptions``).
+
+    Raises:
+        ValueError: the job's store is not a ``TCPStore``.
+        CommTimeout, CommFailed: the group could not be built.
+    """
+    store = opts.store
+    base = store
+    while isinstance(base, PrefixStore):
+        base = base.underlying_store
+    if not isinstance(base, TCPStore):
+        raise ValueError(
+            f"ftcomm's backends meet at a TCPStore's address; this job's store is a "
+            f"{type(base).__name__} (use init_method='env://' or 'tcp://...', or "
+            "store=TCPStore(...))"
+        )
+    rank, size = opts.group_rank, opts.group_size
+    # Each group a prefix of its own, drawn by rank 0. torch's store is
+    # namespaced per group, but a group made again after destroy_process_group
+    # gets the namespace of the one before: the key is per making (every
+    # member counts each making once, and makings do not overlap).
+    making = -(-int(store.add(_MAKINGS_KEY, 1)) // size)
+    key = f"{_PREFIX_KEY}/{making}"
+    if rank == 0:
+        store.set(key, f"ftcomm/backend/{uuid.uuid4().hex}")
+    prefix = store.get(key).decode()
+    timeout = opts.timeout if isinstance(opts.timeout, timedelta) else timedelta(seconds=60)
+    pg = BACKENDS[name][0](timeout=timeout)
+    given = list(opts.global_ranks_in_group or [])
+    try:
+        pg.configure(
+            str(StoreAddr(base.host, base.port, prefix)),
+            "0",
+            rank,
+            size,
+            global_ranks=given if len(given) == size else None,
+        )
+    except BaseException:
+        pg.shutdown()  # torch never gets it: nothing else would
+        raise
+    return pg
