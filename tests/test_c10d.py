@@ -28,7 +28,7 @@ import ftcomm
 from ftcomm import c10d
 from ftcomm._runtime.loop import get_runtime
 from ftcomm._runtime.table import OpTable
-from ftcomm.c10d._work import OpWork
+from ftcomm.c10d._work import Finish, OpWork
 from ftcomm.testing import Fault, FaultPlan, RankContext, run_world
 
 SEED_CLASSES = [
@@ -1107,3 +1107,80 @@ def test_a_configure_superseded_during_its_rank_exchange_ends_at_once(how: str) 
         assert out["errored"] == "CommAborted", out
     else:
         assert (out["errored"], out["after"]) == (None, 1.0), out
+
+
+# -- a work's finish step (all_to_all's copy out), and all_to_all at one rank ------------
+def test_a_finish_step_runs_once_and_a_second_caller_waits_for_it() -> None:
+    """Forced interleaving: the first caller is held inside the step; the
+    second (wait() and the future on two threads, say) must not return
+    before the step ended, and the step runs once."""
+    entered, release, runs = threading.Event(), threading.Event(), []
+
+    def step() -> None:
+        runs.append(1)
+        entered.set()
+        release.wait(10)
+
+    finish = Finish(step)
+    first = threading.Thread(target=finish.run, args=(True,))
+    first.start()
+    assert entered.wait(10)
+    second_done = threading.Event()
+    second = threading.Thread(target=lambda: (finish.run(True), second_done.set()))
+    second.start()
+    assert not second_done.wait(0.2)  # held: the step has not ended
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert second_done.is_set()
+    assert runs == [1]
+
+
+def test_a_finish_step_that_fails_fails_every_caller_alike() -> None:
+    def step() -> None:
+        raise RuntimeError("the copy out failed")
+
+    finish = Finish(step)
+    errors = []
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="the copy out failed") as info:
+            finish.run(True)
+        errors.append(info.value)
+    assert errors[0] is errors[1] is errors[2]
+    assert finish.error is errors[0]
+
+
+def test_all_to_all_at_one_rank_and_on_the_dummy(gloo1: c10d.ProcessGroupGloo) -> None:
+    # outputs that require grad, as c10d's own backends allow
+    out = torch.zeros(3, requires_grad=True)
+    work = gloo1.alltoall([out], [torch.arange(3.0)])
+    assert work.is_completed() or work.wait()
+    assert work.is_success()
+    assert out.tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="input_tensors must hold 1 tensors"):
+        gloo1.alltoall([torch.zeros(1)], [])
+    with pytest.raises(TypeError, match=r"input_tensors\[0\] must be a tensor, got str"):
+        gloo1.alltoall([torch.zeros(1)], ["x"])  # type: ignore[list-item]
+    assert gloo1.errored() is None
+    # ManagedProcessGroup over the dummy sizes its lists for the manager's world
+    dummy = c10d.ProcessGroupDummy(0, 1)
+    try:
+        outs = [torch.zeros(2) for _ in range(3)]
+        dummy.alltoall(outs, [torch.full((2,), float(i)) for i in range(3)]).wait()
+        assert [t.tolist() for t in outs] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+    finally:
+        dummy.shutdown()
+
+
+def test_a_facade_answers_torchs_backend_look_for_its_device_only() -> None:
+    """init_process_group(device_id=...) asks the group's backend whether it
+    splits: a facade says no for its own device, and, as a group without a
+    backend there, raises RuntimeError for any other."""
+    pg = c10d.ProcessGroupNCCL()
+    assert pg._get_backend(torch.device("cuda", 0)).supports_splitting is False
+    with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+        pg._get_backend(torch.device("cpu"))
+    gloo = c10d.ProcessGroupGloo()
+    assert gloo._get_backend(torch.device("cpu")).supports_coalescing is False
+    with pytest.raises(RuntimeError, match="device type cuda"):
+        gloo._get_backend(torch.device("cuda"))

@@ -11,6 +11,8 @@ refuses: asserted, so that a torch that lifts it is noticed)."""
 
 from __future__ import annotations
 
+import re
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
+import ftcomm
 from ftcomm import c10d
 from ftcomm.testing import RankContext, run_world
 
@@ -200,6 +203,7 @@ def as_default_rank(ctx: RankContext, facade: str) -> dict[str, Any]:
     try:
         default = dist.group.WORLD
         assert type(default) is getattr(c10d, facade)
+        first_prefix = _prefix(default)
         results["the default group"] = _battery(default, ctx.rank, with_default=True)
         results["the default group"]["errored"] = default.errored()
         sub = dist.new_group([0, 1], backend=BACKEND[facade])
@@ -215,7 +219,7 @@ def as_default_rank(ctx: RankContext, facade: str) -> dict[str, Any]:
     try:
         again = torch.tensor([ctx.rank + 1.0])
         dist.all_reduce(again)
-        results["again"] = (again.item(), repr(dist.group.WORLD) != results["shut down"])
+        results["again"] = (again.item(), _prefix(dist.group.WORLD) != first_prefix)
     finally:
         dist.destroy_process_group()
     return results
@@ -293,6 +297,37 @@ def test_every_client_over_a_facade_that_is_the_default_group(facade: str) -> No
         assert out["new_group"] == (facade, 2.0)
         assert "closed" in ranks[rank]["shut down"]  # destroy_process_group shut it down
         assert ranks[rank]["again"] == (3.0, True)
+
+
+def _prefix(pg: Any) -> str:
+    """Where a configured facade met (its group's store prefix)."""
+    found = re.search(r"store=\S+/(ftcomm/backend/[0-9a-f]+)", repr(pg.parent))
+    assert found, repr(pg.parent)
+    return found.group(1)
+
+
+def _alone(ctx: RankContext) -> str:
+    """Rank 0 of two, the other never comes: CommTimeout at init's timeout,
+    and the prefix key taken back (the next making does not read it)."""
+    c10d.register_backends()
+    store = dist.PrefixStore(f"{ctx.world_id}/alone", ctx.store)
+    store.set("marker", "1")  # so that the listing below is seen to see this prefix
+    started = time.monotonic()
+    with pytest.raises(ftcomm.CommTimeout, match="1 members did not come"):
+        dist.init_process_group(
+            "ftcomm-gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=1)
+        )
+    took = time.monotonic() - started
+    assert 1.0 <= took < 10.0, took
+    assert not dist.is_initialized()
+    mine = [k for k in ctx.store.list_keys() if k.startswith(f"{ctx.world_id}/alone/")]
+    assert f"{ctx.world_id}/alone/marker" in mine, mine
+    leftover = [k for k in mine if "ftcomm/backend-prefix" in k]
+    return f"timed out, left {leftover}"
+
+
+def test_a_member_that_never_comes_is_a_timeout_that_leaves_no_key() -> None:
+    assert run_world(_alone, 1, timeout=60) == ["timed out, left []"]
 
 
 def _hash_store(ctx: RankContext) -> str:

@@ -266,8 +266,11 @@ def test_survivors_see_the_failure_and_errored_says_aborted(
     op; ranks 0 and 1 see the op fail, errored() matches "aborted" and names
     the failure, and the two reconfigure and run the op again."""
     run = _RESILIENT_OPS[op]
-    pgs = [cls(timeout=timedelta(seconds=10)) for _ in range(3)]
-    met = threading.Barrier(3, timeout=30)
+    # 60 s: the configure of a Baby group starts a worker process (Python and
+    # torch), which took over 10 s beside the suite's other workers; the op
+    # under test gets its 2 s deadline below
+    pgs = [cls(timeout=timedelta(seconds=60)) for _ in range(3)]
+    met = threading.Barrier(3, timeout=60)
 
     def rank(r: int) -> str:
         pg = pgs[r]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from .._store import StoreAddr
+from ..errors import CommTimeout
 from ._groups import (
     ProcessGroupBabyGloo,
     ProcessGroupBabyNCCL,
@@ -47,7 +49,9 @@ BACKENDS: dict[str, tuple[type[ProcessGroupWrapper], str]] = {
 """torch's name for each facade class (its ``getBackendName()``), and its device."""
 
 _PREFIX_KEY = "ftcomm/backend-prefix"
-_MAKINGS_KEY = "ftcomm/backend-makings"
+_READ_KEY = "ftcomm/backend-prefix-read"
+_POLL = 0.002
+"""Seconds between rank 0's looks at how many members read the prefix."""
 _lock = threading.Lock()
 
 
@@ -83,7 +87,8 @@ def _create(name: str, opts: Any, backend_options: object = None) -> ProcessGrou
 
     Raises:
         ValueError: the job's store is not a ``TCPStore``.
-        CommTimeout, CommFailed: the group could not be built.
+        CommTimeout: a member did not come by ``opts.timeout``.
+        CommFailed: the group could not be built.
     """
     store = opts.store
     base = store
@@ -96,16 +101,8 @@ def _create(name: str, opts: Any, backend_options: object = None) -> ProcessGrou
             "store=TCPStore(...))"
         )
     rank, size = opts.group_rank, opts.group_size
-    # Each group a prefix of its own, drawn by rank 0. torch's store is
-    # namespaced per group, but a group made again after destroy_process_group
-    # gets the namespace of the one before: the key is per making (every
-    # member counts each making once, and makings do not overlap).
-    making = -(-int(store.add(_MAKINGS_KEY, 1)) // size)
-    key = f"{_PREFIX_KEY}/{making}"
-    if rank == 0:
-        store.set(key, f"ftcomm/backend/{uuid.uuid4().hex}")
-    prefix = store.get(key).decode()
     timeout = opts.timeout if isinstance(opts.timeout, timedelta) else timedelta(seconds=60)
+    prefix = _agree_prefix(store, rank, size, time.monotonic() + timeout.total_seconds())
     pg = BACKENDS[name][0](timeout=timeout)
     given = list(opts.global_ranks_in_group or [])
     try:
@@ -120,3 +117,44 @@ def _create(name: str, opts: Any, backend_options: object = None) -> ProcessGrou
         pg.shutdown()  # torch never gets it: nothing else would
         raise
     return pg
+
+
+def _agree_prefix(store: Any, rank: int, size: int, deadline: float) -> str:
+    """A store prefix of this making's own, drawn by rank 0 and handed to the
+    others through the group's store.
+
+    torch gives a group made again after ``destroy_process_group`` the
+    namespace of the one before, so the key must not outlive its making:
+    rank 0 takes it back once every other member said it read it, and before
+    it configures (no member gets past the making, and into the next one,
+    before that).
+
+    Raises:
+        CommTimeout: a member did not come by ``deadline``.
+    """
+    if size == 1:
+        return f"ftcomm/backend/{uuid.uuid4().hex}"
+    try:
+        if rank == 0:
+            prefix = f"ftcomm/backend/{uuid.uuid4().hex}"
+            read = f"{_READ_KEY}/{prefix}"
+            store.set(_PREFIX_KEY, prefix)
+            try:
+                while int(store.add(read, 0)) < size - 1:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"{size - 1 - int(store.add(read, 0))} members did not come"
+                        )
+                    time.sleep(_POLL)
+            finally:
+                store.delete_key(_PREFIX_KEY)
+                store.delete_key(read)
+            return prefix
+        store.wait([_PREFIX_KEY], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        prefix = store.get(_PREFIX_KEY).decode()
+        store.add(f"{_READ_KEY}/{prefix}", 1)
+        return str(prefix)
+    except (TimeoutError, RuntimeError) as exc:  # c10d's store errors are RuntimeErrors
+        raise CommTimeout(
+            f"making the group's ranks meet timed out: {exc}", rank=rank, op="configure"
+        ) from exc

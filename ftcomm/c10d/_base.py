@@ -175,6 +175,20 @@ class ProcessGroup(dist.ProcessGroup):
         (``monitored_barrier`` is Gloo's only); ``None``: no such backend."""
         return None
 
+    def _get_backend(self, device: object) -> Any:
+        """torch's look for the native backend of ``device`` in this group.
+
+        An ftcomm group has none torch could drive: ``RuntimeError`` (what
+        torch's callers expect of a group without one), but for its own
+        device type, where ``init_process_group(device_id=...)`` asks
+        whether it splits: a stand-in saying it does not (each configure
+        makes a communicator of its own)."""
+        native = self._c10d_backend()
+        kind = getattr(device, "type", device)
+        if native is not None and kind == native[1]:
+            return _NoNativeBackend()
+        raise RuntimeError(f"No backend type associated with device type {kind}")
+
     def _members_global_ranks(self) -> list[int] | None:
         """Every member's rank in the default process group, by group rank,
         for torch's tables when the group is registered; ``None``: unknown
@@ -241,3 +255,12 @@ class ProcessGroup(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class _NoNativeBackend:
+    """What :meth:`ProcessGroup._get_backend` gives for an ftcomm group's own
+    device: none of c10d's optional capabilities."""
+
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False

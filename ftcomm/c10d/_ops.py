@@ -13,7 +13,7 @@ list arguments that c10d nests per device must hold exactly one entry.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +22,7 @@ from torch.distributed import AllreduceOptions, ReduceOp
 
 from .._runtime.native import write_outputs
 from ..group import Group
-from ._work import DoneWork, OpWork
+from ._work import DoneWork, Finish, OpWork
 
 _SUM = ReduceOp.SUM
 _PREMUL_SUM = ReduceOp.PREMUL_SUM
@@ -219,6 +219,8 @@ class GroupOps:
             for i, t in enumerate(ts):
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"{name}[{i}] must be a tensor, got {type(t).__name__}")
+        for name, ts in (("output_tensors", outs), ("input_tensors", ins)):
+            for i, t in enumerate(ts):
                 if t.dtype != ins[0].dtype or t.device != ins[0].device:
                     raise ValueError(
                         f"{name}[{i}] is {t.dtype} on {t.device}: every tensor must be "
@@ -229,13 +231,22 @@ class GroupOps:
         flat_out = flat_in.new_empty(sum(takes))
         work = self.group.alltoall_base(flat_out, flat_in, takes, sends, timeout=op_timeout(opts))
 
-        def fill() -> None:
-            offset = 0
-            for t, n in zip(outs, takes, strict=True):
-                t.copy_(flat_out[offset : offset + n].view(t.shape))
-                offset += n
+        def fill() -> Callable[[], None] | None:
+            starts = [sum(takes[:i]) for i in range(len(takes))]
+            write_outputs(
+                (t, flat_out[at : at + n].view(t.shape))
+                for t, at, n in zip(outs, starts, takes, strict=True)
+            )
+            if flat_out.device.type == "cpu":
+                return None
+            # on a device: queued on this thread's stream, after the op (wait()
+            # ordered it) or at once (the op ended); the buffer is kept until
+            # the copies ran, and a caller that must see them waits for them
+            stream = torch.accelerator.current_stream(flat_out.device)
+            flat_out.record_stream(stream)
+            return stream.record_event().synchronize
 
-        return OpWork(work, output_tensors, fill)
+        return OpWork(work, output_tensors, Finish(fill))
 
     def barrier(self, opts: object = None) -> OpWork:
         return OpWork(self.group.barrier(timeout=op_timeout(opts)), None)
@@ -418,3 +429,16 @@ class DummyOps(GroupOps):
             return super().reduce_scatter_tensor_coalesced(outs, ins, opts)
         reduce_args(opts)
         return self._discard("reduce_scatter_tensor_coalesced", outs, ins, outs)
+
+    def alltoall(
+        self,
+        output_tensors: Sequence[torch.Tensor],
+        input_tensors: Sequence[torch.Tensor],
+        opts: object = None,
+    ) -> OpWork | DoneWork:
+        outs = tensor_list(output_tensors, "output_tensors")
+        ins = tensor_list(input_tensors, "input_tensors")
+        if len(outs) == 1 and len(ins) == 1:
+            return super().alltoall(outs, ins, opts)
+        op_timeout(opts)
+        return self._discard("alltoall", outs, ins, output_tensors)

@@ -18,6 +18,7 @@ callbacks chained on the future never run on (and stall) the loop.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -100,27 +101,17 @@ class OpWork(dist.Work):
     tensors (or its error).
     """
 
-    def __init__(
-        self, op: FtWork[Any], value: Any, finish: Callable[[], None] | None = None
-    ) -> None:
+    def __init__(self, op: FtWork[Any], value: Any, finish: Finish | None = None) -> None:
         super().__init__()
         self._op = op
         self._value = value
         self._future: torch.futures.Future[Any] | None = None
-        # ``finish``: what makes ``value`` once the op succeeded (a copy out
-        # of the op's own buffer), run once, before wait() returns or the
-        # future completes; a second caller waits for the first one's run
         self._finish = finish
-        self._finish_lock = threading.Lock()
 
-    def _finished(self) -> None:
-        """Run ``finish`` once (the op succeeded)."""
-        if self._finish is None:
-            return
-        with self._finish_lock:
-            finish, self._finish = self._finish, None
-            if finish is not None:
-                finish()
+    def _finished(self, blocking: bool = True) -> None:
+        """The op succeeded: its outputs made (see :class:`Finish`)."""
+        if self._finish is not None:
+            self._finish.run(blocking)
 
     def __repr__(self) -> str:
         return f"<ftcomm.c10d work of {self._op!r}>"
@@ -131,7 +122,7 @@ class OpWork(dist.Work):
         # NCCL/XCCL: the caller's stream waits, the CPU does not -- except for
         # a barrier, whose wait() blocks the CPU in c10d too.
         if seconds is None and op.op != "barrier" and op._order_stream():
-            self._finished()  # on the caller's stream, after the op
+            self._finished(blocking=False)  # on the caller's stream, after the op
             return True
         if not op.done() and get_runtime().in_loop_thread():
             raise RuntimeError(
@@ -142,10 +133,17 @@ class OpWork(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        return self._op.done()
+        if not self._op.done():
+            return False
+        if self._finish is not None and self._op._outcome().error is None:
+            with contextlib.suppress(Exception):  # wait() and is_success() say it
+                self._finished()
+        return True
 
     def is_success(self) -> bool:
-        return self._op.done() and self._op._outcome().error is None
+        if not self.is_completed() or self._op._outcome().error is not None:
+            return False
+        return self._finish is None or self._finish.error is None
 
     def result(self) -> Any:
         return self._value
@@ -165,6 +163,35 @@ class OpWork(dist.Work):
                 lambda: _complete_off_loop(source, op._outcome().error, value, self._finished)
             )
         return fut
+
+
+class Finish:
+    """What makes an op's outputs once it succeeded (a copy out of the op's
+    own buffer): ``step()`` runs once, by whichever caller comes first
+    (``wait()``, the future, ``is_completed()``); the others wait for that
+    run, and each of them gets its error. ``step`` returns ``None`` (done:
+    host tensors), or a wait for copies queued on a device stream, which a
+    caller that must see the outputs (``blocking``) calls."""
+
+    def __init__(self, step: Callable[[], Callable[[], None] | None]) -> None:
+        self._step: Callable[[], Callable[[], None] | None] | None = step
+        self._lock = threading.Lock()
+        self._waiter: Callable[[], None] | None = None
+        self.error: Exception | None = None
+
+    def run(self, blocking: bool) -> None:
+        """Raises: the step's error (the same one for every caller)."""
+        with self._lock:
+            step, self._step = self._step, None  # the step (its buffers) goes once run
+            if step is not None:
+                try:
+                    self._waiter = step()
+                except Exception as exc:
+                    self.error = exc
+            if self.error is not None:
+                raise self.error
+            if blocking and self._waiter is not None:
+                self._waiter()
 
 
 class _HasFuture(Protocol):
