@@ -12,12 +12,12 @@ on the calling thread and their works are ``torch.distributed.Work`` objects:
 ``get_future()`` completes with the same outcome. See ``docs/migrating.md``.
 """
 
+from ._baby import ProcessGroupBabyGloo as ProcessGroupBabyGloo
+from ._baby import ProcessGroupBabyNCCL as ProcessGroupBabyNCCL
+from ._baby import ProcessGroupBabyXCCL as ProcessGroupBabyXCCL
 from ._backend import register_backends as register_backends
 from ._base import ProcessGroup as ProcessGroup
 from ._base import create_store_client as create_store_client
-from ._groups import ProcessGroupBabyGloo as ProcessGroupBabyGloo
-from ._groups import ProcessGroupBabyNCCL as ProcessGroupBabyNCCL
-from ._groups import ProcessGroupBabyXCCL as ProcessGroupBabyXCCL
 from ._groups import ProcessGroupDummy as ProcessGroupDummy
 from ._groups import ProcessGroupGloo as ProcessGroupGloo
 from ._groups import ProcessGroupNCCL as ProcessGroupNCCL

@@ -11,7 +11,7 @@ A creator gets the group's store from torch (a ``PrefixStore`` over the
 job's ``TCPStore``); the facade meets at the ``TCPStore``'s address under a
 prefix of its own, which rank 0 draws and hands the others through that
 store.
-Imports: ``ftcomm.c10d._groups`` (the classes), ``ftcomm._store``.
+Imports: ``ftcomm.c10d._groups`` and ``_baby`` (the classes), ``ftcomm._store``.
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from .._store import StoreAddr
 from ..errors import CommTimeout
+from ._baby import ProcessGroupBabyGloo, ProcessGroupBabyNCCL, ProcessGroupBabyXCCL
 from ._groups import (
-    ProcessGroupBabyGloo,
-    ProcessGroupBabyNCCL,
-    ProcessGroupBabyXCCL,
     ProcessGroupGloo,
     ProcessGroupNCCL,
     ProcessGroupWrapper,

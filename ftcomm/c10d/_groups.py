@@ -24,7 +24,6 @@ from torch.distributed.constants import default_pg_timeout
 from .._runtime.deadline import to_seconds
 from .._runtime.loop import get_runtime
 from .._runtime.observe import Event, GroupStats, Subscription
-from .._validate import check_int
 from ..errors import CommAborted, CommError, CommFailed, CommTimeout, NotConfigured
 from ..group import Group
 from . import _registry
@@ -660,51 +659,3 @@ class ProcessGroupDummy(_Facade):
 
     def __repr__(self) -> str:
         return "ProcessGroupDummy()"  # torchft's: it has no state worth showing
-
-
-class _Baby(ProcessGroupWrapper):
-    """The group runs in a worker process: torchft's ``ProcessGroupBaby*``.
-
-    Each ``configure`` gets a fresh worker (one started ahead, so recovery
-    does not wait for Python and torch to start); a deadline, ``abort()`` or
-    ``configure()`` kills the worker, so an aborted op writes nothing
-    anywhere afterwards, and the worker's death fails every op in flight at
-    once with ``WorkerDied``. Tensors are copied through shared memory, and
-    written only when their op succeeds; tensors already in shared memory
-    (``t.share_memory_()``) are used in place. ``share_min_bytes`` opts in to
-    moving large reused storages there (as torchft's does with every tensor):
-    see :class:`ftcomm.Group`, which also says what it costs.
-    """
-
-    _subprocess = True
-
-    def __init__(
-        self,
-        timeout: timedelta | float = timedelta(seconds=60),
-        *,
-        share_min_bytes: int | None = None,
-        fuse: bool = False,
-    ) -> None:
-        super().__init__(timeout, fuse=fuse)
-        if share_min_bytes is not None:
-            check_int(share_min_bytes, "share_min_bytes", minimum=0, maximum=None)
-        self._share_min_bytes = share_min_bytes
-
-    def _group_options(self) -> dict[str, Any]:
-        return {"share_min_bytes": self._share_min_bytes}
-
-
-class ProcessGroupBabyGloo(_Baby, ProcessGroupGloo):
-    """Gloo in a worker process (CPU tensors); every collective, send and recv."""
-
-
-class ProcessGroupBabyNCCL(_Baby, ProcessGroupNCCL):
-    """NCCL in a worker process (CUDA tensors, shared by IPC handle). ``wait()``
-    blocks until the worker has replied (once the op's device work is done),
-    and the caller's stream then waits for the worker's through an event. A
-    deadline or ``abort()`` kills the worker. ``configure`` raises
-    ``RuntimeError`` where torch has no NCCL or sees no GPU."""
-
-
-class ProcessGroupBabyXCCL(_Baby, ProcessGroupXCCL):
-    """XCCL in a worker process (Intel XPU tensors); as :class:`ProcessGroupBabyNCCL`."""
