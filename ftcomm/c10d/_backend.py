@@ -16,6 +16,7 @@ Imports: ``ftcomm.c10d._groups`` and ``_baby`` (the classes), ``ftcomm._store``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from .._store import StoreAddr
-from ..errors import CommTimeout
+from ..errors import CommFailed, CommTimeout
 from ._baby import ProcessGroupBabyGloo, ProcessGroupBabyNCCL, ProcessGroupBabyXCCL
 from ._groups import (
     ProcessGroupGloo,
@@ -48,8 +49,6 @@ BACKENDS: dict[str, tuple[type[ProcessGroupWrapper], str]] = {
 
 _PREFIX_KEY = "ftcomm/backend-prefix"
 _READ_KEY = "ftcomm/backend-prefix-read"
-_POLL = 0.002
-"""Seconds between rank 0's looks at how many members read the prefix."""
 _lock = threading.Lock()
 
 
@@ -86,7 +85,7 @@ def _create(name: str, opts: Any, backend_options: object = None) -> ProcessGrou
     Raises:
         ValueError: the job's store is not a ``TCPStore``.
         CommTimeout: a member did not come by ``opts.timeout``.
-        CommFailed: the group could not be built.
+        CommFailed: the store failed, or the group could not be built.
     """
     store = opts.store
     base = store
@@ -129,30 +128,34 @@ def _agree_prefix(store: Any, rank: int, size: int, deadline: float) -> str:
 
     Raises:
         CommTimeout: a member did not come by ``deadline``.
+        CommFailed: the store failed.
     """
     if size == 1:
         return f"ftcomm/backend/{uuid.uuid4().hex}"
+
+    def left() -> timedelta:
+        return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+
     try:
         if rank == 0:
             prefix = f"ftcomm/backend/{uuid.uuid4().hex}"
-            read = f"{_READ_KEY}/{prefix}"
+            read = [f"{_READ_KEY}/{prefix}/{r}" for r in range(1, size)]
             store.set(_PREFIX_KEY, prefix)
             try:
-                while int(store.add(read, 0)) < size - 1:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"{size - 1 - int(store.add(read, 0))} members did not come"
-                        )
-                    time.sleep(_POLL)
+                store.wait(read, left())
             finally:
-                store.delete_key(_PREFIX_KEY)
-                store.delete_key(read)
+                for key in [_PREFIX_KEY, *read]:
+                    with contextlib.suppress(Exception):  # the store may be gone
+                        store.delete_key(key)
             return prefix
-        store.wait([_PREFIX_KEY], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        store.wait([_PREFIX_KEY], left())
         prefix = store.get(_PREFIX_KEY).decode()
-        store.add(f"{_READ_KEY}/{prefix}", 1)
+        store.set(f"{_READ_KEY}/{prefix}/{rank}", "1")
         return str(prefix)
     except (TimeoutError, RuntimeError) as exc:  # c10d's store errors are RuntimeErrors
-        raise CommTimeout(
-            f"making the group's ranks meet timed out: {exc}", rank=rank, op="configure"
+        timed_out = isinstance(exc, TimeoutError) or "timeout" in str(exc).lower()
+        kind = CommTimeout if timed_out else CommFailed
+        what = "timed out" if timed_out else "failed"
+        raise kind(
+            f"making the group's ranks meet in the store {what}: {exc}", rank=rank, op="configure"
         ) from exc

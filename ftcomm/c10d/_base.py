@@ -178,16 +178,17 @@ class ProcessGroup(dist.ProcessGroup):
     def _get_backend(self, device: object) -> Any:
         """torch's look for the native backend of ``device`` in this group.
 
-        An ftcomm group has none torch could drive: ``RuntimeError`` (what
-        torch's callers expect of a group without one), but for its own
-        device type, where ``init_process_group(device_id=...)`` asks
-        whether it splits: a stand-in saying it does not (each configure
-        makes a communicator of its own)."""
-        native = self._c10d_backend()
-        kind = getattr(device, "type", device)
-        if native is not None and kind == native[1]:
-            return _NoNativeBackend()
-        raise RuntimeError(f"No backend type associated with device type {kind}")
+        An ftcomm group has none torch could drive; a stand-in that says so
+        (no splitting, coalescing, allocation, time estimate or shrinking),
+        so that torch's code takes the branch for a backend without them:
+        ``init_process_group(device_id=...)`` skips its eager connect (each
+        configure makes a communicator of its own), FSDP2 allocates its
+        buffers itself."""
+        try:
+            name = self.getBackendName()
+        except NotImplementedError:
+            name = type(self).__name__
+        return _NoNativeBackend(name)
 
     def _members_global_ranks(self) -> list[int] | None:
         """Every member's rank in the default process group, by group rank,
@@ -258,9 +259,17 @@ class ProcessGroup(dist.ProcessGroup):
 
 
 class _NoNativeBackend:
-    """What :meth:`ProcessGroup._get_backend` gives for an ftcomm group's own
-    device: none of c10d's optional capabilities."""
+    """What :meth:`ProcessGroup._get_backend` gives: none of c10d's optional
+    capabilities, and the group's backend name."""
 
     supports_splitting = False
     supports_coalescing = False
+    supports_tensor_alloc = False
     supports_time_estimate = False
+    supports_shrinking = False
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def name(self) -> str:
+        return self._name

@@ -13,7 +13,7 @@ list arguments that c10d nests per device must hold exactly one entry.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -231,7 +231,7 @@ class GroupOps:
         flat_out = flat_in.new_empty(sum(takes))
         work = self.group.alltoall_base(flat_out, flat_in, takes, sends, timeout=op_timeout(opts))
 
-        def fill() -> Callable[[], None] | None:
+        def fill() -> torch.Event | None:
             starts = [sum(takes[:i]) for i in range(len(takes))]
             write_outputs(
                 (t, flat_out[at : at + n].view(t.shape))
@@ -241,10 +241,10 @@ class GroupOps:
                 return None
             # on a device: queued on this thread's stream, after the op (wait()
             # ordered it) or at once (the op ended); the buffer is kept until
-            # the copies ran, and a caller that must see them waits for them
+            # the copies ran; each caller waits for their event (Finish)
             stream = torch.accelerator.current_stream(flat_out.device)
             flat_out.record_stream(stream)
-            return stream.record_event().synchronize
+            return stream.record_event()
 
         return OpWork(work, output_tensors, Finish(fill))
 

@@ -18,7 +18,6 @@ callbacks chained on the future never run on (and stall) the loop.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -136,8 +135,10 @@ class OpWork(dist.Work):
         if not self._op.done():
             return False
         if self._finish is not None and self._op._outcome().error is None:
-            with contextlib.suppress(Exception):  # wait() and is_success() say it
-                self._finished()
+            try:
+                return self._finish.done()
+            except Exception:  # wait() and is_success() say it
+                return True
         return True
 
     def is_success(self) -> bool:
@@ -159,9 +160,8 @@ class OpWork(dist.Work):
         if source is not None:
             value = self._value
             op = self._op  # on the thread that ends it, whatever loop runs here
-            op._when_done(
-                lambda: _complete_off_loop(source, op._outcome().error, value, self._finished)
-            )
+            finish = self._finished if self._finish is not None else None
+            op._when_done(lambda: _complete_off_loop(source, op._outcome().error, value, finish))
         return fut
 
 
@@ -170,28 +170,51 @@ class Finish:
     own buffer): ``step()`` runs once, by whichever caller comes first
     (``wait()``, the future, ``is_completed()``); the others wait for that
     run, and each of them gets its error. ``step`` returns ``None`` (done:
-    host tensors), or a wait for copies queued on a device stream, which a
-    caller that must see the outputs (``blocking``) calls."""
+    host tensors), or the event recorded after copies it queued on a device
+    stream, which each caller then waits for its own way (:meth:`run`,
+    :meth:`done`), outside the lock."""
 
-    def __init__(self, step: Callable[[], Callable[[], None] | None]) -> None:
-        self._step: Callable[[], Callable[[], None] | None] | None = step
+    def __init__(self, step: Callable[[], Any]) -> None:
+        self._step: Callable[[], Any] | None = step
         self._lock = threading.Lock()
-        self._waiter: Callable[[], None] | None = None
+        self._event: Any = None
         self.error: Exception | None = None
 
-    def run(self, blocking: bool) -> None:
-        """Raises: the step's error (the same one for every caller)."""
+    def _once(self) -> Any:
+        """The copies' event (``None``: done).
+
+        Raises: the step's error (the same one for every caller)."""
         with self._lock:
             step, self._step = self._step, None  # the step (its buffers) goes once run
             if step is not None:
                 try:
-                    self._waiter = step()
+                    self._event = step()
                 except Exception as exc:
-                    self.error = exc
+                    self.error = exc.with_traceback(None)  # its frames hold the buffers
             if self.error is not None:
                 raise self.error
-            if blocking and self._waiter is not None:
-                self._waiter()
+            return self._event
+
+    def run(self, blocking: bool) -> None:
+        """Make the outputs; then, for copies on a device, ``blocking``: wait
+        for them here; else the calling thread's current stream waits for
+        them (c10d's ``wait()``: the CPU does not).
+
+        Raises: the step's error."""
+        event = self._once()
+        if event is None:
+            return
+        if blocking:
+            event.synchronize()
+        else:
+            torch.accelerator.current_stream(event.device).wait_event(event)
+
+    def done(self) -> bool:
+        """Whether the outputs are made (a poll: it never waits for a device).
+
+        Raises: the step's error."""
+        event = self._once()
+        return event is None or bool(event.query())
 
 
 class _HasFuture(Protocol):
@@ -228,7 +251,9 @@ def _complete_off_loop(
         _settle_future(fut, failure, value)
 
     runtime = get_runtime()
-    if runtime.in_loop_thread():
+    if runtime.in_loop_thread() or finish is not None:
+        # a finish step may wait for copies on a device: never on the thread
+        # that publishes the group's op ends (an accelerator group's watcher)
         runtime.run_callback(settle)
     else:
         settle()
