@@ -1,8 +1,8 @@
 """The state copy: the member with the highest step sends, the ones behind take it.
 
 Owns: :func:`sync_state` (public as ``ftcomm.sync_state``, and the work of
-``Membership.sync_state``) and its plan (one allgather of every member's step, then
-point-to-point sends from one source to the members behind) and the wire
+``Membership.sync_state``), its plan (one allgather of every member's step,
+then point-to-point sends from one source to the members behind) and the wire
 form of a state (``torch.save`` bytes, read back with ``weights_only=True``
 and ``map_location="cpu"``: tensors and plain containers only, no code runs
 on load). The sender reads its own bytes back the same way before it sends:
@@ -120,9 +120,9 @@ async def sync_state(
         CommError: the group failed during the copy (``NotConfigured``: it
             is not configured).
         ValueError: ``step`` is negative or over ``2**63 - 1``; the state
-            of the rank that sends holds what cannot be loaded with ``weights_only=True`` (raised
-            there, and on the ranks behind, which keep theirs); or what came
-            is not a state.
+            of the rank that sends holds what cannot be loaded with
+            ``weights_only=True`` (raised there, and on the ranks behind,
+            which keep theirs); or what came is not a state.
         TypeError: ``group`` is not an :class:`ftcomm.Group`; ``step`` is
             not an int.
     """

@@ -13,6 +13,7 @@ list arguments that c10d nests per device must hold exactly one entry.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -232,7 +233,7 @@ class GroupOps:
         work = self.group.alltoall_base(flat_out, flat_in, takes, sends, timeout=op_timeout(opts))
 
         def fill() -> torch.Event | None:
-            starts = [sum(takes[:i]) for i in range(len(takes))]
+            starts = itertools.accumulate(takes[:-1], initial=0)
             write_outputs(
                 (t, flat_out[at : at + n].view(t.shape))
                 for t, at, n in zip(outs, starts, takes, strict=True)
