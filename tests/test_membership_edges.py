@@ -170,6 +170,47 @@ async def test_a_world_written_after_a_cancelled_member_retracted_is_given_up(
         assert time.monotonic() - started < 10  # not a's configure deadline (20 s)
 
 
+def _hold_after_configure(group: ftcomm.Group) -> tuple[asyncio.Event, asyncio.Event]:
+    """Make ``group.configure()`` wait, once configured, for the second
+    event it returns (the first says it got there)."""
+    real = group.configure
+    there, go = asyncio.Event(), asyncio.Event()
+
+    async def configure(*args: Any, **kw: Any) -> None:
+        await real(*args, **kw)
+        there.set()
+        await go.wait()
+
+    group.configure = configure  # type: ignore[method-assign]
+    return there, go
+
+
+async def test_a_world_configured_while_a_member_gave_it_up_is_given_up(store: Any) -> None:
+    """b's join is cancelled while its configure is in flight (here: done,
+    and not yet returned; with Gloo, a construction a cancel cannot stop
+    may complete the peer's). a's configure succeeds all the same; a reads
+    that b quit before it takes the world, and forms the next one."""
+    (b,) = _members(store, "b")
+    (a,) = _members(store, "a", min_size=1)
+    client = _client(store)
+    async with a, b, ftcomm.Group("gloo") as ga, ftcomm.Group("gloo") as gb:
+        a_there, a_go = _hold_after_configure(ga)
+        b_there, _ = _hold_after_configure(gb)
+        joined = asyncio.ensure_future(b.join(gb))
+        first = asyncio.ensure_future(a.join(ga))
+        await asyncio.wait_for(asyncio.gather(a_there.wait(), b_there.wait()), 10)
+        joined.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await joined
+        old = b._me  # type: ignore[attr-defined]
+        assert parse_roster(_read(client, "quit/1") or b"") == [old]
+        a_go.set()
+        world = await first
+        assert (world.generation, world.members) == (2, ("a",))
+        assert not ga.errored()  # configured again, for generation 2
+    assert not _membership_threads()
+
+
 async def test_a_recover_retried_after_a_cancelled_one_is_told_it_was_dropped(
     store: Any,
 ) -> None:

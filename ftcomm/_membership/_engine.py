@@ -69,6 +69,11 @@ class Engine(Protocol):
         this member is a new incarnation (``me``), which comes back as a
         newcomer. Best effort. Idempotent: the engine may close at once after."""
 
+    def quitters(self, record: WorldRecord) -> list[str]:
+        """The ids of ``record``'s members that gave it up (:meth:`abandon`),
+        read now: where there are any, its group is not to be used.
+        Raises: MembershipError."""
+
     def group_addr(self, record: WorldRecord) -> str:
         """The store address (``host:port/prefix``) where ``record``'s group meets."""
 

@@ -213,6 +213,10 @@ class LighthouseEngine:
         """Nothing to say it with: the others' configure runs to its deadline
         (or to the abandoning member's next quorum request)."""
 
+    def quitters(self, record: WorldRecord) -> list[str]:
+        """None: nothing says so (see :meth:`abandon`)."""
+        return []
+
     def check(self, record: WorldRecord, k: int, *, max_size: int, deadline: float) -> bool:
         """Raises: MembershipError (the lighthouse failed or did not answer in time)."""
         found, _ = self._round(record, 1, NO_CAP, deadline, threading.Event())

@@ -258,6 +258,11 @@ class StoreEngine:
                             target = t
                             raise Stopped
                         watcher.follow(t)
+                        if self.quitters(record):
+                            # one of them gave it up before this member read
+                            # it: it never configures t; on to the next
+                            prev, member_of, target, enough_since = record, t, None, None
+                            continue
                         return record
                     if member_of is not None:
                         raise Evicted(
@@ -366,6 +371,24 @@ class StoreEngine:
         """
         if self.me in record.members:
             self._quit(record.generation)
+
+    def quitters(self, record: WorldRecord) -> list[str]:
+        """The ids of ``record``'s members that gave it up, read now (the
+        watcher counts them dead from then on, where it follows ``record``).
+
+        Raises:
+            MembershipError: the store failed.
+        """
+        assert self.watcher is not None
+        try:
+            text = read(self._store, quit_key(record.generation))
+        except (RuntimeError, OSError) as exc:
+            raise _failed(exc) from exc
+        if text is None:
+            return []
+        gone = set(parse_roster(text)) & set(record.members)
+        self.watcher.quit_seen(record.generation, gone)
+        return [m.id for m in record.members if m in gone]
 
     def _quit(self, generation: int) -> None:
         """Append this incarnation to ``quit/<generation>`` and go on as a new one."""

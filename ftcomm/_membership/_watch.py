@@ -159,6 +159,14 @@ class Watcher:
             if self._following != generation:
                 self._following, self._quit = generation, set()
 
+    def quit_seen(self, generation: int, members: set[Member]) -> None:
+        """``members`` gave up ``generation``, as the caller read it (its own
+        client): counted dead now, where the watcher follows it, not only
+        after its next round."""
+        with self._lock:
+            if self._following == generation:
+                self._quit |= members
+
     # -- the round --------------------------------------------------------
 
     def beat(self) -> None:
@@ -225,7 +233,7 @@ class Watcher:
                 )
             self._last_tick = now
             if following == self._following and quit_text is not None:
-                self._quit = set(parse_roster(quit_text))
+                self._quit |= set(parse_roster(quit_text))  # it only grows
             for member_id, value in zip(ids, values, strict=True):
                 old = self._seen.get(member_id)
                 # moved, or we were not looking (then no one's silence counts)

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from .._runtime.deadline import Timeout, resolve, to_seconds
 from .._runtime.loop import get_runtime
 from .._store import parse_store_addr
-from ..errors import CommError, Evicted, MembershipError, MembershipTimeout
+from ..errors import CommAborted, CommError, Evicted, MembershipError, MembershipTimeout
 from ..group import Group
 from . import _state_copy
 from ._engine import Engine, Stopped
@@ -454,7 +454,10 @@ class Membership:
         self, group: Group, record: WorldRecord, addr: str, rank: int, deadline: float
     ) -> None:
         """``group.configure()`` for ``record``, given up (the group aborted)
-        as soon as one of its members is seen dead.
+        as soon as one of its members is seen dead, or (read once it is
+        configured) gave the generation up: a member whose call was
+        cancelled mid-configure may have left a native construction
+        behind that completed this one's.
 
         Raises:
             CommError: the configure failed, timed out, or was given up.
@@ -476,6 +479,15 @@ class Membership:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+        gone = await self._call(lambda _: engine.quitters(record), deadline=deadline)
+        if gone:
+            await group.abort()
+            raise CommAborted(
+                f"generation {record.generation} of job {self.job!r} was given up by "
+                f"{', '.join(gone)} as it was formed",
+                rank=rank,
+                op="configure",
+            )
 
     def _check_group(self, group: object) -> Group:
         if not isinstance(group, Group):
