@@ -80,8 +80,10 @@ def test_a_source_file_read_on_another_thread_settles_one_left_open_fails() -> N
 
 
 def test_a_rank_error_arrives_with_its_traceback() -> None:
-    with pytest.raises(WorldError, match=r"(?s)rank 1 raised.*KeyError: 'boom on rank 1'"):
+    with pytest.raises(WorldError, match=r"(?s)rank 1 raised.*KeyError: 'boom on rank 1'") as info:
         run_world(raises, 2)
+    # a log cut to its last lines still says which rank failed, and how
+    assert str(info.value).endswith("in short:\n  rank 1 raised: KeyError: 'boom on rank 1'")
 
 
 def test_a_hung_world_is_killed_at_its_bound() -> None:

@@ -237,9 +237,25 @@ def _leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str
 
 
 def _world_error(failures: list[str], plan: FaultPlan | None) -> WorldError:
+    """Every failure in full, then the plan, then one line per failure: a
+    rank's traceback is long, and an output cut to its ends (a CI log)
+    still shows which rank failed first and how."""
+    summary = [_headline(text) for text in failures]
     if plan is not None:
         failures.append(f"plan: {plan}")
+    if len(failures) > 1 or "\n" in failures[0]:
+        failures.append("in short:\n" + "\n".join(f"  {line}" for line in summary))
     return WorldError("\n\n".join(failures))
+
+
+def _headline(text: str, width: int = 300) -> str:
+    """A failure's first line, and where it is a traceback, its last (the
+    exception), cut to ``width`` characters."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        return "(no message)"
+    head = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1].strip()}"
+    return head if len(head) <= width else head[: width - 3] + "..."
 
 
 class _StoreServer:
