@@ -100,11 +100,14 @@ class RankContext:
 
 @dataclass
 class RankFailure:
-    """A rank's exception (``None`` if it did not pickle) and its traceback text."""
+    """A rank's exception (``None`` if it did not pickle), its traceback
+    text, and when it was raised (``time.monotonic()``, one clock for every
+    process of the machine: the rank that failed first is told)."""
 
     rank: int
     error: BaseException | None
     text: str
+    at: float | None = None
 
 
 RankFn = Callable[..., Any]
@@ -249,12 +252,13 @@ def _world_error(failures: list[str], plan: FaultPlan | None) -> WorldError:
 
 
 def _headline(text: str, width: int = 300) -> str:
-    """A failure's first line, and where it is a traceback, its last (the
+    """A failure's first line, and where it holds a traceback, its last (the
     exception), cut to ``width`` characters."""
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         return "(no message)"
-    head = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1].strip()}"
+    raised = len(lines) > 1 and "Traceback (most recent call last)" in text
+    head = f"{lines[0]} {lines[-1].strip()}" if raised else lines[0]
     return head if len(head) <= width else head[: width - 3] + "..."
 
 

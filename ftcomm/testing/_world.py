@@ -15,11 +15,16 @@ inside the ranks, and every process joined or killed before it returns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import faulthandler
+import functools
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -42,6 +47,35 @@ from ._faults import FaultPlan, Kind, install
 from ._thread_world import run_thread_world
 
 _DOOMED_GRACE = 2.0
+_DUMP_SIGNAL = signal.SIGUSR1
+"""Makes a rank write every thread's stack to its stacks file (``faulthandler``:
+at once, whatever its threads are doing)."""
+_TASKS_SIGNAL = signal.SIGUSR2
+"""Makes a rank write its event loop's tasks' stacks there (once its main
+thread runs Python again: a loop that waits does at once)."""
+_DUMP_GRACE = 1.0
+
+
+def _dump_tasks(out: Any, signum: int, frame: Any) -> None:
+    try:
+        tasks = asyncio.all_tasks()
+    except RuntimeError:  # no loop running on this thread
+        return
+    print(f"\n{len(tasks)} asyncio task(s), each down its awaits:", file=out)
+    for task in tasks:
+        print(f"{task!r:.300}", file=out)
+        awaited: Any = task.get_coro()
+        for _ in range(64):  # cr_await: the coroutine it awaits; gi_yieldfrom for generators
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is not None:
+                code = frame.f_code
+                where = f'"{code.co_filename}", line {frame.f_lineno}, in {code.co_name}'
+                print(f"  File {where}", file=out)
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+            if awaited is None:
+                break
+    out.flush()
+
 
 LOOPS = ("asyncio", "uvloop")
 """The event loops a world's ranks can run on."""
@@ -93,11 +127,16 @@ def _rank_main(
     conn: Any,
     control: Any,
     env: dict[str, str],
+    stacks_path: str,
 ) -> None:
     # A rank forked from the fork server has the server's environment: take
     # the harness's (FTCOMM_LOOP, FTCOMM_DEBUG, the test's own variables).
     os.environ.clear()
     os.environ.update(env)
+    # the harness asks a rank that hangs where it is, before the kill
+    stacks = open(stacks_path, "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.register(_DUMP_SIGNAL, file=stacks, all_threads=True)
+    signal.signal(_TASKS_SIGNAL, functools.partial(_dump_tasks, stacks))
     try:
         from .._runtime.loop import get_runtime
 
@@ -126,12 +165,13 @@ def _rank_main(
         fired = [f.op for f in injector.applied] if injector is not None else []
         payload: tuple[str, Any, list[int]] = ("ok", value, fired)
     except BaseException as exc:
+        at = time.monotonic()
         text = "".join(traceback.format_exception(exc))
         try:
             pickle.dumps(exc)
-            payload = ("err", RankFailure(ctx.rank, exc, text), [])
+            payload = ("err", RankFailure(ctx.rank, exc, text, at), [])
         except Exception:
-            payload = ("err", RankFailure(ctx.rank, None, text), [])
+            payload = ("err", RankFailure(ctx.rank, None, text, at), [])
     # Plain pickle: tensors travel by value, not as shared-memory handles that
     # die with this process.
     conn.send_bytes(pickle.dumps(payload))
@@ -185,7 +225,9 @@ def run_world(
             raise ValueError(f"the plan has faults on ranks {outside} of a world of {world_size}")
     doomed = plan.ranks_that(Kind.KILL, Kind.STOP) if plan is not None else set()
     ctx_mp = _mp_context()
+    started = time.monotonic()
     store = _StoreServer()
+    stacks_dir = tempfile.mkdtemp(prefix="ftcomm-world-")  # a hung rank's stacks
     world_id = uuid.uuid4().hex[:12]
     procs: list[Any] = []
     conns: list[Any] = []
@@ -202,7 +244,16 @@ def run_world(
             ctx = RankContext(rank, world_size, store.port, world_id, loop, backend)
             proc = ctx_mp.Process(
                 target=_rank_main,
-                args=(fn, ctx, args, plan, child, rank_control, dict(os.environ)),
+                args=(
+                    fn,
+                    ctx,
+                    args,
+                    plan,
+                    child,
+                    rank_control,
+                    dict(os.environ),
+                    os.path.join(stacks_dir, f"rank{rank}.stacks"),
+                ),
                 name=f"rank{rank}",
             )
             try:
@@ -213,7 +264,7 @@ def run_world(
             procs.append(proc)
         store.serve(controls)
     except BaseException:  # a rank could not start: take down those that did
-        _tear_down(procs, conns, controls, store)
+        _tear_down(procs, conns, controls, store, stacks_dir)
         raise
     finally:
         for name, before in env_before.items():
@@ -252,9 +303,13 @@ def run_world(
                 continue
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
+                stacks = _dump_stacks(proc, os.path.join(stacks_dir, f"rank{rank}.stacks"))
                 proc.kill()
                 proc.join(5)
-                failures.append(f"rank {rank} did not finish within {timeout} s (killed)")
+                failures.append(
+                    f"rank {rank} did not finish within {timeout} s (killed)\n"
+                    f"where its threads and tasks were:\n{stacks}"
+                )
                 continue
             if rank in expect_exit:
                 if proc.exitcode != expect_exit[rank]:
@@ -271,18 +326,39 @@ def run_world(
                             f"rank {rank} finished without reaching its faults at ops {unfired}"
                         )
             elif status == "err":
-                failures.append(f"rank {rank} raised:\n{value.text}")
+                when = f" {value.at - started:.1f} s in" if value.at is not None else ""
+                failures.append(f"rank {rank} raised{when}:\n{value.text}")
             else:
                 failures.append(f"rank {rank} died with exit code {proc.exitcode}")
     finally:
-        _tear_down(procs, conns, controls, store)
+        _tear_down(procs, conns, controls, store, stacks_dir)
     if failures:
         raise _world_error(failures, plan)
     return results
 
 
+def _dump_stacks(proc: Any, path: str, limit: int = 20_000) -> str:
+    """A hung rank's threads' stacks (``faulthandler``, into ``path``), the
+    end of them where they are longer than ``limit`` characters."""
+    with contextlib.suppress(OSError):
+        os.kill(proc.pid, _DUMP_SIGNAL)
+        os.kill(proc.pid, _TASKS_SIGNAL)
+    deadline = time.monotonic() + _DUMP_GRACE
+    text, size = "", -1
+    while time.monotonic() < deadline:  # written within moments, by signal handlers
+        with contextlib.suppress(OSError), open(path) as f:
+            text = f.read()
+        if "asyncio task(s)" in text and len(text) == size:
+            break
+        size = len(text)
+        time.sleep(0.05)
+    if not text:
+        return "(no stacks: the rank did not answer)"
+    return text if len(text) <= limit else "...\n" + text[-limit:]
+
+
 def _tear_down(
-    procs: list[Any], conns: list[Any], controls: list[Any], store: _StoreServer
+    procs: list[Any], conns: list[Any], controls: list[Any], store: _StoreServer, stacks_dir: str
 ) -> None:
     for proc in procs:
         if proc.is_alive():
@@ -294,3 +370,4 @@ def _tear_down(
     store.close()  # every rank is gone: its control pipes are at EOF
     for conn in controls:
         conn.close()
+    shutil.rmtree(stacks_dir, ignore_errors=True)
