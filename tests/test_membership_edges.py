@@ -211,6 +211,61 @@ async def test_a_world_configured_while_a_member_gave_it_up_is_given_up(store: A
     assert not _membership_threads()
 
 
+async def test_a_world_kept_before_a_member_gave_it_up_stands(store: Any) -> None:
+    """The other order: a's configure of generation 1 succeeded and a kept
+    it before b's join was cancelled (b's configure done, not returned).
+    b's quit comes too late to undo it: a is in generation 1 with b dead in
+    it, and pending() says so, as for any member that died."""
+    (b,) = _members(store, "b")
+    (a,) = _members(store, "a", min_size=1)
+    client = _client(store)
+    async with a, b, ftcomm.Group("gloo") as ga, ftcomm.Group("gloo") as gb:
+        b_there, _ = _hold_after_configure(gb)
+        joined = asyncio.ensure_future(b.join(gb))
+        world = await a.join(ga)
+        assert (world.generation, sorted(world.members)) == (1, ["a", "b"])
+        assert _read(client, "fate/1") == b"kept"
+        await asyncio.wait_for(b_there.wait(), 10)
+        joined.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await joined
+        assert _read(client, "fate/1") == b"kept"  # the first verdict holds
+        assert await _pending_soon(a)
+        world = await a.recover(ga)
+        assert (world.generation, world.members) == (2, ("a",))
+    assert not _membership_threads()
+
+
+async def test_members_that_configured_agree_on_a_world_a_member_quit_in_between(
+    store: Any,
+) -> None:
+    """a, b and c all configured generation 1; c kept it, then b's join was
+    cancelled (b quit 1), then a asked. a must keep it too, as c did: each
+    reading the quit list on its own, a would give up the world c is in."""
+    a, b, c = _members(store, "a", "b", "c", max_size=3)
+    client = _client(store)
+    ga, gb, gc = (ftcomm.Group("gloo") for _ in range(3))
+    async with a, b, c, ga, gb, gc:
+        a_there, a_go = _hold_after_configure(ga)
+        b_there, _ = _hold_after_configure(gb)
+        joins = [asyncio.ensure_future(m.join(g)) for m, g in ((a, ga), (b, gb))]
+        world_c = await c.join(gc)
+        await asyncio.wait_for(asyncio.gather(a_there.wait(), b_there.wait()), 10)
+        joins[1].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await joins[1]
+        assert parse_roster(_read(client, "quit/1") or b"") == [b._me]  # type: ignore[attr-defined]
+        a_go.set()
+        world_a = await joins[0]
+        assert world_a.generation == world_c.generation == 1
+        # b is a dead member of it: both see so, and go on together
+        assert await asyncio.gather(_pending_soon(a), _pending_soon(c)) == [True] * 2
+        worlds = await asyncio.gather(a.recover(ga), c.recover(gc))
+        assert len({(w.generation, w.members) for w in worlds}) == 1
+        assert (worlds[0].generation, sorted(worlds[0].members)) == (2, ["a", "c"])
+    assert not _membership_threads()
+
+
 async def test_a_recover_retried_after_a_cancelled_one_is_told_it_was_dropped(
     store: Any,
 ) -> None:

@@ -69,10 +69,11 @@ class Engine(Protocol):
         this member is a new incarnation (``me``), which comes back as a
         newcomer. Best effort. Idempotent: the engine may close at once after."""
 
-    def quitters(self, record: WorldRecord) -> list[str]:
-        """The ids of ``record``'s members that gave it up (:meth:`abandon`),
-        read now: where there are any, its group is not to be used.
-        Raises: MembershipError."""
+    def keep(self, record: WorldRecord) -> bool:
+        """This member configured ``record``'s group: whether the generation
+        stands, the same answer for every member that configured it (False
+        where a member gave it up first, by :meth:`abandon`: then no member
+        uses it). Raises: MembershipError."""
 
     def group_addr(self, record: WorldRecord) -> str:
         """The store address (``host:port/prefix``) where ``record``'s group meets."""

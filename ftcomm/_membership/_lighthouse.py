@@ -213,9 +213,9 @@ class LighthouseEngine:
         """Nothing to say it with: the others' configure runs to its deadline
         (or to the abandoning member's next quorum request)."""
 
-    def quitters(self, record: WorldRecord) -> list[str]:
-        """None: nothing says so (see :meth:`abandon`)."""
-        return []
+    def keep(self, record: WorldRecord) -> bool:
+        """Always: no member can give one up (see :meth:`abandon`)."""
+        return True
 
     def check(self, record: WorldRecord, k: int, *, max_size: int, deadline: float) -> bool:
         """Raises: MembershipError (the lighthouse failed or did not answer in time)."""

@@ -20,8 +20,18 @@ Keys, under ``ftcomm/members/<job>/`` (who writes each, and how):
 - ``chk/<g>/<k>``: ``"1"``/``"0"``, what ``pending()`` call ``k`` says; its
   first caller (``compare_set``).
 - ``quit/<g>``: ``id<TAB>token`` lines, members of generation ``g`` whose
-  call was cancelled as it was formed: they never configure it, and the
-  others, seeing them there, give it up (``append``).
+  call was cancelled as it was formed or configured: from then on they are
+  dead to the others (``append``).
+- ``fate/<g>``: the first verdict on generation ``g`` (``compare_set``, so
+  one holds for all): ``id<TAB>token``, a member whose call was cancelled
+  (written before its quit line), or ``"kept"``, from a member whose
+  configure of ``g`` succeeded. A world whose verdict names one of its own
+  members is given up by every member that reads it (before configuring,
+  or once configured: a cancelled member's Gloo construction, which cannot
+  be stopped, may complete the others'); any other stands (``kept``; or
+  the quit of an incarnation the world does not have: one cancelled
+  before it was formed, whose next incarnation is in it), and a member
+  that quit it later is a dead member of it.
 
 ``world/<g>`` is written with ``compare_set(key, "", record)``: of several
 deciders one wins and every member reads that one, so there are never two
@@ -63,6 +73,22 @@ CHECK_KEEP = 16
 """``pending()`` keys kept per generation: a member more than this many
 calls behind another would find its key gone (the group's collectives
 between two calls keep members within one call of each other)."""
+
+
+KEPT = "kept"
+"""The verdict on a generation (``fate/<g>``) that its configure succeeded."""
+
+
+def fate_key(generation: int) -> str:
+    return f"fate/{generation}"
+
+
+def _given_up(verdict: bytes | None, record: WorldRecord) -> bool:
+    """Whether ``verdict`` (``fate/<g>``'s value) gives ``record`` up: the
+    quit of one of its members."""
+    if verdict is None or verdict == KEPT.encode():
+        return False
+    return any(m in record.members for m in parse_roster(verdict))
 
 
 OP_TIMEOUT = 30.0
@@ -258,9 +284,10 @@ class StoreEngine:
                             target = t
                             raise Stopped
                         watcher.follow(t)
-                        if self.quitters(record):
-                            # one of them gave it up before this member read
-                            # it: it never configures t; on to the next
+                        if _given_up(read(self._store, fate_key(t)), record):
+                            # a member gave it up before it could be kept:
+                            # on to the next, with the quitters dead
+                            self._note_quitters(record)
                             prev, member_of, target, enough_since = record, t, None, None
                             continue
                         return record
@@ -372,30 +399,40 @@ class StoreEngine:
         if self.me in record.members:
             self._quit(record.generation)
 
-    def quitters(self, record: WorldRecord) -> list[str]:
-        """The ids of ``record``'s members that gave it up, read now (the
-        watcher counts them dead from then on, where it follows ``record``).
+    def keep(self, record: WorldRecord) -> bool:
+        """This member configured ``record``'s group: whether the generation
+        stands (the first verdict on it wins, see ``fate/<g>``).
 
         Raises:
             MembershipError: the store failed.
         """
-        assert self.watcher is not None
         try:
-            text = read(self._store, quit_key(record.generation))
+            verdict = self._store.compare_set(fate_key(record.generation), "", KEPT)
+            if not _given_up(verdict, record):
+                return True
+            self._note_quitters(record)
         except (RuntimeError, OSError) as exc:
             raise _failed(exc) from exc
-        if text is None:
-            return []
-        gone = set(parse_roster(text)) & set(record.members)
+        return False
+
+    def _note_quitters(self, record: WorldRecord) -> None:
+        """Count ``record``'s members that quit it dead now, not only after
+        the watcher's next round."""
+        assert self.watcher is not None
+        text = read(self._store, quit_key(record.generation))
+        gone = set(parse_roster(text)) & set(record.members) if text is not None else set()
         self.watcher.quit_seen(record.generation, gone)
-        return [m.id for m in record.members if m in gone]
 
     def _quit(self, generation: int) -> None:
-        """Append this incarnation to ``quit/<generation>`` and go on as a new one."""
+        """Give ``generation`` up (unless it was kept already), append this
+        incarnation to ``quit/<generation>`` and go on as a new one."""
         watcher = self.watcher
         if watcher is None:
             return
         with contextlib.suppress(Exception):  # best effort: the store may be gone
+            # the verdict before the line: a member that reads the line
+            # finds the verdict that holds
+            self._store.compare_set(fate_key(generation), "", self.me.line())
             self._store.append(quit_key(generation), self.me.line())
             renewed = Member.fresh(self.me.id)
             if watcher.renew(renewed):

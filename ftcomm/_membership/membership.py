@@ -454,23 +454,28 @@ class Membership:
         self, group: Group, record: WorldRecord, addr: str, rank: int, deadline: float
     ) -> None:
         """``group.configure()`` for ``record``, given up (the group aborted)
-        as soon as one of its members is seen dead, or (read once it is
-        configured) gave the generation up: a member whose call was
-        cancelled mid-configure may have left a native construction
-        behind that completed this one's.
+        as soon as one of its members is seen dead; once configured, kept
+        only where the engine says the generation stands: a member whose
+        call was cancelled mid-configure may have left a native
+        construction behind that completed this one's, and its members
+        agree whether to give it up.
 
         Raises:
             CommError: the configure failed, timed out, or was given up.
+            MembershipError: the engine failed as it was asked (the group
+                is aborted).
         """
         engine = self._engine
         size = len(record.members)
         left = max(deadline - time.monotonic(), 0.001)
         task = asyncio.ensure_future(group.configure(addr, rank, size, timeout=left))
+        aborted = False
         try:
             while not task.done():
                 dead = [m.id for m in record.members if not engine.alive(m)]
                 if dead:
                     await group.abort()
+                    aborted = True
                     break
                 await asyncio.wait([task], timeout=self._hb_interval)
             await task
@@ -479,12 +484,18 @@ class Membership:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-        gone = await self._call(lambda _: engine.quitters(record), deadline=deadline)
+        gone = f"a member of it died as it was configured ({', '.join(dead)})" if aborted else ""
+        if not aborted:  # (the abort superseded the configure: it raised)
+            try:
+                if not await self._call(lambda _: engine.keep(record), deadline=deadline):
+                    gone = "a member gave it up as it was configured"
+            except BaseException:
+                await group.abort()
+                raise
         if gone:
             await group.abort()
             raise CommAborted(
-                f"generation {record.generation} of job {self.job!r} was given up by "
-                f"{', '.join(gone)} as it was formed",
+                f"generation {record.generation} of job {self.job!r} was given up: {gone}",
                 rank=rank,
                 op="configure",
             )
