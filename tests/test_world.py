@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import builtins
 import os
 import re
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
 
 import ftcomm
 from ftcomm.testing import Fault, FaultPlan, RankContext, WorldError, run_world
+from ftcomm.testing._base import exception_line
 
 _held: list[int] = []
 
@@ -90,13 +93,27 @@ def test_a_rank_error_arrives_with_its_traceback() -> None:
 
 
 def test_a_hung_world_is_killed_at_its_bound_and_says_where_it_hung() -> None:
-    with pytest.raises(WorldError, match=r"did not finish within 3\.0 s \(killed\)") as info:
-        run_world(hangs, 1, timeout=3.0)
+    # 8 s: the rank must have started (on 2 busy cores, seconds) to tell
+    with pytest.raises(WorldError, match=r"did not finish within 8\.0 s \(killed\)") as info:
+        run_world(hangs, 1, timeout=8.0)
     # every thread's stack (the owner loop's among them), and each task's awaits
     text = str(info.value)
     assert re.search(r"(?s)tasks were:\n.*Thread 0x.*ftcomm/_runtime/loop\.py", text)
     assert re.search(r"(?s)asyncio task.*line \d+, in rank_coroutine\n.*line \d+, in hangs", text)
-    assert text.endswith("in short:\n  rank 0 did not finish within 3.0 s (killed)")
+    assert text.endswith("in short:\n  rank 0 did not finish within 8.0 s (killed)")
+
+
+def test_a_failure_in_short_is_its_exception_in_one_line() -> None:
+    assert exception_line(AssertionError("owner loop stalled\n  File x")) == (
+        "AssertionError: owner loop stalled"
+    )
+    group_type: Any = getattr(builtins, "ExceptionGroup", None)
+    if group_type is None:
+        pytest.skip("no ExceptionGroup before Python 3.11")
+    group = group_type("unhandled errors in a TaskGroup", [KeyError("k"), ValueError()])
+    assert exception_line(group) == (
+        "ExceptionGroup: unhandled errors in a TaskGroup (2 sub-exceptions) (first: KeyError: 'k')"
+    )
 
 
 async def allreduce_rank(ctx: RankContext) -> float:

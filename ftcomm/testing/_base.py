@@ -15,6 +15,7 @@ import multiprocessing.connection as mp_connection
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -101,13 +102,15 @@ class RankContext:
 @dataclass
 class RankFailure:
     """A rank's exception (``None`` if it did not pickle), its traceback
-    text, and when it was raised (``time.monotonic()``, one clock for every
-    process of the machine: the rank that failed first is told)."""
+    text, when it was raised (``time.monotonic()``, one clock for every
+    process of the machine: the rank that failed first is told), and the
+    exception in one line."""
 
     rank: int
     error: BaseException | None
     text: str
     at: float | None = None
+    line: str = ""
 
 
 RankFn = Callable[..., Any]
@@ -252,14 +255,21 @@ def _world_error(failures: list[str], plan: FaultPlan | None) -> WorldError:
 
 
 def _headline(text: str, width: int = 300) -> str:
-    """A failure's first line, and where it holds a traceback, its last (the
-    exception), cut to ``width`` characters."""
-    lines = [line for line in text.splitlines() if line.strip()]
-    if not lines:
-        return "(no message)"
-    raised = len(lines) > 1 and "Traceback (most recent call last)" in text
-    head = f"{lines[0]} {lines[-1].strip()}" if raised else lines[0]
+    """A failure's first line (a rank that raised: its exception's, see
+    :func:`exception_line`), cut to ``width`` characters."""
+    head = next((line for line in text.splitlines() if line.strip()), "(no message)")
     return head if len(head) <= width else head[: width - 3] + "..."
+
+
+def exception_line(exc: BaseException) -> str:
+    """``exc`` in one line: its type and its message's first line; for an
+    exception group, that of its first leaf too (a TaskGroup's failure)."""
+    text = "".join(traceback.format_exception_only(exc)).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    leaves = getattr(exc, "exceptions", None)  # an ExceptionGroup's (Python 3.11)
+    if isinstance(leaves, tuple) and leaves and isinstance(leaves[0], BaseException):
+        line += f" (first: {exception_line(leaves[0])})"
+    return line
 
 
 class _StoreServer:

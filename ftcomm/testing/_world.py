@@ -41,6 +41,7 @@ from ._base import (
     _StoreServer,
     _threads,
     _world_error,
+    exception_line,
     rank_coroutine,
 )
 from ._faults import FaultPlan, Kind, install
@@ -53,13 +54,17 @@ at once, whatever its threads are doing)."""
 _TASKS_SIGNAL = signal.SIGUSR2
 """Makes a rank write its event loop's tasks' stacks there (once its main
 thread runs Python again: a loop that waits does at once)."""
-_DUMP_GRACE = 1.0
+_DUMP_GRACE = 3.0
+_DUMP_LIMIT = 10_000
+"""Characters kept of each part of a hung rank's dump (threads, tasks)."""
+_DUMPED = "(end)"
 
 
 def _dump_tasks(out: Any, signum: int, frame: Any) -> None:
     try:
         tasks = asyncio.all_tasks()
     except RuntimeError:  # no loop running on this thread
+        print(f"no event loop runs on the main thread\n{_DUMPED}", file=out, flush=True)
         return
     print(f"\n{len(tasks)} asyncio task(s), each down its awaits:", file=out)
     for task in tasks:
@@ -71,10 +76,14 @@ def _dump_tasks(out: Any, signum: int, frame: Any) -> None:
                 code = frame.f_code
                 where = f'"{code.co_filename}", line {frame.f_lineno}, in {code.co_name}'
                 print(f"  File {where}", file=out)
-            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+            awaited = (
+                getattr(awaited, "cr_await", None)
+                or getattr(awaited, "gi_yieldfrom", None)
+                or getattr(awaited, "ag_await", None)
+            )
             if awaited is None:
                 break
-    out.flush()
+    print(_DUMPED, file=out, flush=True)
 
 
 LOOPS = ("asyncio", "uvloop")
@@ -134,9 +143,10 @@ def _rank_main(
     os.environ.clear()
     os.environ.update(env)
     # the harness asks a rank that hangs where it is, before the kill
-    stacks = open(stacks_path, "w")  # noqa: SIM115 - open for the process's life
-    faulthandler.register(_DUMP_SIGNAL, file=stacks, all_threads=True)
-    signal.signal(_TASKS_SIGNAL, functools.partial(_dump_tasks, stacks))
+    thread_dump = open(stacks_path + ".threads", "w")  # noqa: SIM115 - for the process's life
+    faulthandler.register(_DUMP_SIGNAL, file=thread_dump, all_threads=True)
+    task_dump = open(stacks_path + ".tasks", "w")  # noqa: SIM115
+    signal.signal(_TASKS_SIGNAL, functools.partial(_dump_tasks, task_dump))
     try:
         from .._runtime.loop import get_runtime
 
@@ -167,11 +177,12 @@ def _rank_main(
     except BaseException as exc:
         at = time.monotonic()
         text = "".join(traceback.format_exception(exc))
+        line = exception_line(exc)
         try:
             pickle.dumps(exc)
-            payload = ("err", RankFailure(ctx.rank, exc, text, at), [])
+            payload = ("err", RankFailure(ctx.rank, exc, text, at, line), [])
         except Exception:
-            payload = ("err", RankFailure(ctx.rank, None, text, at), [])
+            payload = ("err", RankFailure(ctx.rank, None, text, at, line), [])
     # Plain pickle: tensors travel by value, not as shared-memory handles that
     # die with this process.
     conn.send_bytes(pickle.dumps(payload))
@@ -279,6 +290,7 @@ def run_world(
     # is done, and one that has not reported within a short grace is stopped
     # or hung by design -- if its fault has fired.
     order = [r for r in range(world_size) if r not in doomed] + sorted(doomed)
+    dumps: dict[int, str] | None = None
     try:
         for rank in order:
             proc, conn = procs[rank], conns[rank]
@@ -303,7 +315,11 @@ def run_world(
                 continue
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
-                stacks = _dump_stacks(proc, os.path.join(stacks_dir, f"rank{rank}.stacks"))
+                if dumps is None:  # every rank still running, at once, before any kill
+                    dumps = _dump_stacks(
+                        {r: p for r, p in enumerate(procs) if p.is_alive()}, stacks_dir
+                    )
+                stacks = dumps.get(rank, "(no stacks: it was not running at the bound)")
                 proc.kill()
                 proc.join(5)
                 failures.append(
@@ -327,7 +343,7 @@ def run_world(
                         )
             elif status == "err":
                 when = f" {value.at - started:.1f} s in" if value.at is not None else ""
-                failures.append(f"rank {rank} raised{when}:\n{value.text}")
+                failures.append(f"rank {rank} raised{when}: {value.line}\n{value.text}")
             else:
                 failures.append(f"rank {rank} died with exit code {proc.exitcode}")
     finally:
@@ -337,24 +353,43 @@ def run_world(
     return results
 
 
-def _dump_stacks(proc: Any, path: str, limit: int = 20_000) -> str:
-    """A hung rank's threads' stacks (``faulthandler``, into ``path``), the
-    end of them where they are longer than ``limit`` characters."""
-    with contextlib.suppress(OSError):
-        os.kill(proc.pid, _DUMP_SIGNAL)
-        os.kill(proc.pid, _TASKS_SIGNAL)
+def _dump_stacks(procs: dict[int, Any], stacks_dir: str) -> dict[int, str]:
+    """Where each of ``procs`` (rank -> process, hung) is: every thread's
+    stack and each task's awaits, asked of all at once (so that none shows
+    the aftermath of another's kill) and waited for, bounded."""
+    for proc in procs.values():
+        with contextlib.suppress(OSError):
+            os.kill(proc.pid, _DUMP_SIGNAL)
+            os.kill(proc.pid, _TASKS_SIGNAL)
+    paths = {r: os.path.join(stacks_dir, f"rank{r}.stacks") for r in procs}
     deadline = time.monotonic() + _DUMP_GRACE
-    text, size = "", -1
-    while time.monotonic() < deadline:  # written within moments, by signal handlers
-        with contextlib.suppress(OSError), open(path) as f:
-            text = f.read()
-        if "asyncio task(s)" in text and len(text) == size:
-            break
-        size = len(text)
+    # the threads are written at once; the tasks once the main thread runs Python
+    while time.monotonic() < deadline and not all(
+        _read(path + ".tasks").endswith(_DUMPED + "\n") for path in paths.values()
+    ):
         time.sleep(0.05)
-    if not text:
-        return "(no stacks: the rank did not answer)"
-    return text if len(text) <= limit else "...\n" + text[-limit:]
+    dumps = {}
+    for rank, path in paths.items():
+        if not os.path.exists(path + ".threads"):
+            dumps[rank] = "(no stacks: it had not started the function)"
+            continue
+        threads = _read(path + ".threads") or "(no thread stacks: it did not answer)\n"
+        tasks = _read(path + ".tasks") or "(no tasks: its main thread did not run Python)\n"
+        dumps[rank] = _cut(threads) + _cut(tasks)
+    return dumps
+
+
+def _read(path: str) -> str:
+    """A file's text ('' where it is not there); partly written is fine."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= _DUMP_LIMIT else text[:_DUMP_LIMIT] + "\n... (cut)\n"
 
 
 def _tear_down(
