@@ -72,8 +72,15 @@ class Engine(Protocol):
     def keep(self, record: WorldRecord) -> bool:
         """This member configured ``record``'s group: whether the generation
         stands, the same answer for every member that configured it (False
-        where a member gave it up first, by :meth:`abandon`: then no member
-        uses it). Raises: MembershipError."""
+        where it was given up first: a member quit it, its call cancelled,
+        or was seen dead by one configuring it, see :meth:`lost`; then no
+        member uses it). Raises: MembershipError."""
+
+    def lost(self, record: WorldRecord, member: Member) -> bool:
+        """This member saw ``member`` dead as it configured ``record``:
+        whether to give the generation up (False where it was kept first:
+        this member's configure then completes, and it keeps it too).
+        Raises: MembershipError."""
 
     def group_addr(self, record: WorldRecord) -> str:
         """The store address (``host:port/prefix``) where ``record``'s group meets."""

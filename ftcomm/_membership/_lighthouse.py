@@ -217,6 +217,10 @@ class LighthouseEngine:
         """Always: no member can give one up (see :meth:`abandon`)."""
         return True
 
+    def lost(self, record: WorldRecord, member: Member) -> bool:
+        """Always: a member seen dead ends the configure (no verdicts here)."""
+        return True
+
     def check(self, record: WorldRecord, k: int, *, max_size: int, deadline: float) -> bool:
         """Raises: MembershipError (the lighthouse failed or did not answer in time)."""
         found, _ = self._round(record, 1, NO_CAP, deadline, threading.Event())

@@ -22,16 +22,17 @@ Keys, under ``ftcomm/members/<job>/`` (who writes each, and how):
 - ``quit/<g>``: ``id<TAB>token`` lines, members of generation ``g`` whose
   call was cancelled as it was formed or configured: from then on they are
   dead to the others (``append``).
-- ``fate/<g>``: the first verdict on generation ``g`` (``compare_set``, so
-  one holds for all): ``id<TAB>token``, a member whose call was cancelled
-  (written before its quit line), or ``"kept"``, from a member whose
-  configure of ``g`` succeeded. A world whose verdict names one of its own
-  members is given up by every member that reads it (before configuring,
+- ``fate/<g>``: the verdicts on generation ``g``, in the order they came
+  (``append``): ``id<TAB>token``, a member that quit it (written before its
+  quit line) or that a member configuring it saw dead, and ``kept``, from
+  a member whose configure of it succeeded. The first line that is
+  ``kept`` or names one of the world's own members decides, the same for
+  every reader: a member's line gives the world up (before configuring it,
   or once configured: a cancelled member's Gloo construction, which cannot
-  be stopped, may complete the others'); any other stands (``kept``; or
-  the quit of an incarnation the world does not have: one cancelled
-  before it was formed, whose next incarnation is in it), and a member
-  that quit it later is a dead member of it.
+  be stopped, may complete the others'); ``kept`` lets it stand, and a
+  member that quits it later is a dead member of it. Lines of incarnations
+  the world does not have (a join cancelled before it was formed, whose
+  next incarnation is in it) decide nothing.
 
 ``world/<g>`` is written with ``compare_set(key, "", record)``: of several
 deciders one wins and every member reads that one, so there are never two
@@ -83,12 +84,15 @@ def fate_key(generation: int) -> str:
     return f"fate/{generation}"
 
 
-def _given_up(verdict: bytes | None, record: WorldRecord) -> bool:
-    """Whether ``verdict`` (``fate/<g>``'s value) gives ``record`` up: the
-    quit of one of its members."""
-    if verdict is None or verdict == KEPT.encode():
-        return False
-    return any(m in record.members for m in parse_roster(verdict))
+def _given_up(verdicts: bytes | None, record: WorldRecord) -> bool:
+    """Whether ``verdicts`` (``fate/<g>``'s lines) give ``record`` up: the
+    first that decides names one of its members (none decides: not yet)."""
+    for line in (verdicts or b"").decode(errors="replace").splitlines():
+        if line == KEPT:
+            return False
+        if any(m in record.members for m in parse_roster(line)):
+            return True
+    return False
 
 
 OP_TIMEOUT = 30.0
@@ -377,7 +381,11 @@ class StoreEngine:
                 # after this look waits for this member's retry, which takes it)
                 decided = read(self._store, f"world/{target}")
                 late = WorldRecord.decode(decided) if decided is not None else None
-                if late is not None and self.me in late.members:
+                if (
+                    late is not None
+                    and self.me in late.members
+                    and not _given_up(read(self._store, fate_key(target)), late)
+                ):
                     watcher.follow(target)
                     return late
             raise
@@ -401,17 +409,32 @@ class StoreEngine:
 
     def keep(self, record: WorldRecord) -> bool:
         """This member configured ``record``'s group: whether the generation
-        stands (the first verdict on it wins, see ``fate/<g>``).
+        stands (the first verdict on it decides, see ``fate/<g>``).
 
         Raises:
             MembershipError: the store failed.
         """
+        return self._verdict(record, KEPT + "\n")
+
+    def lost(self, record: WorldRecord, member: Member) -> bool:
+        """This member saw ``member`` of ``record`` dead as it configured it:
+        whether the generation is given up (False: it was kept first, and
+        this member's configure is about to succeed too).
+
+        Raises:
+            MembershipError: the store failed.
+        """
+        return not self._verdict(record, member.line())
+
+    def _verdict(self, record: WorldRecord, line: str) -> bool:
+        """Add ``line`` to ``record``'s verdicts: whether it stands."""
+        key = fate_key(record.generation)
         try:
-            verdict = self._store.compare_set(fate_key(record.generation), "", KEPT)
-            if not _given_up(verdict, record):
+            self._store.append(key, line)
+            if not _given_up(read(self._store, key), record):
                 return True
             self._note_quitters(record)
-        except (RuntimeError, OSError) as exc:
+        except (RuntimeError, OSError, ValueError) as exc:
             raise _failed(exc) from exc
         return False
 
@@ -431,8 +454,8 @@ class StoreEngine:
             return
         with contextlib.suppress(Exception):  # best effort: the store may be gone
             # the verdict before the line: a member that reads the line
-            # finds the verdict that holds
-            self._store.compare_set(fate_key(generation), "", self.me.line())
+            # finds the verdict
+            self._store.append(fate_key(generation), self.me.line())
             self._store.append(quit_key(generation), self.me.line())
             renewed = Member.fresh(self.me.id)
             if watcher.renew(renewed):

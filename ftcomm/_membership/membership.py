@@ -453,45 +453,53 @@ class Membership:
     async def _configure(
         self, group: Group, record: WorldRecord, addr: str, rank: int, deadline: float
     ) -> None:
-        """``group.configure()`` for ``record``, given up (the group aborted)
-        as soon as one of its members is seen dead; once configured, kept
-        only where the engine says the generation stands: a member whose
-        call was cancelled mid-configure may have left a native
-        construction behind that completed this one's, and its members
-        agree whether to give it up.
+        """``group.configure()`` for ``record``, kept only where its members
+        agree it stands (the engine's verdicts): given up (the group
+        aborted) when a member is seen dead as it runs, unless the world was
+        kept first (this configure then completes too), or when, once it
+        succeeded, the world was given up first (a member whose call was
+        cancelled mid-configure may have left a native construction behind
+        that completed this one's).
 
         Raises:
             CommError: the configure failed, timed out, or was given up.
             MembershipError: the engine failed as it was asked (the group
-                is aborted).
+                is aborted, and this member quits the generation).
         """
         engine = self._engine
         size = len(record.members)
         left = max(deadline - time.monotonic(), 0.001)
         task = asyncio.ensure_future(group.configure(addr, rank, size, timeout=left))
-        aborted = False
+        gone = ""
         try:
-            while not task.done():
-                dead = [m.id for m in record.members if not engine.alive(m)]
-                if dead:
-                    await group.abort()
-                    aborted = True
-                    break
-                await asyncio.wait([task], timeout=self._hb_interval)
-            await task
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-        gone = f"a member of it died as it was configured ({', '.join(dead)})" if aborted else ""
-        if not aborted:  # (the abort superseded the configure: it raised)
             try:
-                if not await self._call(lambda _: engine.keep(record), deadline=deadline):
-                    gone = "a member gave it up as it was configured"
-            except BaseException:
-                await group.abort()
-                raise
+                while not task.done():
+                    dead = next((m for m in record.members if not engine.alive(m)), None)
+                    if dead is not None and await self._call(
+                        _asking(engine.lost, record, dead), deadline=deadline
+                    ):
+                        gone = f"{dead.id} died as it was configured"
+                        await group.abort()
+                        break
+                    if dead is not None:  # kept first: it completes here too
+                        await task
+                        break
+                    await asyncio.wait([task], timeout=self._hb_interval)
+                await task
+            finally:
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+            if not gone and not await self._call(lambda _: engine.keep(record), deadline=deadline):
+                gone = "a member gave it up as it was configured"
+        except MembershipError:
+            await group.abort()
+            await self._blocking(functools.partial(engine.abandon, record))
+            raise
+        except asyncio.CancelledError:
+            await group.abort()  # (_form quits the generation)
+            raise
         if gone:
             await group.abort()
             raise CommAborted(
@@ -571,3 +579,10 @@ class Membership:
     async def _blocking(self, fn: Callable[[], object]) -> None:
         future = get_runtime().run_control(fn, until=time.monotonic() + 5.0)
         await asyncio.shield(asyncio.wrap_future(future))
+
+
+def _asking(
+    fn: Callable[[WorldRecord, Member], T], record: WorldRecord, member: Member
+) -> Callable[[threading.Event], T]:
+    """``fn(record, member)`` as an engine call (which gets a stop event)."""
+    return lambda _: fn(record, member)
