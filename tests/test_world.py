@@ -7,6 +7,7 @@ import asyncio
 import builtins
 import os
 import re
+import subprocess
 import threading
 import time
 from typing import Any
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import ftcomm
-from ftcomm.testing import Fault, FaultPlan, RankContext, WorldError, run_world
+from ftcomm.testing import Fault, FaultPlan, RankContext, WorldError, _world, run_world
 from ftcomm.testing._base import exception_line
 
 _held: list[int] = []
@@ -101,6 +102,18 @@ def test_a_hung_world_is_killed_at_its_bound_and_says_where_it_hung() -> None:
     assert re.search(r"(?s)tasks were:\n.*Thread 0x.*ftcomm/_runtime/loop\.py", text)
     assert re.search(r"(?s)asyncio task.*line \d+, in rank_coroutine\n.*line \d+, in hangs", text)
     assert text.endswith("in short:\n  rank 0 did not finish within 8.0 s (killed)")
+
+
+def test_a_rank_not_yet_ready_to_say_where_it_is_is_not_asked(tmp_path: Any) -> None:
+    """Asked before it set its handlers up (still starting, on busy cores),
+    a rank would die of the signal and be reported as dead, not as hung."""
+    with subprocess.Popen(["sleep", "30"]) as proc:
+        try:
+            dumps = _world._dump_stacks({0: proc}, str(tmp_path))
+            assert dumps == {0: "(no stacks: it had not started the function)"}
+            assert proc.poll() is None  # still running: no signal reached it
+        finally:
+            proc.kill()
 
 
 def test_a_failure_in_short_is_its_exception_in_one_line() -> None:

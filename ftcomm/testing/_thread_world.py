@@ -30,6 +30,7 @@ from ._base import (
     _StoreServer,
     _threads,
     _world_error,
+    exception_line,
     rank_coroutine,
 )
 from ._faults import FaultPlan, Injector, Kind
@@ -97,7 +98,9 @@ def run_thread_world(
                 if unfired:
                     failures[rank] = f"finished without reaching its faults at ops {unfired}"
         except BaseException as exc:
-            failures[rank] = "raised:\n" + "".join(traceback.format_exception(exc))
+            failures[rank] = f"raised: {exception_line(exc)}\n" + "".join(
+                traceback.format_exception(exc)
+            )
         finally:
             ctx._store = None
             ev.close()

@@ -61,6 +61,15 @@ _DUMPED = "(end)"
 
 
 def _dump_tasks(out: Any, signum: int, frame: Any) -> None:
+    """SIGUSR2's handler: never raises into the code it interrupted."""
+    try:
+        _write_tasks(out)
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            print(f"(the tasks could not be written: {exc!r})\n{_DUMPED}", file=out, flush=True)
+
+
+def _write_tasks(out: Any) -> None:
     try:
         tasks = asyncio.all_tasks()
     except RuntimeError:  # no loop running on this thread
@@ -142,12 +151,14 @@ def _rank_main(
     # the harness's (FTCOMM_LOOP, FTCOMM_DEBUG, the test's own variables).
     os.environ.clear()
     os.environ.update(env)
-    # the harness asks a rank that hangs where it is, before the kill
-    thread_dump = open(stacks_path + ".threads", "w")  # noqa: SIM115 - for the process's life
-    faulthandler.register(_DUMP_SIGNAL, file=thread_dump, all_threads=True)
-    task_dump = open(stacks_path + ".tasks", "w")  # noqa: SIM115
-    signal.signal(_TASKS_SIGNAL, functools.partial(_dump_tasks, task_dump))
     try:
+        # the harness asks a rank that hangs where it is, before the kill;
+        # only once ".armed" is there (the signals' default action is to end it)
+        thread_dump = open(stacks_path + ".threads", "w")  # noqa: SIM115 - the process's life
+        faulthandler.register(_DUMP_SIGNAL, file=thread_dump, all_threads=True)
+        task_dump = open(stacks_path + ".tasks", "w")  # noqa: SIM115
+        signal.signal(_TASKS_SIGNAL, functools.partial(_dump_tasks, task_dump))
+        open(stacks_path + ".armed", "w").close()
         from .._runtime.loop import get_runtime
 
         injector = install(plan, ctx.rank, control) if plan is not None else None
@@ -237,8 +248,12 @@ def run_world(
     doomed = plan.ranks_that(Kind.KILL, Kind.STOP) if plan is not None else set()
     ctx_mp = _mp_context()
     started = time.monotonic()
-    store = _StoreServer()
     stacks_dir = tempfile.mkdtemp(prefix="ftcomm-world-")  # a hung rank's stacks
+    try:
+        store = _StoreServer()
+    except BaseException:
+        shutil.rmtree(stacks_dir, ignore_errors=True)
+        raise
     world_id = uuid.uuid4().hex[:12]
     procs: list[Any] = []
     conns: list[Any] = []
@@ -305,6 +320,9 @@ def run_world(
                     status, value, fired = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     status = "eof"
+                except Exception as exc:  # an exception that pickles, but does not unpickle
+                    status, value = "err", RankFailure(rank, None, f"{exc!r} reading its result")
+                    value.line = f"(its result could not be read: {exc!r})"
             elif not proc.is_alive():
                 status = "eof"
             if rank in doomed and status in ("eof", "hung") and rank in store.fired:
@@ -356,26 +374,32 @@ def run_world(
 def _dump_stacks(procs: dict[int, Any], stacks_dir: str) -> dict[int, str]:
     """Where each of ``procs`` (rank -> process, hung) is: every thread's
     stack and each task's awaits, asked of all at once (so that none shows
-    the aftermath of another's kill) and waited for, bounded."""
-    for proc in procs.values():
+    the aftermath of another's kill) and waited for, bounded. A rank that
+    has not set its handlers up yet, or is stopped, is not asked."""
+    paths = {r: os.path.join(stacks_dir, f"rank{r}.stacks") for r in procs}
+    armed = {r for r, path in paths.items() if os.path.exists(path + ".armed")}
+    stopped = {r for r, proc in procs.items() if _stopped(proc.pid)}
+    asked = {r: procs[r] for r in armed - stopped}
+    for proc in asked.values():
         with contextlib.suppress(OSError):
             os.kill(proc.pid, _DUMP_SIGNAL)
             os.kill(proc.pid, _TASKS_SIGNAL)
-    paths = {r: os.path.join(stacks_dir, f"rank{r}.stacks") for r in procs}
     deadline = time.monotonic() + _DUMP_GRACE
     # the threads are written at once; the tasks once the main thread runs Python
     while time.monotonic() < deadline and not all(
-        _read(path + ".tasks").endswith(_DUMPED + "\n") for path in paths.values()
+        _read(paths[r] + ".tasks").endswith(_DUMPED + "\n") for r in asked
     ):
         time.sleep(0.05)
     dumps = {}
     for rank, path in paths.items():
-        if not os.path.exists(path + ".threads"):
+        if rank not in armed:
             dumps[rank] = "(no stacks: it had not started the function)"
-            continue
-        threads = _read(path + ".threads") or "(no thread stacks: it did not answer)\n"
-        tasks = _read(path + ".tasks") or "(no tasks: its main thread did not run Python)\n"
-        dumps[rank] = _cut(threads) + _cut(tasks)
+        elif rank in stopped:
+            dumps[rank] = "(no stacks: it is stopped)"
+        else:
+            threads = _read(path + ".threads") or "(no thread stacks: it did not answer)\n"
+            tasks = _read(path + ".tasks") or "(no tasks: its main thread did not run Python)\n"
+            dumps[rank] = _cut(threads) + _cut(tasks)
     return dumps
 
 
