@@ -473,18 +473,16 @@ class Membership:
         gone = ""
         try:
             try:
-                while not task.done():
+                dead: Member | None = None
+                while dead is None and not task.done():
                     dead = next((m for m in record.members if not engine.alive(m)), None)
-                    if dead is not None and await self._call(
-                        _asking(engine.lost, record, dead), deadline=deadline
-                    ):
-                        gone = f"{dead.id} died as it was configured"
+                    if dead is None:
+                        await asyncio.wait([task], timeout=self._hb_interval)
+                if dead is not None:  # given up, or kept first: it completes here too
+                    lost = dead
+                    if await self._call(lambda _: engine.lost(record, lost), deadline=deadline):
+                        gone = f"{lost.id} died as it was configured"
                         await group.abort()
-                        break
-                    if dead is not None:  # kept first: it completes here too
-                        await task
-                        break
-                    await asyncio.wait([task], timeout=self._hb_interval)
                 await task
             finally:
                 if not task.done():
@@ -579,10 +577,3 @@ class Membership:
     async def _blocking(self, fn: Callable[[], object]) -> None:
         future = get_runtime().run_control(fn, until=time.monotonic() + 5.0)
         await asyncio.shield(asyncio.wrap_future(future))
-
-
-def _asking(
-    fn: Callable[[WorldRecord, Member], T], record: WorldRecord, member: Member
-) -> Callable[[threading.Event], T]:
-    """``fn(record, member)`` as an engine call (which gets a stop event)."""
-    return lambda _: fn(record, member)

@@ -321,8 +321,8 @@ def run_world(
                 except EOFError:
                     status = "eof"
                 except Exception as exc:  # an exception that pickles, but does not unpickle
-                    status, value = "err", RankFailure(rank, None, f"{exc!r} reading its result")
-                    value.line = f"(its result could not be read: {exc!r})"
+                    line = f"(its result could not be read: {exc!r})"
+                    status, value = "err", RankFailure(rank, None, line, None, line)
             elif not proc.is_alive():
                 status = "eof"
             if rank in doomed and status in ("eof", "hung") and rank in store.fired:
