@@ -287,6 +287,33 @@ def test_watchdog_reports_a_callers_loop_held_by_a_blocking_call(kind: str) -> N
         rt.close()
 
 
+def test_the_watchdog_reads_other_threads_frames_with_the_collector_paused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """python/cpython#106883 (3.11): a collection started inside
+    sys._current_frames() can deadlock the process; the watchdog's read
+    pauses the collector, and leaves one the program turned off, off."""
+    seen: list[bool] = []
+    real, me = loop_mod.sys._current_frames, threading.get_ident()
+
+    def frames() -> dict[int, Any]:
+        if threading.get_ident() != me:  # a watchdog of this process's runtime
+            return real()
+        seen.append(gc.isenabled())
+        return {}
+
+    monkeypatch.setattr(loop_mod.sys, "_current_frames", frames)
+    assert gc.isenabled()
+    assert loop_mod.current_frames() == {}
+    assert (seen, gc.isenabled()) == ([False], True)
+    gc.disable()
+    try:
+        loop_mod.current_frames()
+        assert (seen, gc.isenabled()) == ([False, False], False)
+    finally:
+        gc.enable()
+
+
 def test_the_scheduler_counters_are_read_from_the_kernel() -> None:
     clock = loop_mod.CpuClock(threading.get_native_id())
     try:

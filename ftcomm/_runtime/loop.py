@@ -18,6 +18,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -351,7 +352,7 @@ class Watchdog:
     def _watch(self) -> None:
         try:
             while not self._stop.wait(self._period):
-                frames = sys._current_frames()
+                frames = current_frames()
                 for watched in list(self._watched.values()):
                     if watched.owner:
                         self._check(watched, frames)
@@ -420,6 +421,22 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(1.0)
+
+
+def current_frames() -> dict[int, types.FrameType]:
+    """``sys._current_frames()`` with the collector paused. Before CPython
+    3.12 it builds its dict holding the runtime's thread-list lock, and a
+    collection that an allocation starts there runs finalizers that take
+    that lock again: the whole process deadlocks (python/cpython#106883,
+    not fixed in 3.11; seen here, a test suite's worker hung in a watchdog
+    round). A collector the program turned off stays off."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Runtime:
