@@ -839,15 +839,19 @@ async def test_the_worker_unmaps_shared_storages_that_died(group: ftcomm.Group) 
     worker = subprocess_backend(group).worker
     await group.allreduce(torch.ones(1))
     before = _fd_count(worker.pid)
-    for i in range(20):
-        t = torch.full((1024,), float(i))
-        t.share_memory_()
-        assert torch.equal(await group.allreduce(t), torch.full((1024,), float(i)))
-        del t
-        # the storage dies: the next op tells the worker. The youngest
-        # generation only: a full collection in a long-lived test process
-        # holds the GIL, and so the owner loop, for half a second (CI)
-        gc.collect(0)
+    # A full collection in a long-lived test process holds the GIL, and so
+    # the owner loop, for half a second (seen in CI): the objects made
+    # before this test are set aside, and each collection below is quick.
+    gc.freeze()
+    try:
+        for i in range(20):
+            t = torch.full((1024,), float(i))
+            t.share_memory_()
+            assert torch.equal(await group.allreduce(t), torch.full((1024,), float(i)))
+            del t
+            gc.collect()  # the storage dies: the next op tells the worker
+    finally:
+        gc.unfreeze()
     await group.allreduce(torch.ones(1))  # carries the last one's release
     assert worker.pool.shared.take_dead() == ()  # every death was passed on
     # Each mapping holds an fd in the worker: released ones are closed.
