@@ -27,14 +27,23 @@ torch.set_num_threads(1)  # four members on two cores
 FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 FULL, STEPS, FAULT_STEP, LR, N, STEP_TIME = 3, 60, 10, 0.1, 192, 0.05  # N: samples
 STEP_TIMEOUT, SCENARIO_TIMEOUT = 2.0, 40.0  # an allreduce's deadline; the parent's, seconds
-WANT = {"kill": ("CommFailed", 0), "stop": ("CommTimeout", round(STEP_TIMEOUT))}  # m0 and m1 see
+WANT = {"kill": ("CommFailed", "at once"), "stop": ("CommTimeout", "at the deadline")}  # m0, m1 see
 
 
 class Report(TypedDict):  # what a member that finished sends the parent, with its id
     generations: list[int]
-    errors: list[tuple[str, int]]  # (error class, seconds from the allreduce to it, rounded)
+    errors: list[tuple[str, str]]  # (error class, when it came after the allreduce: when())
     losses: list[float]  # one per step it took part in
     params: list[float]
+
+
+def when(took: float) -> str:
+    """An allreduce's error time in words: a loaded machine's delays are not a wrong answer."""
+    if took < STEP_TIMEOUT / 2:
+        return "at once"
+    if STEP_TIMEOUT - 0.01 <= took < STEP_TIMEOUT + 1.0:
+        return "at the deadline"
+    return f"after {took:.1f} s"
 
 
 def say(t0: float, who: str, text: str) -> None:  # one write a line: no interleaving
@@ -75,7 +84,7 @@ async def train(address: str, me: str, fault: str, t0: float, regrouped: Event) 
                 await group.allreduce(buf, timeout=STEP_TIMEOUT)
             except ftcomm.CommError as exc:  # a member died or hangs: go on without it
                 took, name = time.monotonic() - issued, type(exc).__name__
-                report["errors"].append((name, round(took)))
+                report["errors"].append((name, when(took)))
                 say(t0, me, f"step {step}: allreduce raised {name} after {took:.2f} s; recover()")
                 world, step = await settle(await members.recover(group), step)
                 regrouped.set()  # the parent starts a replacement

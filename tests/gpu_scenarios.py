@@ -40,6 +40,8 @@ class Rig:
     fake = False
     init_deadline = 3.0
     """configure()'s deadline when a peer never joins."""
+    late_ok = LATE_OK
+    """How late after its deadline ``CommTimeout`` may come."""
 
     def __init__(self) -> None:
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -78,6 +80,9 @@ class FakeRig(Rig):
 
     fake = True
     init_deadline = 1.0  # nothing real waits: a shorter one tests the same
+    # The logic, not the latency: the suite runs this on 2 busy cores, where
+    # a thread can wait a few tenths of a second for the GIL.
+    late_ok = 1.0
 
     def __init__(self, device: Any) -> None:
         self.device = torch.device("cpu")
@@ -160,7 +165,7 @@ async def busy_stream_deadline(rig: Rig, port: int) -> Figures:
         await _configure(g, port, "busy2")
         again = await g.allreduce(rig.tensor([2.0]))
         assert again.item() == 2.0
-    assert late <= LATE_OK, f"CommTimeout came {late * 1e3:.1f} ms after the deadline"
+    assert late <= rig.late_ok, f"CommTimeout came {late * 1e3:.1f} ms after the deadline"
     return {
         "timeout_after_deadline_ms": round(late * 1e3, 2),
         "abort_returned_ms": round(abort_s * 1e3, 1),

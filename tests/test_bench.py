@@ -323,8 +323,10 @@ def test_a_trial_of_each_membership_row_kills_and_stops_a_member() -> None:
     ]
     (kill,), (hang,) = rows[0].totals, rows[1].totals
     interval = membership.HEARTBEAT_TIMEOUT / 5  # the last beat was up to one before the kill
-    assert membership.HEARTBEAT_TIMEOUT - 2 * interval < kill < membership.HEARTBEAT_TIMEOUT + 1
-    assert membership.OP_DEADLINE - 0.05 < hang < membership.OP_DEADLINE + 1.5
+    # Up to the survivors' first allreduce: after their configure, whose store
+    # connect can wait 1 s on a reverse DNS lookup (tests/conftest.py).
+    assert membership.HEARTBEAT_TIMEOUT - 2 * interval < kill < membership.HEARTBEAT_TIMEOUT + 2
+    assert membership.OP_DEADLINE - 0.05 < hang < membership.OP_DEADLINE + 2
     assert notes == [
         "lighthouse engine skipped: --no-torchft",
         "torchft Manager rows skipped: --no-torchft",

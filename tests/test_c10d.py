@@ -735,9 +735,13 @@ LEAVER_TIMEOUT = 2.0
 
 
 def leaver_rank(ctx: RankContext, how: str) -> dict[str, Any] | None:
-    pg = c10d.ProcessGroupGloo(timeout=LEAVER_TIMEOUT)
+    # Configures get a generous timeout (each connects to the store, which
+    # can wait a second on a reverse DNS lookup: tests/conftest.py); the ops
+    # under test get LEAVER_TIMEOUT.
+    pg = c10d.ProcessGroupGloo(timeout=30)
     try:
         pg.configure(ctx.addr("all"), "0", ctx.rank, 3)
+        pg.set_timeout(timedelta(seconds=LEAVER_TIMEOUT))
         for step in range(3):
             t = torch.ones(2)
             pg.allreduce([t], dist.AllreduceOptions()).wait()
@@ -756,6 +760,7 @@ def leaver_rank(ctx: RankContext, how: str) -> dict[str, Any] | None:
             raise AssertionError("the survivors' op succeeded without rank 2")
         elapsed = time.monotonic() - started
         errored = pg.errored()
+        pg.set_timeout(timedelta(seconds=30))
         pg.configure(ctx.addr("survivors"), "0", ctx.rank, 2)
         t = torch.ones(2)
         pg.allreduce([t], dist.AllreduceOptions()).wait()
@@ -882,9 +887,10 @@ DRILL_TIMEOUT = 3.0
 
 def ddp_drill_rank(ctx: RankContext) -> dict[str, Any]:
     r = ctx.rank
-    pg = c10d.ProcessGroupGloo(timeout=DRILL_TIMEOUT)
+    pg = c10d.ProcessGroupGloo(timeout=30)  # for the configures (see leaver_rank)
     try:
         pg.configure(ctx.addr("three"), "0", r, 3)
+        pg.set_timeout(timedelta(seconds=DRILL_TIMEOUT))
         model = _model()
         ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=pg)
         for _ in range(2):
@@ -904,6 +910,7 @@ def ddp_drill_rank(ctx: RankContext) -> dict[str, Any]:
         elapsed = time.monotonic() - started
         errored = pg.errored()
         # The trainer's recovery: reconfigure the same group, rebuild DDP on it.
+        pg.set_timeout(timedelta(seconds=30))
         pg.configure(ctx.addr("two"), "0", r, 2)
         grads = ddp_grads(pg, r, 2)
         return {

@@ -174,10 +174,14 @@ def test_a_wrapper_is_registered_with_the_ranks_of_the_group_it_wraps() -> None:
 
 
 def _untimed_barrier(ctx: RankContext) -> tuple[str, float]:
-    pg = c10d.ProcessGroupGloo(timeout=timedelta(seconds=1))
+    # The group's 1 s is set once it is built: configure keeps the facade's
+    # timeout, and its store connect can wait 1 s on a reverse DNS lookup
+    # (tests/conftest.py).
+    pg = c10d.ProcessGroupGloo(timeout=timedelta(seconds=20))
     try:
         pg.configure(ctx.addr(), "r", ctx.rank, ctx.world_size)
         pg.register(f"untimed-{ctx.world_id}-{ctx.rank}")
+        pg.set_timeout(timedelta(seconds=1))
         try:
             if ctx.rank == 1:
                 ctx.wait_for_blocking("done")

@@ -854,7 +854,9 @@ def test_cancel_on_the_owner_loop_does_not_hold_it(
     not block."""
     from ftcomm._runtime import settle
 
-    monkeypatch.setattr(settle, "STOP_WAIT", 0.3)
+    # Well above the bound below: a loaded box can hold this thread (the
+    # GIL, the scheduler) a few tenths of a second.
+    monkeypatch.setattr(settle, "STOP_WAIT", 1.5)
     native = _Stoppable()
     work = issue(table, native, 30.0)
 
@@ -864,7 +866,7 @@ def test_cancel_on_the_owner_loop_does_not_hold_it(
         return time.monotonic() - started
 
     took = get_runtime().call(cancel_here(), timeout=10)
-    assert took < 0.25  # returned at once, not after STOP_WAIT
+    assert took < 1.0  # returned at once, not after STOP_WAIT
     with pytest.raises(ftcomm.CommAborted):
         work.wait(5)  # then published by _overdue on the owner loop
 

@@ -141,8 +141,9 @@ def test_hung_peer_every_deadline_kind(loop: str) -> None:
         assert (r["outcome"], r["errored"]) == (outcome, errored), (name, r)
         # Ended by the deadline (generous bound), and not before it.
         assert DEADLINE - 0.01 <= r["elapsed"] < DEADLINE + 1.0, (name, r)
-        # The next op is refused at once.
+        # The next op is refused at once (on 2 busy cores, "at once" can be
+        # a few tenths of a second).
         assert r["next"] == "CommAborted", (name, r)
-        assert r["next_elapsed"] < 0.1, (name, r)
+        assert r["next_elapsed"] < 0.5, (name, r)
     assert report["per_op"]["is_timeout_error"]
     assert report["group_default"]["is_timeout_error"]

@@ -55,7 +55,7 @@ async def test_deadline_raises_comm_timeout_and_breaks_the_table(table: OpTable)
     with pytest.raises(ftcomm.CommTimeout, match=r"allreduce .*seq=1") as info:
         await work
     elapsed = time.monotonic() - started
-    assert 0.19 <= elapsed < 0.2 + 0.5
+    assert 0.19 <= elapsed < 0.2 + 1.0  # the deadline, and a loaded box's delays
     assert isinstance(info.value, TimeoutError)
     assert table.error is info.value
     with pytest.raises(ftcomm.CommAborted):
@@ -435,7 +435,7 @@ async def test_a_timer_that_fires_early_is_armed_again(table: OpTable) -> None:
     started = time.monotonic()
     with pytest.raises(ftcomm.CommTimeout):
         await work
-    assert time.monotonic() - started < 0.3 + 0.5
+    assert time.monotonic() - started < 0.3 + 1.0
 
 
 @pytest.mark.asyncio
@@ -561,7 +561,7 @@ def test_wait_raises_the_ops_error(table: OpTable) -> None:
     started = time.monotonic()
     with pytest.raises(ftcomm.CommTimeout):
         work.wait()
-    assert time.monotonic() - started < 0.1 + 0.5
+    assert time.monotonic() - started < 0.1 + 1.0
 
 
 def test_wait_timeout_bounds_the_wait_not_the_op(table: OpTable) -> None:

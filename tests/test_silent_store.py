@@ -52,7 +52,7 @@ def test_configure_timeouts_against_a_silent_store_leave_configure_and_exit_work
     lines = proc.stdout.splitlines()
     timeouts = [float(line.split()[1]) for line in lines if line.startswith("timeout ")]
     assert len(timeouts) == 4, proc.stdout
-    assert max(timeouts) < 0.3 + 0.5, timeouts  # configure keeps its deadline
+    assert max(timeouts) < 0.3 + 1.0, timeouts  # configure keeps its deadline
     # Four connects stuck in c10d must not take every control thread.
     assert "configured" in lines, proc.stdout
     # -6 (SIGABRT): a stuck connect returned while the interpreter finalized.

@@ -1,9 +1,10 @@
 """Teardown with an op in flight on a group whose own timeout is 30 s.
 
-``configure`` again, ``abort()`` and ``shutdown()`` must return in under 2 s,
-end the in-flight op with ``CommAborted``, be safe to call twice, and the
-rank's process must then exit promptly and cleanly (it would take 30 s if
-anything waited for the native op).
+``configure`` again, ``abort()`` and ``shutdown()`` must return in under 2 s
+(``configure``: plus its own connect), end the in-flight op with
+``CommAborted``, be safe to call twice, and the rank's process must then
+exit promptly and cleanly (it would take 30 s if anything waited for the
+native op).
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def test_teardown_with_op_in_flight(how: str, loop: str) -> None:
     started = time.monotonic()
     result = run_world(teardown_in_flight, 2, loop=loop, args=(how,), timeout=60)[0]
     world_took = time.monotonic() - started
-    assert result["took"] < 2.0, result
+    # configure's time holds its own connect: rank 1 coming, and a store
+    # connect that can wait 1 s on a reverse DNS lookup (tests/conftest.py)
+    assert result["took"] < (4.0 if how == "configure" else 2.0), result
     assert result["work_error"] == "CommAborted"
     if how == "configure":
         assert result["value"] == 2.0
