@@ -88,6 +88,11 @@ def _configure_timeout(
         )
     elif progress.detail:  # meeting the other ranks, a worker starting, ...
         why = f"{progress.detail} (store {spec.store})"
+    elif progress.step == "starting":  # its thread had not run yet
+        why = (
+            f"this rank's connect had not begun (a busy machine, or a timeout too short) "
+            f"(store {spec.store})"
+        )
     else:
         why = f"store {spec.store}"
     return CommTimeout(

@@ -193,3 +193,30 @@ async def test_a_task_cancelled_before_its_first_step_aborts_the_op(store_port: 
         assert isinstance(g1.errored(), ftcomm.CommAborted)
     finally:
         await asyncio.gather(g0.shutdown(), g1.shutdown())
+
+
+@pytest.mark.asyncio
+async def test_a_deadline_before_the_connect_began_says_so(
+    store_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a busy machine a short configure timeout can pass before the
+    connect's thread has run at all: the error says that (issue 35), not
+    just the store's address."""
+    began = threading.Event()
+    go_on = threading.Event()
+    connect = GlooBackend.connect.__func__  # type: ignore[attr-defined]
+
+    def held_connect(cls: Any, spec: Any, cancel: Any = None) -> GlooBackend:
+        began.set()
+        go_on.wait(10)  # as if its thread had not been scheduled yet
+        return connect(cls, spec, cancel)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(GlooBackend, "connect", classmethod(held_connect))
+    async with ftcomm.Group("gloo") as g:
+        with pytest.raises(ftcomm.CommTimeout, match="connect had not begun") as info:
+            await g.configure(f"127.0.0.1:{store_port}/p", 0, 1, timeout=0.2)
+        assert f"store 127.0.0.1:{store_port}/p" in str(info.value)
+        assert began.is_set()
+        go_on.set()  # the connect that nobody waits for builds, and is disposed of
+        await g.configure(f"127.0.0.1:{store_port}/q", 0, 1, timeout=10)
+        assert (await g.allreduce(torch.ones(1))).item() == 1.0

@@ -185,9 +185,16 @@ def test_a_configure_timeout_is_a_timeout_error_that_says_so(
             pg.configure(f"127.0.0.1:{store.port}/prefix", "0", 0, 2)
         assert isinstance(info.value, RuntimeError)  # torchft matches RuntimeError too
         # and says what it waited for (the worker's start, this rank's set-up,
-        # rank 1; on a loaded box 10 ms may end before the store's reply)
+        # rank 1; on a loaded box 10 ms may end before the store's reply, or
+        # before the connect's thread has run at all)
         waited = str(info.value).split("seconds: ", 1)[1]
-        expected = ("worker process", "setting up", "rank 1", "the store at 127.0.0.1:")
+        expected = (
+            "worker process",
+            "setting up",
+            "rank 1",
+            "the store at 127.0.0.1:",
+            "connect had not begun",
+        )
         assert any(w in waited for w in expected), waited
     finally:
         pg.shutdown()
@@ -196,7 +203,9 @@ def test_a_configure_timeout_is_a_timeout_error_that_says_so(
 def test_configure_names_the_rank_that_never_came(
     store: StoreServer, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=0.5))
+    # Past the store connect, which can wait 1 s on a reverse DNS lookup
+    # (tests/conftest.py): the deadline must find rank 0 waiting for rank 1.
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=2.5))
     try:
         with pytest.raises(ftcomm.CommTimeout, match=r"1 of 2 ranks never came .*\(rank 1\)"):
             pg.configure(f"127.0.0.1:{store.port}/absent", "0", 0, 2)
