@@ -2,6 +2,10 @@ from __future__ import annotations
 
 import inspect
 import pickle
+import re
+import sys
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -77,3 +81,42 @@ def test_worker_died_keeps_its_exit_status() -> None:
 def test_comm_timeout_is_a_timeout_error() -> None:
     assert issubclass(ftcomm.CommTimeout, TimeoutError)
     assert not issubclass(ftcomm.CommAborted, TimeoutError)
+
+
+# -- the Python floor ---------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+# What the code uses that an older Python lacks, by the version that brought it.
+NEWER_APIS = {
+    (3, 11): (r"\basyncio\.timeout\(", r"\bTaskGroup\b", r"\bStrEnum\b", r"\btomllib\b"),
+}
+
+
+def _floor() -> tuple[int, int]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    found = re.fullmatch(r">=\s*(\d+)\.(\d+)", project["project"]["requires-python"])
+    assert found, project["project"]["requires-python"]
+    return int(found[1]), int(found[2])
+
+
+def test_the_python_floor_is_the_one_the_code_needs_and_every_tool_checks() -> None:
+    """requires-python is what the code runs on (it is tested on 3.11 only:
+    issue 35), and ruff, mypy and the README say the same version."""
+    floor = _floor()
+    sources = [
+        p for d in ("ftcomm", "tests", "examples", "scripts") for p in (ROOT / d).rglob("*.py")
+    ]
+    for version, patterns in NEWER_APIS.items():
+        for path in sources:
+            text = path.read_text()
+            for pattern in patterns:
+                if re.search(pattern, text):
+                    assert floor >= version, (
+                        f"{path.relative_to(ROOT)} uses {pattern}, which Python "
+                        f"{version[0]}.{version[1]} brought; requires-python says {floor}"
+                    )
+    assert sys.version_info[:2] >= floor  # the suite runs on a Python the floor admits
+    tools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    assert tools["ruff"]["target-version"] == f"py{floor[0]}{floor[1]}"
+    assert tools["mypy"]["python_version"] == f"{floor[0]}.{floor[1]}"
+    assert f"Python >= {floor[0]}.{floor[1]})" in (ROOT / "README.md").read_text()
+    assert f"Python {floor[0]}.{floor[1]} or newer" in (ROOT / "docs/running.md").read_text()

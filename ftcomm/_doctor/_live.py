@@ -74,7 +74,7 @@ async def _live_gloo_abort() -> JSON:
             result["rank0"] = "CommAborted"
         except CommError as exc:  # before TimeoutError: CommTimeout is one too
             result["rank0"] = f"{type(exc).__name__}: {exc}"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             result["rank0"] = f"still running {LIVE_ABORT_BOUND:g} s after the abort"
         else:
             result["rank0"] = "completed (a success after the abort)"

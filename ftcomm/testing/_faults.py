@@ -26,7 +26,7 @@ from .._runtime.loop import get_runtime
 from .._runtime.native import Done, NativeOp
 
 
-class Kind(str, enum.Enum):
+class Kind(enum.StrEnum):
     """What a :class:`Fault` does to its op."""
 
     KILL = "kill"
