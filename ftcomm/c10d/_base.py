@@ -41,6 +41,9 @@ class ProcessGroup(dist.ProcessGroup):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._group_name: str | None = None
+        # Entered in torch's tables without the members' default-group ranks
+        # (see _registry.check_entry): _registry's, under its lock.
+        self._entry_provisional = False
 
     # -- the collectives (c10d signatures) ----------------------------------
     def allgather(
@@ -196,6 +199,16 @@ class ProcessGroup(dist.ProcessGroup):
         (the group is entered as this process's rank alone)."""
         return None
 
+    def _settle_ranks(self, initialized: bool) -> None:
+        """At :meth:`register`: find the members' default-group ranks where
+        :meth:`configure` came before the default group and there is one now
+        (``initialized``); nothing to find in the base class."""
+
+    def _ranks_pending(self) -> bool:
+        """Whether the default-group ranks of several members are still to be
+        found (after a configure that came before the default group)."""
+        return False
+
     def abort(self, errored: bool = True) -> None:
         """Abort the group (nothing to abort in the base class)."""
 
@@ -216,10 +229,18 @@ class ProcessGroup(dist.ProcessGroup):
         collectives, ``torch.distributed`` calls and DeviceMesh can find it.
         Returns ``self``.
 
+        Where the default process group came after :meth:`configure`, this
+        finds the members' default-group ranks, in the configuration's
+        store: every member must call it then (docs/migrating.md).
+
         Raises:
             TypeError: ``name`` is not a str.
             ValueError: ``name`` is empty, or this group or that name is
                 registered already.
+            CommTimeout: a member did not register within the group's timeout
+                (only where the ranks must be found here); nothing is registered.
+            CommAborted: the group was reconfigured, aborted or shut down meanwhile.
+            CommFailed: the store failed while the ranks were found.
         """
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")

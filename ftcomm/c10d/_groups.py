@@ -24,7 +24,7 @@ from torch.distributed.constants import default_pg_timeout
 from .._runtime.deadline import to_seconds
 from .._runtime.loop import get_runtime
 from .._runtime.observe import Event, GroupStats, Subscription
-from ..errors import CommAborted, CommError, CommFailed, CommTimeout, NotConfigured
+from ..errors import CommError, NotConfigured
 from ..group import Group
 from . import _registry
 from ._base import ProcessGroup, logger
@@ -39,13 +39,16 @@ Issue = Callable[[Target], dist.Work]
 class _Facade(ProcessGroup):
     """The collectives and lifecycle shared by every ftcomm.c10d group."""
 
+    _sized_as_inner: ClassVar[bool] = True
+    """Whether a wrapper has the wrapped group's ranks (a manager's does not)."""
+
     def __init__(self, rank: int, world: int, timeout: float) -> None:
         super().__init__(rank, world)
         self._timeout = timeout
         self._group: Group | None = None
         self._ops: GroupOps | None = None
         self._inner: ProcessGroup | None = None
-        self._global_ranks: list[int] | None = None  # by group rank, with a default group
+        self._ranks = _registry.MemberRanks()  # by group rank, with a default group
         # First use makes the Group: configure(), or stats()/subscribe() from
         # a metrics thread meanwhile, must make one, not two.
         self._group_lock = threading.Lock()
@@ -78,6 +81,8 @@ class _Facade(ProcessGroup):
 
     # -- dispatch -----------------------------------------------------------
     def _target(self, op: str) -> Target:
+        if self._entry_provisional:  # registered without the default-group ranks
+            _registry.check_entry(self, op)
         target: Target | None = self._inner if self._inner is not None else self._ops
         if target is None:
             raise NotConfigured(f"{op} needs a configured group: call configure(...) first", op=op)
@@ -90,7 +95,12 @@ class _Facade(ProcessGroup):
     # -- collectives --------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
         ops = self._ops
-        if ops is not None and self._inner is None and type(self)._run is _Facade._run:
+        if (
+            ops is not None
+            and self._inner is None
+            and type(self)._run is _Facade._run
+            and not self._entry_provisional
+        ):
             return ops.allreduce(tensors, opts)  # the hot path: nothing to intercept
         return self._run("allreduce", tensors, lambda t: t.allreduce(tensors, opts))
 
@@ -285,34 +295,33 @@ class _Facade(ProcessGroup):
             )
         )
         # Which default-group rank each member is: torch's tables map a
-        # group's ranks to the default group's. Exchanged in the store at
-        # every configure, by every member alike (see _registry.global_ranks).
-        config = group._config
-
-        def superseded() -> bool:  # by abort(), shutdown() or another configure()
-            return group._config is not config or group.errored() is not None
-
-        self._global_ranks = None
-        try:
-            self._global_ranks = _registry.global_ranks(
-                store_addr, rank, world_size, global_ranks, deadline, superseded
-            )
-        except _registry.Superseded:
-            why = "configure was superseded (abort, shutdown or another configure)"
-            raise CommAborted(why, rank=rank, op="configure") from None
-        except (TimeoutError, RuntimeError) as exc:  # a member or the store went away
-            if not superseded():  # this configuration's own failure: it is broken
-                group.abort()
-            timed_out = isinstance(exc, TimeoutError)
-            kind = CommTimeout if timed_out else CommFailed
-            what = f"timed out after {self._timeout:g} seconds" if timed_out else "failed"
-            raise kind(f"configure {what}: {exc}", rank=rank, op="configure") from exc
+        # group's ranks to the default group's (see _registry.global_ranks).
+        self._ranks.configure(
+            group, store_addr, rank, world_size, global_ranks, deadline, self._timeout
+        )
         _registry.refresh(self)
 
+    # A wrapper's ranks are the wrapped group's as they are now, however that
+    # group was configured (through this wrapper or not); a manager's are not.
     def _members_global_ranks(self) -> list[int] | None:
         """Every member's default-group rank, by group rank, or ``None``
-        where they do not share one default world (found at configure)."""
-        return self._global_ranks
+        where they do not share one default world (found at configure, or
+        at register where the default group came after configure)."""
+        if self._inner is not None:
+            return self._inner._members_global_ranks() if self._sized_as_inner else None
+        return self._ranks.found()
+
+    def _settle_ranks(self, initialized: bool) -> None:
+        if self._inner is not None:
+            if self._sized_as_inner:
+                self._inner._settle_ranks(initialized)
+        elif self._ranks.settle(initialized, self._timeout):
+            _registry.refresh(self)  # its own entry, and its wrappers'
+
+    def _ranks_pending(self) -> bool:
+        if self._inner is not None:
+            return self._sized_as_inner and self._inner._ranks_pending()
+        return self._ranks.pending()
 
     def abort(self, errored: bool = True) -> None:
         """Abort the group: ops in flight end with ``CommAborted``, later ops
@@ -432,8 +441,6 @@ class ProcessGroupWrapper(_Facade):
 
     _backend: ClassVar[str | None] = None
     """The ftcomm backend a group of its own uses (None: a pure wrapper)."""
-    _sized_as_inner: ClassVar[bool] = True
-    """Whether this wrapper has the wrapped group's ranks (a manager's does not)."""
     _subprocess: ClassVar[bool] = False
     """Whether that group runs in a worker process (the ``Baby`` classes)."""
 
@@ -542,13 +549,6 @@ class ProcessGroupWrapper(_Facade):
     def _group_options(self) -> dict[str, Any]:
         """More keyword arguments for the :class:`~ftcomm.Group` it builds."""
         return {}
-
-    def _members_global_ranks(self) -> list[int] | None:
-        # a wrapper's are the wrapped group's as they are now, however that
-        # group was configured (through this wrapper or not)
-        if self._inner is not None:
-            return self._inner._members_global_ranks() if self._sized_as_inner else None
-        return self._global_ranks
 
     def _c10d_backend(self) -> tuple[str, str] | None:
         if self._inner is not None:
