@@ -7,7 +7,9 @@ runs every client in the order configure, init, register."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -18,6 +20,18 @@ import torch.distributed as dist
 import ftcomm
 from ftcomm import c10d
 from ftcomm.testing import RankContext, run_world
+
+
+@contextlib.contextmanager
+def _facade(timeout: float) -> Iterator[c10d.ProcessGroupGloo]:
+    """A facade group, shut down at the end, with the default group."""
+    pg = c10d.ProcessGroupGloo(timeout=timeout)
+    try:
+        yield pg
+    finally:
+        pg.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _default_group(ctx: RankContext) -> None:
@@ -47,8 +61,7 @@ def registered_before_the_default_group(ctx: RankContext, swapped: bool) -> dict
     process the other's rank in the group, so that the entry made without a
     default group (global = group ranks) is untrue."""
     out: dict[str, Any] = {}
-    pg = c10d.ProcessGroupGloo(timeout=20)
-    try:
+    with _facade(20) as pg:
         group_rank = 1 - ctx.rank if swapped else ctx.rank
         pg.configure(ctx.addr(), "0", group_rank, 2)
         pg.register("early")
@@ -61,10 +74,6 @@ def registered_before_the_default_group(ctx: RankContext, swapped: bool) -> dict
             pg.configure(ctx.addr("again"), "0", group_rank, 2)  # finds the ranks
         out.update(_addressed(pg, ctx.rank))
         out["errored"] = pg.errored()
-    finally:
-        pg.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return out
 
 
@@ -81,13 +90,13 @@ def test_a_group_registered_before_the_default_group(swapped: bool) -> None:
 
 def configured_before_the_default_group(ctx: RankContext) -> dict[str, Any]:
     """configure() with swapped ranks, the default group, then register():
-    rank 0 registers first and alone, and times out naming rank 1; then both
-    register, and the ranks are right."""
+    rank 0 registers first and alone, and times out naming its peer (group
+    rank 0); then both register, and the ranks are right."""
     out: dict[str, Any] = {}
-    pg = c10d.ProcessGroupGloo(timeout=1.5)
-    try:
+    with _facade(20) as pg:
         pg.configure(ctx.addr(), "0", 1 - ctx.rank, 2)
         _default_group(ctx)
+        pg.set_timeout(timedelta(seconds=1.5))  # register()'s
         if ctx.rank == 0:
             started = time.monotonic()
             with pytest.raises(ftcomm.CommTimeout, match=r"group rank\(s\) \[0\] did not") as info:
@@ -106,10 +115,6 @@ def configured_before_the_default_group(ctx: RankContext) -> dict[str, Any]:
         pg.register("late")  # both now: rank 0's second try, rank 1's first
         out.update(_addressed(pg, ctx.rank))
         out["errored"] = pg.errored()
-    finally:
-        pg.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return out
 
 
@@ -132,8 +137,7 @@ def three_registered_before_the_default_group(ctx: RankContext) -> dict[str, Any
     only. Ranks 1 and 2 raise and abort at their next op, so rank 0's ends
     at once too; configure() again finds the ranks."""
     out: dict[str, Any] = {}
-    pg = c10d.ProcessGroupGloo(timeout=20)
-    try:
+    with _facade(20) as pg:
         pg.configure(ctx.addr("first"), "0", [0, 2, 1][ctx.rank], 3)
         pg.register("early")
         _default_group(ctx)  # no local holds its store: the barrier's error keeps this frame
@@ -155,10 +159,6 @@ def three_registered_before_the_default_group(ctx: RankContext) -> dict[str, Any
         dist.broadcast(b, src=2, group=pg)
         out["broadcast"] = b.item()
         pg.unregister()
-    finally:
-        pg.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return out
 
 
@@ -182,8 +182,7 @@ def wrapped_after_the_default_group(ctx: RankContext) -> dict[str, Any]:
     """The inner group configured (swapped ranks) and registered before the
     default group, a wrapper of it registered after: the wrapper's register
     finds the ranks, and both entries get them."""
-    inner = c10d.ProcessGroupGloo(timeout=20)
-    try:
+    with _facade(20) as inner:
         inner.configure(ctx.addr(), "0", 1 - ctx.rank, 2)
         inner.register("inner")
         _default_group(ctx)
@@ -198,10 +197,6 @@ def wrapped_after_the_default_group(ctx: RankContext) -> dict[str, Any]:
         outer.unregister()
         inner.unregister()
         return out
-    finally:
-        inner.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def test_a_wrapper_registered_after_the_default_group_settles_its_group_too() -> None:
