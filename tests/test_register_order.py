@@ -243,3 +243,31 @@ def test_one_member_groups_registered_early_are_this_rank_once_there_is_a_defaul
     finally:
         dummy.shutdown()
         swallowing.shutdown()
+
+
+def test_a_settle_that_a_reconfigure_overtook_changes_nothing() -> None:
+    """Forced interleaving: a configure replaces the pending exchange while
+    register()'s exchange runs (its superseded() is asked before and after
+    the exchange). The settle raises and leaves the new exchange pending,
+    never writing the old configuration's ranks."""
+    from ftcomm.c10d import _registry
+
+    ranks = _registry.MemberRanks()
+    newer = _registry.Exchange("unused", 0, 2, None, lambda: False)
+    asked: list[bool] = []
+
+    def superseded() -> bool:
+        asked.append(True)
+        if len(asked) == 1:
+            return False  # register()'s first look: still current
+        ranks._pending = newer  # a configure came meanwhile (as MemberRanks.configure sets it)
+        return True
+
+    # one member: the exchange needs no store, so only the interleaving is under test
+    ranks._pending = _registry.Exchange("unused", 0, 1, None, superseded)
+    with pytest.raises(ftcomm.CommAborted, match="meanwhile"):
+        ranks.settle(True, 5.0)
+    assert len(asked) == 2
+    assert ranks._pending is newer
+    assert ranks.found() is None
+    assert ranks.pending()  # the newer configuration's exchange, of two members
