@@ -78,6 +78,10 @@ VARIANTS: dict[str, Callable[[ftcomm.Group], Awaitable[None]]] = {
 
 async def hung_peer(ctx: RankContext) -> dict[str, dict[str, Any]]:
     report: dict[str, dict[str, Any]] = {}
+    # anyio loads its asyncio backend on first use (20 ms on an idle box,
+    # over a second on a busy one) and only then starts a scope's deadline:
+    # load it before any clock below starts.
+    anyio.current_time()
     g = ftcomm.Group("gloo", timeout=30)
     for i, (name, variant) in enumerate(VARIANTS.items()):
         await g.configure(ctx.addr(f"v{i}"), ctx.rank, 2)
