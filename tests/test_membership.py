@@ -274,7 +274,7 @@ async def _newcomer_dies_in_copy(ctx: RankContext) -> list[Any]:
         big = {"w": torch.zeros(1 << 20)}
         log: list[Any] = []
         if ctx.rank == 2:
-            await members.sync_state(big, 0)  # killed at its second recv
+            await members.sync_state(big, 0)  # killed at its recv of the bytes
             return log
         step, grown = 0, False
         while step < 6 or not grown or world.size == 3:
@@ -294,8 +294,9 @@ async def _newcomer_dies_in_copy(ctx: RankContext) -> list[Any]:
 
 
 def test_a_newcomer_killed_during_the_state_copy_is_left_out() -> None:
-    # rank 2's ops: allgather of the steps (0), recv of the size (1), of the bytes (2)
-    plan = FaultPlan.of(Fault.kill(2, 2))
+    # rank 2's ops: allgather of the steps (0), recv of the description (1),
+    # allgather of the verdicts (2), recv of the tensor's bytes (3)
+    plan = FaultPlan.of(Fault.kill(2, 3))
     results = run_world(_newcomer_dies_in_copy, 3, plan=plan, timeout=60)
     assert results[2] is None
     for log in results[:2]:
