@@ -97,20 +97,15 @@ class Replica:
         return box[0]
 
     def state(self) -> dict[str, Any]:
-        """This shard's parameters and Adam's state (plain tensors: what ``sync_state`` sends)."""
-        adam = [{k: _local(v) for k, v in self.opt.state[p].items()} for p in self.params]
-        return {"params": [_local(p).detach() for p in self.params], "adam": adam}
-
-    @torch.no_grad()
-    def load(self, state: dict[str, Any]) -> None:
-        for p, value, adam in zip(self.params, state["params"], state["adam"], strict=True):
-            _local(p).copy_(value)
-            for key, held in self.opt.state[p].items():
-                _local(held).copy_(adam[key])
+        """This shard's parameters and Adam's state, as the model and the optimizer hold
+        them (DTensors): ``sync_state`` writes a replica behind's local shards in place."""
+        adam = [self.opt.state[p] for p in self.params]
+        return {"params": list(self.params), "adam": adam}
 
     def digest(self) -> str:
-        flat = [t.reshape(-1).double().cpu() for t in self.state()["params"]]
-        flat += [t.reshape(-1).double().cpu() for a in self.state()["adam"] for t in a.values()]
+        state = self.state()
+        flat = [_local(t).reshape(-1).double().cpu() for t in state["params"]]
+        flat += [_local(t).reshape(-1).double().cpu() for a in state["adam"] for t in a.values()]
         return hashlib.sha256(torch.cat(flat).numpy().tobytes()).hexdigest()[:16]
 
     async def regroup(
@@ -118,7 +113,7 @@ class Replica:
     ) -> tuple[ftcomm.World, int]:
         """Join or recover (shard 0), configure every shard's group for that world, and copy
         the state to the replica behind; again until every shard of this replica got there."""
-        state, got = None, step
+        got = step
 
         async def form(joining: bool) -> ftcomm.World:
             assert members is not None
@@ -138,14 +133,13 @@ class Replica:
                 if members is None:  # shard 0's group is configured by its membership
                     addr = f"{world.store_addr}/shard{self.shard}"
                     await group.configure(addr, world.rank, world.size)
-                state, got = await ftcomm.sync_state(group, self.state(), step, timeout=30)
+                _, got = await ftcomm.sync_state(group, self.state(), step, timeout=30)
             except ftcomm.CommError as exc:
                 ok = False
                 self.errors.append(type(exc).__name__)
             if self.together(ok):
                 break
-        if got != step:
-            self.load(state)
+        if got != step:  # this shard's parameters and Adam's state were written in place
             self.synced = got
         self.generations.append(world.generation)
         self.reunited |= world.size == REPLICAS and bool(self.errors or self.life)

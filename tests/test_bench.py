@@ -18,7 +18,7 @@ import torch
 
 import ftcomm
 from ftcomm import _bench
-from ftcomm._bench import fsdp, latency, membership, report, runner, torchft_rows
+from ftcomm._bench import fsdp, latency, links, membership, report, runner, state_copy, torchft_rows
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -50,6 +50,7 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     tiny += ["--with", "stats-off"]
     tiny += ["--membership-trials", "1"]
     tiny += ["--fsdp-steps", "1"]
+    tiny += ["--state-mib", "8", "--state-rounds", "1", "--state-link-gbit", "0"]
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     tiny += ["--json", str(out_json), "--plot", str(out_png)]
     # Deadlines for a loaded 2-core machine, where the suite's other workers
@@ -85,6 +86,10 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     assert "torchft Manager rows skipped: --no-torchft" in out, out
     assert re.search(r"^torch's gloo group\s+\d+\.\d\s+\d+\.\d\s*$", out, re.M), out
     assert re.search(r"^ftcomm ProcessGroupGloo\s+[\d.]+\s+[\d.]+\s+\d+\.\d\dx$", out, re.M), out
+    for what in ("raw gloo send/recv in place, 1 behind", "ftcomm sync_state, 2 behind"):
+        assert re.search(rf"^{what}\s+\d+\.\d+\s+\d+\.\d+", out, re.M), out
+    assert "torchft's row skipped: --no-torchft" in out, out
+    assert "the state copy over links of their own skipped: --state-link-gbit 0" in out, out
     assert f"json: {out_json}" in out, out
     assert f"plot: {out_png}" in out, out
 
@@ -93,6 +98,11 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     assert (doc["ftcomm"], doc["torch"]) == (ftcomm.__version__, torch.__version__)
     assert [row["impl"] for row in doc["fsdp"]["rows"]] == ["torch", "ftcomm"]
     assert doc["fsdp"]["ratio_p50"] > 0
+    copy = doc["state_copy"]
+    assert [r["case"] for r in copy["rows"]] == ["raw", "ftcomm", "raw x2", "ftcomm x2"]
+    assert copy["ratio_to_raw"] > 0
+    assert copy["two_behind_over_one"] > 0
+    assert copy["links"] is None
     assert doc["plan"]["rounds"] == 2
     assert [w["iters"] for w in doc["plan"]["workloads"]] == [240, 2, 2]
     assert [w["turn"] for w in doc["plan"]["workloads"]] == [50, 1, 1]
@@ -421,3 +431,32 @@ def test_the_fsdp2_rows_show_both_groups_and_the_ratio() -> None:
         ("torch", 11.5),
         ("ftcomm", 11.0),
     ]
+
+
+def test_the_state_copy_rows_show_ratios_to_raw_and_the_extra_memory() -> None:
+    times = {"raw": [0.4, 0.5], "ftcomm": [0.44, 0.55], "raw x2": [0.8], "ftcomm x2": [0.9]}
+    rows = state_copy.Rows(1024, 2, times, {"sender": 3 << 20, "receiver": 5 << 20}, "absent")
+    text = state_copy.format_state_copy(rows)
+    assert re.search(r"^ftcomm sync_state, 1 behind\s+0\.495\s+2\.17\s+1\.10x$", text, re.M)
+    assert "two behind take 1.82x the time of one" in text
+    assert "sender 3 MiB, receiver 5 MiB" in text
+    assert "(torchft's row skipped: absent)" in text
+    doc = state_copy.state_copy_json(rows)
+    assert doc["torchft_ratio_to_raw"] is None
+    assert doc["extra_bytes"] == {"sender": 3 << 20, "receiver": 5 << 20}
+
+
+@pytest.mark.skipif(links.missing() is not None, reason=str(links.missing()))
+def test_the_state_copy_over_links_of_their_own_runs_and_leaves_no_namespace() -> None:
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    rows = links.measure(4, 1, 2.0)
+    assert rows.ratio() > 0
+    assert "two behind take" in links.format_links(rows)
+    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert after == before
+
+
+def test_a_rate_of_the_links_must_be_a_finite_number_at_least_zero() -> None:
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            _bench.parser().parse_args(["--state-link-gbit", bad])

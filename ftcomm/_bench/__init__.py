@@ -23,6 +23,10 @@ The modules, each importing only those listed below it:
 - ``membership``: a member of three SIGKILLed or SIGSTOPped, to the
   survivors' first good allreduce, per membership engine and for torchft's
   Manager, each member a process of its own;
+- ``state_copy``: ``sync_state`` of a big state against raw Gloo send/recv
+  and torchft's ``PGTransport``, to one member behind and to two, three
+  processes of their own; ``links``: the same to one and to two behind over
+  rate-limited links, each member in a network namespace of its own;
 - ``latency``, ``fusion``, ``subproc``, ``torchft_rows``: the families of
   cases, the functions that open each case's runner on a rank;
 - ``groups``: the runners on ftcomm's groups that the families share;
@@ -43,7 +47,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._server import serve_store
-from . import fsdp
+from . import fsdp, links, state_copy
 from .cases import CASES, workloads
 from .membership import TRIALS, format_membership, measure, membership_json
 from .recovery import _recovery, format_recovery
@@ -70,6 +74,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a rate >= 0, got {text}")
     return value
 
 
@@ -150,6 +161,26 @@ def parser() -> argparse.ArgumentParser:
         default=FSDP_STEPS,
         help="timed FSDP2 training steps per round and group in the FSDP2 rows: a step over "
         f"torch's own Gloo group against one over ftcomm's ({FSDP_STEPS}; 0: skip)",
+    )
+    p.add_argument(
+        "--state-mib",
+        type=_non_negative,
+        default=state_copy.MIB,
+        help="size of the state in the state-copy rows: sync_state against raw Gloo send/recv "
+        f"and torchft's PGTransport, to one member behind and to two ({state_copy.MIB}; 0: skip)",
+    )
+    p.add_argument(
+        "--state-rounds",
+        type=_positive,
+        default=state_copy.ROUNDS,
+        help=f"rounds of each state-copy case ({state_copy.ROUNDS})",
+    )
+    p.add_argument(
+        "--state-link-gbit",
+        type=_rate,
+        default=links.GBIT,
+        help="each link's rate in the state copy over links of their own: 3 members in network "
+        f"namespaces, one and two behind (needs root and iproute2; {links.GBIT:g}; 0: skip)",
     )
     p.add_argument(
         "--json",
@@ -304,8 +335,42 @@ def main(argv: Sequence[str] | None = None) -> int:
             fsdp_rows = fsdp.fsdp_json(measured)
             if tables:
                 print(fsdp.format_fsdp(measured), flush=True)
+    copies: dict[str, Any] | None = None
+    if args.state_mib:
+        torchft_skip = "--no-torchft" if args.no_torchft else _torchft_missing()
+        try:
+            copied = state_copy.measure(args.state_mib, args.state_rounds, torchft_skip)
+        except state_copy.StateCopyFailed as exc:
+            print(f"ftcomm bench: state copy failed: {exc}", file=sys.stderr)
+            report.failures.append(f"state copy: {exc}")
+            failed = True
+        else:
+            copies = state_copy.state_copy_json(copied)
+            if tables:
+                print(state_copy.format_state_copy(copied), flush=True)
+        why = links.missing() if args.state_link_gbit > 0 else "--state-link-gbit 0"
+        if why is not None:
+            if copies is not None:
+                copies["links"] = None
+            if tables:
+                print(f"(the state copy over links of their own skipped: {why})", flush=True)
+        else:
+            try:
+                linked = links.measure(
+                    min(args.state_mib, links.MIB), args.state_rounds, args.state_link_gbit
+                )
+            except links.LinksFailed as exc:
+                print(f"ftcomm bench: state copy over links failed: {exc}", file=sys.stderr)
+                report.failures.append(f"state copy over links: {exc}")
+                failed = True
+            else:
+                if copies is not None:
+                    copies["links"] = links.links_json(linked)
+                if tables:
+                    print(links.format_links(linked), flush=True)
     if json_path is not None:
-        text = json.dumps(results(plan, report, notes, times, members, fsdp_rows), indent=2)
+        doc = results(plan, report, notes, times, members, fsdp_rows, copies)
+        text = json.dumps(doc, indent=2)
         if json_path == "-":
             print(text, flush=True)
         else:

@@ -112,12 +112,15 @@ def results(
     recovery: Mapping[str, Seconds] | None,
     membership: Mapping[str, Any] | None = None,
     fsdp: Mapping[str, Any] | None = None,
+    state_copy: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every figure of the table and of the recovery part, as one JSON-able object.
 
     ``membership``: the membership recovery rows, as
     :func:`~ftcomm._bench.membership.membership_json` gives them (``None``: not run);
-    ``fsdp``: the FSDP2 rows, as :func:`~ftcomm._bench.fsdp.fsdp_json` gives them.
+    ``fsdp``: the FSDP2 rows, as :func:`~ftcomm._bench.fsdp.fsdp_json` gives them;
+    ``state_copy``: the state-copy rows, as
+    :func:`~ftcomm._bench.state_copy.state_copy_json` gives them.
 
     ``rows``: one per (workload, case), the table's order; latencies in
     microseconds; ``ratio_p50_vs_raw`` is p50 / raw's p50 (lower is better),
@@ -190,6 +193,7 @@ def results(
         ),
         "membership": None if membership is None else dict(membership),
         "fsdp": None if fsdp is None else dict(fsdp),
+        "state_copy": None if state_copy is None else dict(state_copy),
         "notes": list(notes),
         "failures": list(report.failures),
     }
