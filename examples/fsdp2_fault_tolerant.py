@@ -104,7 +104,7 @@ class Replica:
 
     def digest(self) -> str:
         state = self.state()
-        flat = [_local(t).reshape(-1).double().cpu() for t in state["params"]]
+        flat = [_local(t).detach().reshape(-1).double().cpu() for t in state["params"]]
         flat += [_local(t).reshape(-1).double().cpu() for a in state["adam"] for t in a.values()]
         return hashlib.sha256(torch.cat(flat).numpy().tobytes()).hexdigest()[:16]
 

@@ -75,6 +75,8 @@ class FakeGroup:
         """``None`` until the communicator exists, then "live" or "aborted"."""
         self._aborted = threading.Event()
         self._coalescing: list[FakeWork] | None = None
+        self.p2p: list[tuple[str, torch.Tensor]] = []
+        """Each send and recv, with the tensor it was given."""
 
     # -- construction
     def _set_sequence_number_for_group(self) -> None:
@@ -184,9 +186,11 @@ class FakeGroup:
         return self._op("alltoall_base", opts)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> FakeWork:
+        self.p2p.append((f"send:{dst}", tensors[0]))
         return self._op(f"send:{dst}", None)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> FakeWork:
+        self.p2p.append((f"recv:{src}", tensors[0]))
         return self._op(f"recv:{src}", None)
 
 

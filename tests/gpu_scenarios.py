@@ -345,6 +345,66 @@ def fsdp2_example(rig: Rig, port: int) -> Figures:
     return {"seconds": round(time.monotonic() - start, 1)}
 
 
+STATE_TENSORS = 8
+STATE_FLOATS = 16 << 20
+"""The state copy's state: 8 tensors of 64 MiB on the GPU, and a CPU one."""
+
+
+async def _copy_rank(ctx: Any, backend: str) -> Figures:
+    """One rank of :func:`state_copy`: rank 0 sends, rank 1 receives in place."""
+    device = torch.device("cuda", ctx.rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    fill = (lambda i: float(i + 1)) if ctx.rank == 0 else (lambda i: 0.0)
+    state = {
+        f"t{i}": torch.full((STATE_FLOATS,), fill(i), device=device) for i in range(STATE_TENSORS)
+    }
+    state["step"] = torch.tensor(3.0 if ctx.rank == 0 else 0.0)  # Adam's step: on the CPU
+    before = {k: v.data_ptr() for k, v in state.items()}
+    async with ftcomm.Group(backend, timeout=60) as g:
+        await g.configure(ctx.addr(backend), ctx.rank, 2)
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        out, step = await ftcomm.sync_state(g, state, 5 if ctx.rank == 0 else 0)
+        took = time.perf_counter() - start
+    in_place = all(out[k].data_ptr() == ptr for k, ptr in before.items())
+    values = all(bool(out[f"t{i}"].eq(i + 1).all()) for i in range(STATE_TENSORS))
+    return {
+        "step": step,
+        "in_place": in_place,
+        "values": values and out["step"].item() == 3.0 and out["step"].device.type == "cpu",
+        "seconds": took,
+    }
+
+
+def state_copy(rig: Rig, port: int) -> Figures:
+    """``sync_state`` of a 512 MiB GPU state (and a CPU tensor) between two
+    processes: over Gloo (one GPU: each chunk staged through the host) and,
+    with two GPUs, over NCCL (device to device, straight into the receiver's
+    tensors). Each time the receiver's tensors are its own, with the values
+    sent, and its CPU tensor stays on the CPU.
+
+    Raises:
+        Skipped: the fake device layer (it models one rank).
+    """
+    from ftcomm.testing import run_world
+
+    if rig.fake:
+        raise Skipped("two processes on the device: the fake layer models one rank")
+    figures: Figures = {}
+    nbytes = STATE_TENSORS * STATE_FLOATS * 4
+    for backend, gpus in (("gloo", 1), ("nccl", 2)):
+        if torch.cuda.device_count() < gpus:
+            figures[backend] = f"skipped: needs {gpus} GPUs"
+            continue
+        ranks = run_world(_copy_rank, 2, args=(backend,), timeout=180)
+        assert all(r["step"] == 5 for r in ranks), ranks
+        assert ranks[1]["in_place"], ranks
+        assert ranks[1]["values"], ranks
+        seconds = max(r["seconds"] for r in ranks)
+        figures[backend] = {"seconds": round(seconds, 3), "GB/s": round(nbytes / seconds / 1e9, 2)}
+    return figures
+
+
 SCENARIOS: dict[str, Callable[[Rig, int], Any]] = {
     "every_collective": every_collective,
     "busy_stream_deadline": busy_stream_deadline,
@@ -353,6 +413,7 @@ SCENARIOS: dict[str, Callable[[Rig, int], Any]] = {
     "facade_ws1": facade_ws1,
     "bench": bench,
     "fsdp2_example": fsdp2_example,
+    "state_copy": state_copy,
 }
 
 UNVERIFIED = (

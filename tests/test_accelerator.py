@@ -890,3 +890,51 @@ def test_the_subprocess_variants_are_built_for_the_accelerator() -> None:
         assert cls.inner is backend_class(name)
         assert cls.device_type == device
         assert cls.reduce_ops == backend_class(name).reduce_ops
+
+
+# -- the state copy -------------------------------------------------------------------
+
+
+def _within(t: torch.Tensor, owner: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes lie in ``owner``'s storage (a view of it, no copy)."""
+    start = owner.untyped_storage().data_ptr()
+    end = start + owner.untyped_storage().nbytes()
+    return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end
+
+
+@pytest.mark.asyncio
+async def test_a_state_copy_on_an_accelerator_group_moves_device_tensors_in_place(
+    fake: FakeDevice, store: StoreServer
+) -> None:
+    """sync_state's stream on NCCL: each tensor on the group's device goes
+    straight from the sender's storage and lands straight in the receiver's,
+    in chunks (no staging, no host copy); the fake device layer records the
+    tensors each send and recv was given."""
+    from ftcomm._membership import _state_copy, _state_wire
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(_state_copy, "CHUNK", 1 << 12)  # 16 KiB tensors in 4 KiB chunks
+    try:
+        async with ftcomm.Group("nccl", timeout=30.0) as g:
+            await g.configure(_addr(store, 2), 0, 2)
+            device = _state_copy.device_of(g)
+            mine = {"w": torch.zeros(64, 64), "b": torch.zeros(3)}
+            described = _state_wire.describe(mine, device)
+            tree, specs = _state_wire.parse(described.encode())
+            landing = _state_wire.match(mine, tree, specs)
+            deadline = time.monotonic() + 30
+            receiver = _state_copy._Receiver(landing, device, deadline)
+            await _state_copy._stream(g, specs, receiver, 1, None, deadline)
+            sender = _state_copy._Sender(described, device, deadline)
+            await _state_copy._stream(g, specs, sender, None, 1, deadline)
+        (native,) = fake.groups[-1:]
+        recvs = [t for op, t in native.p2p if op == "recv:1"]
+        sends = [t for op, t in native.p2p if op == "send:1"]
+        assert len(recvs) == len(sends) == 4 + 1  # w in four chunks, b in one
+        for chunks in (recvs, sends):
+            assert all(_within(t, mine["w"]) for t in chunks[:4])
+            assert _within(chunks[4], mine["b"])
+            assert [t.numel() for t in chunks] == [4096] * 4 + [12]
+        assert receiver.pool.made == sender.pool.made == 0  # nothing staged
+    finally:
+        monkey.undo()

@@ -358,7 +358,7 @@ class _Sender(_Side):
 
     async def tensor(self, index: int, spec: wire.TensorSpec) -> tuple[torch.Tensor, bool]:
         t = self._mine.tensors[index]
-        return t, t.device == self.device and wire.plain_bytes(t)
+        return t, wire.on_device(t, self.device) and wire.plain_bytes(t)
 
     async def staged(
         self,
@@ -385,8 +385,8 @@ class _Receiver(_Side):
         if target is None:  # the receiver holds none: a new one, in the sender's layout
             target = self._new(index, spec)
             await fill(target, self.deadline)
-            return target, target.device == self.device
-        return target, target.device == self.device and _lands_as_is(target, spec)
+            return target, wire.on_device(target, self.device)
+        return target, wire.on_device(target, self.device) and _lands_as_is(target, spec)
 
     def _new(self, index: int, spec: wire.TensorSpec) -> torch.Tensor:
         where = self.device if spec.on_group else torch.device("cpu")

@@ -280,13 +280,21 @@ def _tensor(
             wire,
             int(t.storage_offset()),
             numel * t.element_size(),
-            t.device == device,
+            on_device(t, device),
             same_as,
         )
     )
     out.tensors.append(t)
     out.leaves.append(value)
     return index
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``t`` lives on ``device`` (``cpu`` and ``cpu:0`` are one)."""
+    here = t.device
+    if here.type != device.type:
+        return False
+    return here.type == "cpu" or device.index is None or here.index == device.index
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
