@@ -924,9 +924,9 @@ async def test_a_state_copy_on_an_accelerator_group_moves_device_tensors_in_plac
             landing = _state_wire.match(mine, tree, specs)
             deadline = time.monotonic() + 30
             receiver = _state_copy._Receiver(landing, device, deadline)
-            await _state_copy._stream(g, specs, receiver, 1, None, deadline)
+            await _state_copy._stream(g, specs, receiver, 1, None, 16, deadline)
             sender = _state_copy._Sender(described, device, deadline)
-            await _state_copy._stream(g, specs, sender, None, 1, deadline)
+            await _state_copy._stream(g, specs, sender, None, 1, 16, deadline)
         (native,) = fake.groups[-1:]
         recvs = [t for op, t in native.p2p if op == "recv:1"]
         sends = [t for op, t in native.p2p if op == "send:1"]

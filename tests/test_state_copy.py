@@ -124,6 +124,7 @@ def _places(state: Any, prefix: str = "") -> list[str]:
         ({"m": torch.empty(3, device="meta")}, r"state\['m'\]: a tensor on the meta device"),
         ({(1, 2): torch.ones(1)}, r"a key of type tuple"),
         ({"np": np.float64(1.0)}, "a numpy.float64 cannot be copied"),
+        ({float("nan"): 1}, "a key that is NaN"),
     ],
 )
 def test_a_state_that_cannot_be_copied_is_named_where_it_is(state: Any, named: str) -> None:
@@ -186,12 +187,28 @@ def _spec(**change: Any) -> dict[str, Any]:
             "not a plain",
         ),
         ({**_good(), "tree": ["O", [[["S", "w"], ["T", 0]]], ["T", 0]]}, "named twice"),
+        (
+            {**_good(), "tree": ["D", [[["S", "w"], ["T", 0]], [["S", "w"], ["I", 1]]]]},
+            "repeats a key",
+        ),
+        ({**_good(), "tree": ["D", [[["S", "w"], ["T", 0]], [["F", "nan"], ["I", 1]]]]}, "NaN"),
+        (b'{"version": 1, "version": 1, "tree": ["N"], "tensors": []}', "repeats a field"),
+        (b'{"version": 1, "tree": ["F", 1e400], "tensors": []}', "not a plain"),
     ],
 )
 def test_a_description_is_parsed_strictly(body: Any, says: str) -> None:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     with pytest.raises(ValueError, match=says):
         _state_wire.parse(data)
+
+
+def test_a_tensor_sent_once_for_two_places_must_be_the_same_tensor() -> None:
+    w = torch.ones(2, 3)
+    body = json.loads(_state_wire.describe({"a": w, "b": w}, CPU).encode())
+    assert body["tensors"][1]["same_as"] == 0
+    body["tensors"][1].update(shape=[3, 2], stride=[2, 1])
+    with pytest.raises(ValueError, match="not the same as its same_as"):
+        _state_wire.parse(json.dumps(body).encode())
 
 
 def test_a_description_over_the_cap_is_refused_unread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -249,6 +266,17 @@ def test_a_mismatch_is_located_by_a_node_every_rank_can_name(
     assert str(caught.value).startswith(where + ":")
     # the sender names the place from its own tree
     assert _state_wire.path_of(_state_wire.describe(sent, CPU).tree, caught.value.index) == where
+
+
+def test_a_tensor_that_cannot_be_written_in_place_is_a_mismatch() -> None:
+    tree, specs = _desc({"w": torch.ones(3, 4)})
+    with pytest.raises(Mismatch, match=r"state\['w'\]: its elements share memory") as caught:
+        _state_wire.match({"w": torch.zeros(4).expand(3, 4)}, tree, specs)
+    assert caught.value.code == _state_wire.WRITE
+    with torch.inference_mode():
+        frozen = torch.zeros(3, 4)
+    with pytest.raises(Mismatch, match="an inference tensor cannot be written in place"):
+        _state_wire.match({"w": frozen}, tree, specs)
 
 
 def test_the_plan_deals_the_members_behind_out_over_the_sources() -> None:
@@ -382,11 +410,135 @@ def test_a_mismatch_is_a_value_error_on_every_rank_before_a_byte_moves() -> None
     assert [r[2] for r in results] == [3.0] * 3
 
 
+def test_a_mismatch_is_named_by_the_members_of_its_chain_from_the_tree_sent() -> None:
+    """Rank 1 holds nothing (it names the place from the tree it was sent);
+    rank 2 holds a tensor that cannot be written."""
+    sent = {"w": torch.ones(4)}
+    states = [sent, {}, {"w": torch.zeros(1).expand(4)}]
+    results = run_world(_refused, 3, args=([7, 0, 0], states), mode="thread", timeout=60)
+    assert "this rank's state does not match the one rank 0 sent, at state['w']" in results[2][0]
+    for message, _, _ in results[:2]:
+        assert "rank 2's state does not match the one sent (a tensor cannot be written" in message
+        assert "at state['w']" in message
+    assert [r[2] for r in results] == [3.0] * 3
+
+
+def test_an_unexpected_error_describing_or_matching_is_told_to_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Never one rank raising while the others wait for the deadline: an
+    error of torch's (or ftcomm's) own on one rank fails the copy on all."""
+    describe, match = _state_wire.describe, _state_wire.match
+
+    def odd_describe(state: Any, device: torch.device) -> Any:
+        if isinstance(state, dict) and "odd" in state:
+            raise RuntimeError("torch says no")
+        return describe(state, device)
+
+    def odd_match(template: Any, tree: Any, specs: Any) -> Any:
+        if isinstance(template, dict) and "odd" in template:
+            raise RuntimeError("a bug here")
+        return match(template, tree, specs)
+
+    monkeypatch.setattr(_state_wire, "describe", odd_describe)
+    monkeypatch.setattr(_state_wire, "match", odd_match)
+    states = [{"w": torch.ones(2)}, {"w": torch.zeros(2), "odd": 1}]
+    started = time.monotonic()
+    results = run_world(_refused, 2, args=([3, 0], states), mode="thread", timeout=60)
+    assert "the state cannot be copied: torch says no" in results[1][0]
+    assert "the state of rank 1 cannot be copied" in results[0][0]
+    monkeypatch.setattr(_state_wire, "describe", describe)
+    results = run_world(_refused, 2, args=([3, 0], states), mode="thread", timeout=60)
+    assert (
+        "the description of the state rank 0 sent could not be taken: a bug here" in results[1][0]
+    )
+    assert "rank 1's state does not match the one sent" in results[0][0]
+    assert time.monotonic() - started < 25  # never a deadline of 30 s
+
+
 def test_a_state_that_cannot_be_copied_fails_on_its_holder_even_with_nobody_behind() -> None:
     states = [{"w": torch.ones(2)}, {"w": torch.ones(2), "np": np.ones(2)}]
     results = run_world(_refused, 2, args=([3, 3], states), mode="thread", timeout=30)
     assert "state['np']: a numpy.ndarray cannot be copied" in results[1][0]
     assert "the state of rank 1 cannot be copied" in results[0][0]
+
+
+async def _cancelled_while_staging(ctx: RankContext, entered: threading.Event) -> Any:
+    async with ftcomm.Group("gloo", timeout=30) as group:
+        await group.configure(ctx.addr(), ctx.rank, 2)
+        if ctx.rank == 0:
+            state = {"w": torch.ones(4, 6)[:, ::2]}  # not dense: staged before it is sent
+            task = asyncio.ensure_future(ftcomm.sync_state(group, state, 5))
+            assert await asyncio.to_thread(entered.wait, 10)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return type(group.errored()).__name__
+        started = time.monotonic()
+        with pytest.raises(ftcomm.CommError):
+            await ftcomm.sync_state(group, {}, 0)
+        return time.monotonic() - started
+
+
+def test_a_sender_cancelled_before_its_first_op_aborts_so_no_peer_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    entered = threading.Event()
+
+    async def stuck(dst: torch.Tensor, src: torch.Tensor, deadline: float) -> None:
+        entered.set()  # the sender is staging its first chunk: no op in flight yet
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(_state_copy, "copy", stuck)
+    sender, took = run_world(
+        _cancelled_while_staging, 2, args=(entered,), mode="thread", timeout=60
+    )
+    assert sender == "CommAborted"
+    assert took < 10  # the group's abort, not its 30 s deadline
+
+
+async def _graph_saw(ctx: RankContext) -> Any:
+    async with ftcomm.Group("gloo", timeout=30) as group:
+        await group.configure(ctx.addr(), ctx.rank, 2)
+        if ctx.rank == 0:
+            await ftcomm.sync_state(group, {"w": torch.ones(3)}, 5)
+            return None
+        w = torch.zeros(3, requires_grad=True)
+        y = (w * w).sum()  # saves w for its backward
+        await ftcomm.sync_state(group, {"w": w}, 0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+        return w.detach().tolist()
+
+
+def test_a_graph_that_saved_a_tensor_written_in_place_knows_it_changed() -> None:
+    assert run_world(_graph_saw, 2, mode="thread", timeout=30)[1] == [1.0, 1.0, 1.0]
+
+
+async def _over_a_worker(ctx: RankContext) -> Any:
+    async with ftcomm.Group("gloo", timeout=30, subprocess=True) as group:
+        await group.configure(ctx.addr(), ctx.rank, 2)
+        state = _trained(0) if ctx.rank == 0 else {}
+        state, step = await ftcomm.sync_state(group, state, 5 - 5 * ctx.rank)
+        return step, [t.tolist() for t in state.values()]
+
+
+def test_a_group_whose_ops_copy_their_bytes_keeps_two_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """subprocess=True: each op's bytes sit in shared memory while it is in
+    flight, so the stream keeps two at a time (64 MiB), not 16."""
+    windows: list[int] = []
+    stream = _state_copy._stream
+
+    async def spy(*args: Any) -> None:
+        windows.append(args[5])
+        await stream(*args)
+
+    monkeypatch.setattr(_state_copy, "_stream", spy)
+    results = run_world(_over_a_worker, 2, mode="thread", timeout=60)
+    assert windows == [2, 2]
+    assert results[0] == results[1] == (5, [t.tolist() for t in _trained(0).values()])
 
 
 # -- a sender killed mid-stream -------------------------------------------------------

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -128,21 +129,26 @@ async def _member(rank: int, mib: int, rounds: int) -> dict[str, Any]:
     per = mib * (1 << 20) // 4 // TENSORS
     state = {f"t{i}": torch.full((per,), float(rank == 0)) for i in range(TENSORS)}
     times: dict[str, list[float]] = {"1 behind": [], "2 behind": []}
+    wrong: list[str] = []
     async with ftcomm.Group("gloo", timeout=120) as every, ftcomm.Group("gloo", timeout=120) as two:
         await every.configure(f"{host}:{_PORT}/every", rank, MEMBERS)
         if rank < 2:
             await two.configure(f"{host}:{_PORT}/two", rank, 2)
         for _ in range(rounds + 1):  # the first round warms up, and is dropped
             for case, group, behind in (("1 behind", two, 1), ("2 behind", every, 2)):
+                if rank:
+                    for t in state.values():
+                        t.zero_()
                 await every.allreduce(torch.ones(1))  # all start together
                 started = time.perf_counter()
                 if rank <= behind:
                     await ftcomm.sync_state(group, state, int(rank == 0))
                 times[case].append(time.perf_counter() - started)
+                if 0 < rank <= behind and not all(bool(t.eq(1).all()) for t in state.values()):
+                    wrong.append(case)
         await every.allreduce(torch.ones(1))
-    ok = all(bool(t.eq(1).all()) for t in state.values())
     del store
-    return {"times": {c: v[1:] for c, v in times.items()}, "ok": ok}
+    return {"times": {c: v[1:] for c, v in times.items()}, "wrong": wrong}
 
 
 @dataclass
@@ -164,36 +170,40 @@ def measure(mib: int, rounds: int, gbit: float) -> Rows:
     Raises: LinksFailed: a namespace could not be made; a member failed,
         did not answer in time, or did not end with the sender's state.
     """
-    with links(gbit) as names:
-        procs = []
-        for rank, ns in enumerate(names):
-            env = {**os.environ, "FTCOMM_GLOO_HOST": f"{_SUBNET}.{rank + 1}"}
-            argv = ["ip", "netns", "exec", ns, sys.executable, "-c", _CHILD]
-            procs.append(
-                subprocess.Popen(
-                    [*argv, str(rank), str(mib), str(rounds)],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    env=env,
-                )
-            )
-        answers = []
+    with links(gbit) as names, contextlib.ExitStack() as files:
+        procs: list[tuple[subprocess.Popen[bytes], Any, Any]] = []
         try:
-            for rank, proc in enumerate(procs):
-                out, err = proc.communicate(timeout=_TIMEOUT)
-                if proc.returncode != 0:
-                    raise LinksFailed(f"member {rank} exited {proc.returncode}:\n{err[-3000:]}")
-                answers.append(json.loads(out.strip().splitlines()[-1]))
-        except subprocess.TimeoutExpired:
-            raise LinksFailed(f"the members did not finish within {_TIMEOUT:g} s") from None
+            for rank, ns in enumerate(names):
+                env = {**os.environ, "FTCOMM_GLOO_HOST": f"{_SUBNET}.{rank + 1}"}
+                argv = ["ip", "netns", "exec", ns, sys.executable, "-c", _CHILD]
+                out, err = (files.enter_context(tempfile.TemporaryFile()) for _ in range(2))
+                proc = subprocess.Popen(
+                    [*argv, str(rank), str(mib), str(rounds)], stdout=out, stderr=err, env=env
+                )
+                procs.append((proc, out, err))
+            answers = []
+            deadline = time.monotonic() + _TIMEOUT
+            for rank, (proc, out, err) in enumerate(procs):
+                try:
+                    code = proc.wait(max(deadline - time.monotonic(), 0.0))
+                except subprocess.TimeoutExpired:
+                    raise LinksFailed(
+                        f"member {rank} did not finish within {_TIMEOUT:g} s"
+                    ) from None
+                out.seek(0)
+                err.seek(0)
+                if code != 0:
+                    said = err.read().decode(errors="replace")[-3000:]
+                    raise LinksFailed(f"member {rank} exited {code}:\n{said}")
+                answers.append(json.loads(out.read().decode().strip().splitlines()[-1]))
         finally:
-            for proc in procs:
+            for proc, _, _ in procs:  # the namespaces go next: no member may outlive them
                 if proc.poll() is None:
                     proc.kill()
-                    proc.communicate()
-    if not all(a["ok"] for a in answers):
-        raise LinksFailed("a member behind did not end with the sender's state")
+                proc.wait()
+    for rank, answer in enumerate(answers):
+        if answer["wrong"]:
+            raise LinksFailed(f"member {rank} did not get the state sent in {answer['wrong']}")
     times = {
         case: [max(a["times"][case][i] for a in answers) for i in range(rounds)]
         for case in ("1 behind", "2 behind")

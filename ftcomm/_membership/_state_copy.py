@@ -171,7 +171,7 @@ async def copy_state(group: Group, state: S, step: int, deadline: float) -> tupl
     try:
         mine = wire.describe(state, device)
         desc = mine.encode()
-    except ValueError as exc:
+    except Exception as exc:  # ValueError, or torch's own on an odd tensor: told to every rank
         problem = exc
     row = [step, _OK if problem is None else _BAD_STATE, len(desc)]
     rows = await _gather_ints(group, row, left())
@@ -190,53 +190,73 @@ async def copy_state(group: Group, state: S, step: int, deadline: float) -> tupl
 
     # The description, and the verdicts: every rank learns of a mismatch.
     landing: wire.Landing | None = None
-    tree, specs = mine.tree, mine.specs
+    tree, specs = mine.tree, mine.specs  # a receiver's: the ones its chain's source sent
     verdict: list[int] = [_OK, -1]
-    mismatch: ValueError | None = None
+    failure: Exception | None = None
     if chain is not None and chain[0] == me:
         data = _bytes_tensor(desc, device)
         for rank in chain[1:]:
             await group.send(data, rank, TAG, timeout=left())
     elif chain is not None:
-        head = chain[0]
-        data = torch.empty(rows[head][2], dtype=torch.uint8, device=device)
-        await group.recv(data, head, TAG, timeout=left())
+        data = torch.empty(rows[chain[0]][2], dtype=torch.uint8, device=device)
+        await group.recv(data, chain[0], TAG, timeout=left())
         try:
             tree, specs = wire.parse(data.cpu().numpy().tobytes())
             landing = wire.match(state, tree, specs)
         except wire.Mismatch as exc:
-            verdict, mismatch = [exc.code, exc.index], exc
-        except ValueError as exc:
-            verdict, mismatch = [_UNREADABLE, -1], exc
+            verdict, failure = [exc.code, exc.index], exc
+        except Exception as exc:  # unreadable (or a bug here): never a rank left alone
+            verdict, failure = [_UNREADABLE, -1], exc
     verdicts = await _gather_ints(group, verdict, left())
     wrong = [(r, v) for r, v in enumerate(verdicts) if v[0] != _OK]
     if wrong:
-        if mismatch is not None:
-            assert chain is not None
-            raise ValueError(
-                f"this rank's state does not match the one rank {chain[0]} sent, at {mismatch}: "
-                "nothing was copied"
-            ) from mismatch
-        rank, (code, index) = wrong[0]
-        where = wire.path_of(mine.tree, index) if index >= 0 else None
-        what = wire.WHAT.get(code, "an unreadable description")
-        raise ValueError(
-            f"rank {rank}'s state does not match the one sent ({what} differs"
-            f"{' at ' + where if where else ''}; its error says more): nothing was copied"
-        )
+        raise _refused(wrong, failure, chain, tree)
     if chain is None:
         return state, step
     at = chain.index(me)
     prev = chain[at - 1] if at else None
     nxt = chain[at + 1] if at + 1 < len(chain) else None
+    window = 2 if group._config is not None and group._config.backend.copies_in_flight else WINDOW
     if prev is None:
-        await _stream(group, specs, _Sender(mine, device, deadline), prev, nxt, deadline)
+        await _stream(group, specs, _Sender(mine, device, deadline), prev, nxt, window, deadline)
         return state, step
     assert landing is not None  # matched, or a verdict raised above
     receiver = _Receiver(landing, device, deadline)
-    await _stream(group, specs, receiver, prev, nxt, deadline)
+    await _stream(group, specs, receiver, prev, nxt, window, deadline)
     await receiver.finish(specs)
     return wire.build(tree, landing.leaves), top
+
+
+def _refused(
+    wrong: list[tuple[int, list[int]]],
+    failure: Exception | None,
+    chain: list[int] | None,
+    tree: wire.Node,
+) -> ValueError:
+    """The error of a copy a receiver refused (``wrong``: each such rank's
+    verdict), on this rank: its own reason, or the first refuser's, with the
+    place named where this rank knows the tree the index is of (its chain's)."""
+    if failure is not None:
+        assert chain is not None
+        if isinstance(failure, wire.Mismatch):
+            error = ValueError(
+                f"this rank's state does not match the one rank {chain[0]} sent, at {failure}: "
+                "nothing was copied"
+            )
+        else:
+            error = ValueError(
+                f"the description of the state rank {chain[0]} sent could not be taken: "
+                f"{failure}: nothing was copied"
+            )
+        error.__cause__ = failure
+        return error
+    rank, (code, index) = wrong[0]
+    where = wire.path_of(tree, index) if chain is not None and rank in chain else None
+    what = wire.WHAT.get(code, "the description sent could not be taken")
+    return ValueError(
+        f"rank {rank}'s state does not match the one sent ({what}"
+        f"{' at ' + where if where else ''}; its error says more): nothing was copied"
+    )
 
 
 async def _gather_ints(group: Group, values: list[int], timeout: float) -> list[list[int]]:
@@ -379,6 +399,8 @@ class _Receiver(_Side):
     def __init__(self, landing: wire.Landing, device: torch.device, deadline: float) -> None:
         super().__init__(device, deadline)
         self._landing = landing
+        self._written: list[torch.Tensor] = []
+        """The receiver's own tensors written straight from the wire."""
 
     async def tensor(self, index: int, spec: wire.TensorSpec) -> tuple[torch.Tensor, bool]:
         target = self._landing.targets[index]
@@ -386,7 +408,10 @@ class _Receiver(_Side):
             target = self._new(index, spec)
             await fill(target, self.deadline)
             return target, wire.on_device(target, self.device)
-        return target, wire.on_device(target, self.device) and _lands_as_is(target, spec)
+        direct = wire.on_device(target, self.device) and _lands_as_is(target, spec)
+        if direct:
+            self._written.append(target)
+        return target, direct
 
     def _new(self, index: int, spec: wire.TensorSpec) -> torch.Tensor:
         where = self.device if spec.on_group else torch.device("cpu")
@@ -412,6 +437,8 @@ class _Receiver(_Side):
     async def finish(self, specs: list[wire.TensorSpec]) -> None:
         """After the stream: tensors with no bytes, and tensors sent once for
         several places (tied weights), each place its own."""
+        for t in self._written:  # as an in-place op would: a graph that saved it sees the change
+            torch.autograd.graph.increment_version(t)
         targets, leaves = self._landing.targets, self._landing.leaves
         for i, spec in enumerate(specs):
             if spec.same_as is None:
@@ -480,12 +507,15 @@ async def _stream(
     side: _Side,
     prev: int | None,
     nxt: int | None,
+    window: int,
     deadline: float,
 ) -> None:
     """Move every tensor's bytes: received from ``prev`` (``None``: this rank
-    sends its own), and sent on to ``nxt`` (``None``: the end of the chain).
-    Returns once every op has ended; on an error, once every op in flight has
-    ended too (nothing is written after this raises), unless cancelled."""
+    sends its own), and sent on to ``nxt`` (``None``: the end of the chain),
+    at most ``window`` ops in flight. Returns once every op has ended; on an
+    error, once every op in flight has ended too (nothing is written after
+    this raises). Cancelled, it aborts the group (the peers' ops end at once)
+    and returns at once: an op aborted may still write for a moment."""
 
     def left() -> float:
         return max(deadline - time.monotonic(), 0.0)
@@ -532,13 +562,12 @@ async def _stream(
                 else:
                     chunk = await side.staged(t, spec, view, await buffer(), lo, hi)
                 issue(chunk, receive=prev is not None)
-                while len(in_flight) >= WINDOW:
+                while len(in_flight) >= window:
                     await retire()
         while in_flight:
             await retire()
     except asyncio.CancelledError:
-        if in_flight:  # cancelled off an op (a staging copy): the peers must not wait
-            group.abort()
+        group.abort()  # off an op too (a staging copy, a fill): the peers must not wait
         raise
     except BaseException as exc:
         if not isinstance(exc, CommError):

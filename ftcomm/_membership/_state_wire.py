@@ -82,6 +82,7 @@ OrderedDict (``meta``: its ``_metadata`` as a node, or None). A key is a
 node of a plain value (``S``, ``I``, ``B``, ``F``, ``N``).
 """
 _PLAIN_TAGS = frozenset("NBIFSY")
+_NONFINITE = ("nan", "inf", "-inf")
 _KEY_TAGS = frozenset("NBIFS")
 _CONTAINERS = (dict, OrderedDict, list, tuple)
 
@@ -218,6 +219,8 @@ def _key(key: object, path: str) -> Node:
         raise ValueError(
             f"{path}: a key of type {_type_name(key)} (keys are str, int, float, bool or None)"
         )
+    if node[0] == "F" and isinstance(node[1], str) and node[1] == "nan":
+        raise ValueError(f"{path}: a key that is NaN (no NaN equals another: it cannot be matched)")
     return node
 
 
@@ -239,6 +242,10 @@ def local_tensor(value: torch.Tensor, path: str) -> torch.Tensor:
         if not isinstance(value, DTensor):
             raise ValueError(f"{path}: a tensor subclass {_type_name(value)} cannot be copied")
         value = value._local_tensor
+        if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter:
+            raise ValueError(
+                f"{path}: a DTensor whose local shard is a {_type_name(value)} cannot be copied"
+            )
     if value.is_nested or value.layout != torch.strided:
         what = "nested" if value.is_nested else str(value.layout)
         raise ValueError(f"{path}: a {what} tensor cannot be copied (dense tensors only)")
@@ -397,7 +404,7 @@ def parse(data: bytes) -> tuple[Node, list[TensorSpec]]:
     if len(data) > MAX_BYTES:
         raise ValueError(f"a state description of {len(data)} bytes (over {MAX_BYTES})")
     try:
-        body = json.loads(data.decode(), parse_constant=_no_constant)
+        body = json.loads(data.decode(), parse_constant=_no_constant, object_pairs_hook=_object)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(f"the state description is not JSON: {exc}") from exc
     body = _exact(body, "the description", {"version", "tree", "tensors"})
@@ -408,6 +415,16 @@ def parse(data: bytes) -> tuple[Node, list[TensorSpec]]:
     if type(body["tensors"]) is not list:
         raise ValueError("the description's tensors are not a list")
     specs = [_spec(entry, i) for i, entry in enumerate(body["tensors"])]
+    for i, spec in enumerate(specs):
+        if spec.same_as is not None:
+            first = specs[spec.same_as]
+            if (first.dtype, first.shape, first.stride, first.same_as) != (
+                spec.dtype,
+                spec.shape,
+                spec.stride,
+                None,
+            ):
+                raise ValueError(f"tensor {i} of the description is not the same as its same_as")
     tree = body["tree"]
     used: set[int] = set()
     _check_node(tree, 0, len(specs), used)
@@ -418,6 +435,13 @@ def parse(data: bytes) -> tuple[Node, list[TensorSpec]]:
 
 def _no_constant(name: str) -> object:
     raise ValueError(f"the state description holds {name}")
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        raise ValueError("the state description repeats a field of an object")
+    return found
 
 
 def _exact(value: object, what: str, names: set[str]) -> dict[str, Any]:
@@ -502,7 +526,12 @@ def _check_node(node: object, depth: int, count: int, used: set[int]) -> None:
             _check_plain(key)
             if key[0] not in _KEY_TAGS:
                 raise ValueError(f"a mapping's key of tag {key[0]!r}")
+            if key == ["F", "nan"]:
+                raise ValueError("a mapping's key that is NaN")
             _check_node(value, depth + 1, count, used)
+        keys = [plain_value(k) for k, _ in args[0]]
+        if len(set(keys)) != len(keys):
+            raise ValueError("a mapping of the description repeats a key")
         if tag == "O" and args[1] is not None:
             before = set(used)
             _check_node(args[1], depth + 1, count, used)
@@ -524,7 +553,8 @@ def _check_plain(node: object) -> None:
         ok = len(args) == 1 and (
             (tag == "B" and kind is bool)
             or (tag == "I" and kind is int)
-            or (tag == "F" and (kind is float or value in ("nan", "inf", "-inf")))
+            or (tag == "F" and kind is float and math.isfinite(value))  # type: ignore[arg-type]
+            or (tag == "F" and kind is str and value in _NONFINITE)
             or (tag in "SY" and kind is str)
         )
         if ok and tag == "Y":
@@ -546,9 +576,27 @@ class Mismatch(ValueError):
         self.index = index
 
 
-SHAPE, DTYPE, KIND, KEYS = 1, 2, 3, 4
+SHAPE, DTYPE, KIND, KEYS, WRITE = 1, 2, 3, 4, 5
 """A mismatch's code: what differs (told to every rank)."""
-WHAT = {SHAPE: "a shape", DTYPE: "a dtype", KIND: "a kind of value", KEYS: "the keys or length"}
+WHAT = {
+    SHAPE: "a shape differs",
+    DTYPE: "a dtype differs",
+    KIND: "a kind of value differs",
+    KEYS: "the keys or a length differ",
+    WRITE: "a tensor cannot be written in place",
+}
+
+
+def _unwritable(t: torch.Tensor) -> str | None:
+    """Why the values sent cannot be written into ``t`` (``None``: they can)."""
+    if t.is_inference():
+        return (
+            "an inference tensor cannot be written in place (make the state outside "
+            "torch.inference_mode(), or pass None there)"
+        )
+    if torch._debug_has_internal_overlap(t) == 1:
+        return "its elements share memory (an expand()ed view): it cannot hold the values sent"
+    return None
 
 
 @dataclass
@@ -588,6 +636,9 @@ def match(template: object, tree: Node, specs: list[TensorSpec]) -> Landing:
                     raise fail(
                         SHAPE, path, f"shape {tuple(t.shape)} here, {spec.shape} in the state sent"
                     )
+                unwritable = _unwritable(t)
+                if unwritable is not None:
+                    raise fail(WRITE, path, unwritable)
                 landing.targets[node[1]] = t
                 landing.leaves[node[1]] = mine
             counter[0] += 1

@@ -83,6 +83,9 @@ class Backend(abc.ABC):
     stoppable_connect: ClassVar[bool] = True
     """Whether a connect ends soon once its ``cancel`` completes or its
     timeout passes (else connects run on a bounded pool of threads)."""
+    copies_in_flight: ClassVar[bool] = False
+    """Whether an op's bytes are copied for as long as it is in flight (a
+    worker process's shared memory): what many big ops at once cost in memory."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank

@@ -64,6 +64,7 @@ class SubprocessBackend(Backend):
     """
 
     inner: ClassVar[type[Backend]]
+    copies_in_flight: ClassVar[bool] = True
 
     def __init__(self, worker: WorkerProcess, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)
