@@ -165,7 +165,7 @@ def test_json_to_stdout_alone_and_a_failure_exits_1(
 
     monkeypatch.setattr(_bench, "_run_children", fake_run)
     argv = ["--json", "-", "--recovery-samples", "0", "--membership-trials", "0", "--no-torchft"]
-    code = _bench.main([*argv, "--fsdp-steps", "0"])
+    code = _bench.main([*argv, "--fsdp-steps", "0", "--state-mib", "0"])
     captured = capsys.readouterr()
     doc = json.loads(captured.out)  # stdout holds the JSON alone
     assert code == 1
@@ -175,6 +175,7 @@ def test_json_to_stdout_alone_and_a_failure_exits_1(
     assert doc["rows"][1]["ratio_p50_vs_raw"] == 1.0
     assert doc["recovery"] is None
     assert doc["membership"] is None
+    assert doc["state_copy"] is None
 
 
 class _FakeProc:
@@ -291,7 +292,7 @@ def test_a_pinned_run_says_so_in_its_table_and_its_json(
     monkeypatch.setattr(_bench, "_run_children", fake_run)
     monkeypatch.setattr(_bench, "_unpinnable", lambda: None)  # any machine
     argv = ["--pin", "--json", "-", "--recovery-samples", "0", "--membership-trials", "0"]
-    argv += ["--fsdp-steps", "0"]
+    argv += ["--fsdp-steps", "0", "--state-mib", "0"]
     assert _bench.main(argv) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["pin"] is True
     assert [p.pin for p in plans] == [True]
@@ -393,7 +394,7 @@ def test_a_failed_membership_row_is_reported_and_exits_1(
     monkeypatch.setattr(_bench, "_run_children", fake_run)
     monkeypatch.setattr(_bench, "measure", fake_measure)
     argv = ["--loop", "asyncio", "--recovery-samples", "0", "--no-torchft", "--fsdp-steps", "0"]
-    code = _bench.main([*argv, "--membership-trials", "7", "--json", "-"])
+    code = _bench.main([*argv, "--membership-trials", "7", "--json", "-", "--state-mib", "0"])
     captured = capsys.readouterr()
     assert code == 1
     assert asked == [(7, "asyncio", "--no-torchft")]
