@@ -75,8 +75,9 @@ class FakeGroup:
         """``None`` until the communicator exists, then "live" or "aborted"."""
         self._aborted = threading.Event()
         self._coalescing: list[FakeWork] | None = None
-        self.p2p: list[tuple[str, torch.Tensor]] = []
-        """Each send and recv, with the tensor it was given."""
+        self.p2p: list[tuple[str, int, int]] = []
+        """Each send and recv: the op, and where the bytes it was given lie
+        (their address and size; not the tensor, which a test must not keep)."""
 
     # -- construction
     def _set_sequence_number_for_group(self) -> None:
@@ -186,12 +187,15 @@ class FakeGroup:
         return self._op("alltoall_base", opts)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> FakeWork:
-        self.p2p.append((f"send:{dst}", tensors[0]))
+        self._p2p(f"send:{dst}", tensors[0])
         return self._op(f"send:{dst}", None)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> FakeWork:
-        self.p2p.append((f"recv:{src}", tensors[0]))
+        self._p2p(f"recv:{src}", tensors[0])
         return self._op(f"recv:{src}", None)
+
+    def _p2p(self, op: str, t: torch.Tensor) -> None:
+        self.p2p.append((op, t.data_ptr(), t.numel() * t.element_size()))
 
 
 class FakeDevice:

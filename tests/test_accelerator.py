@@ -895,11 +895,11 @@ def test_the_subprocess_variants_are_built_for_the_accelerator() -> None:
 # -- the state copy -------------------------------------------------------------------
 
 
-def _within(t: torch.Tensor, owner: torch.Tensor) -> bool:
-    """Whether ``t``'s bytes lie in ``owner``'s storage (a view of it, no copy)."""
+def _within(where: tuple[int, int], owner: torch.Tensor) -> bool:
+    """Whether bytes at ``where`` (address, size) lie in ``owner``'s storage."""
     start = owner.untyped_storage().data_ptr()
     end = start + owner.untyped_storage().nbytes()
-    return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end
+    return start <= where[0] and where[0] + where[1] <= end
 
 
 @pytest.mark.asyncio
@@ -907,9 +907,10 @@ async def test_a_state_copy_on_an_accelerator_group_moves_device_tensors_in_plac
     fake: FakeDevice, store: StoreServer
 ) -> None:
     """sync_state's stream on NCCL: each tensor on the group's device goes
-    straight from the sender's storage and lands straight in the receiver's,
-    in chunks (no staging, no host copy); the fake device layer records the
-    tensors each send and recv was given."""
+    straight from the sender's storage and lands straight in the receiver's
+    own tensor, or in the new one made where it holds none, in chunks (no
+    staging, no host copy); the fake device layer records where the bytes
+    each send and recv was given lie."""
     from ftcomm._membership import _state_copy, _state_wire
 
     monkey = pytest.MonkeyPatch()
@@ -920,21 +921,33 @@ async def test_a_state_copy_on_an_accelerator_group_moves_device_tensors_in_plac
             device = _state_copy.device_of(g)
             mine = {"w": torch.zeros(64, 64), "b": torch.zeros(3)}
             described = _state_wire.describe(mine, device)
+            assert all(spec.on_group for spec in described.specs)
             tree, specs = _state_wire.parse(described.encode())
-            landing = _state_wire.match(mine, tree, specs)
             deadline = time.monotonic() + 30
-            receiver = _state_copy._Receiver(landing, device, deadline)
-            await _state_copy._stream(g, specs, receiver, 1, None, 16, deadline)
+            receivers = []
+            for template in (mine, {}):  # its own tensors; new ones
+                landing = _state_wire.match(template, tree, specs)
+                receiver = _state_copy._Receiver(landing, device, deadline)
+                await _state_copy._stream(g, specs, receiver, 1, None, 16, deadline)
+                receivers.append((receiver, landing))
             sender = _state_copy._Sender(described, device, deadline)
             await _state_copy._stream(g, specs, sender, None, 1, 16, deadline)
         (native,) = fake.groups[-1:]
-        recvs = [t for op, t in native.p2p if op == "recv:1"]
-        sends = [t for op, t in native.p2p if op == "send:1"]
-        assert len(recvs) == len(sends) == 4 + 1  # w in four chunks, b in one
-        for chunks in (recvs, sends):
-            assert all(_within(t, mine["w"]) for t in chunks[:4])
-            assert _within(chunks[4], mine["b"])
-            assert [t.numel() for t in chunks] == [4096] * 4 + [12]
-        assert receiver.pool.made == sender.pool.made == 0  # nothing staged
+        recvs = [(p, n) for op, p, n in native.p2p if op == "recv:1"]
+        sends = [(p, n) for op, p, n in native.p2p if op == "send:1"]
+        new = receivers[1][1].targets
+        assert new[0] is not None
+        assert new[1] is not None
+        assert new[0] is not mine["w"]
+        for chunks, (w, b) in (
+            (recvs[:5], (mine["w"], mine["b"])),
+            (recvs[5:], (new[0], new[1])),
+            (sends, (mine["w"], mine["b"])),
+        ):
+            assert [n for _, n in chunks] == [4096] * 4 + [12]  # w in four chunks, b in one
+            assert all(_within(c, w) for c in chunks[:4])
+            assert _within(chunks[4], b)
+        assert sender.pool.made == 0  # nothing staged
+        assert all(r.pool.made == 0 for r, _ in receivers)
     finally:
         monkey.undo()

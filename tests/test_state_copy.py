@@ -402,9 +402,7 @@ def test_a_mismatch_is_a_value_error_on_every_rank_before_a_byte_moves() -> None
         in results[2][0]
     )
     for message, _, _ in results[:2]:
-        assert (
-            "rank 2's state does not match the one sent (a shape differs at state['w']" in message
-        )
+        assert "rank 2 cannot take the state sent (a shape differs at state['w']" in message
     assert results[1][1] == [[0.0] * 4, [0.0] * 2]  # the chain's first member: untouched too
     assert results[2][1] == [[0.0] * 5, [0.0] * 2]
     assert [r[2] for r in results] == [3.0] * 3
@@ -418,9 +416,74 @@ def test_a_mismatch_is_named_by_the_members_of_its_chain_from_the_tree_sent() ->
     results = run_world(_refused, 3, args=([7, 0, 0], states), mode="thread", timeout=60)
     assert "this rank's state does not match the one rank 0 sent, at state['w']" in results[2][0]
     for message, _, _ in results[:2]:
-        assert "rank 2's state does not match the one sent (a tensor cannot be written" in message
+        assert "rank 2 cannot take the state sent (a tensor of its own cannot be written" in message
         assert "at state['w']" in message
     assert [r[2] for r in results] == [3.0] * 3
+
+
+def test_only_the_members_of_its_chain_name_the_place_of_a_mismatch() -> None:
+    """Two chains, 0 -> 1 and 2 -> 3: rank 3's mismatch is an index into
+    the tree rank 2 sent; rank 1 was sent rank 0's, so it names no place."""
+    sent = {"w": torch.ones(4)}
+    states = [sent, {}, {"w": torch.ones(4)}, {"w": torch.zeros(5)}]
+    results = run_world(_refused, 4, args=([7, 0, 7, 0], states), mode="thread", timeout=60)
+    for rank in (0, 2):
+        assert "rank 3 cannot take the state sent (a shape differs" in results[rank][0]
+    assert "differs at state['w']" in results[2][0]
+    assert "differs at" not in results[0][0]
+    assert "differs at" not in results[1][0]
+    assert [r[1] for r in results[:2]] == [[[1.0] * 4], []]  # nothing was written
+
+
+def test_a_tensor_whose_storage_was_freed_is_refused_where_it_is_held() -> None:
+    freed = torch.zeros(4)
+    freed.untyped_storage().resize_(0)  # as FSDP2 frees an unsharded parameter
+    with pytest.raises(ValueError, match=r"state\['p'\]: a tensor whose storage does not hold"):
+        _state_wire.describe({"p": freed}, CPU)
+
+
+class _HeldGroup:
+    """What the stream needs of a group: ops that end when the test says."""
+
+    def __init__(self) -> None:
+        self.ops: list[asyncio.Future[None]] = []
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Any:
+        self.ops.append(asyncio.get_running_loop().create_future())
+        return self.ops[-1]
+
+    recv = send
+
+    def abort(self) -> None:
+        for op in self.ops:
+            if not op.done():
+                op.set_exception(ftcomm.CommAborted("aborted"))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("window", [2, 16])
+async def test_the_stream_keeps_at_most_its_window_of_ops_in_flight(
+    window: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_state_copy, "CHUNK", 1 << 10)
+    described = _state_wire.describe({"w": torch.ones(64, 64)}, CPU)  # 16 chunks
+    group = _HeldGroup()
+    deadline = time.monotonic() + 30
+    sender = _state_copy._Sender(described, CPU, deadline)
+    stream = asyncio.ensure_future(
+        _state_copy._stream(group, described.specs, sender, None, 1, window, deadline)  # type: ignore[arg-type]
+    )
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(group.ops) == window  # issued up to the window, then waits for the oldest
+    while not stream.done():
+        for op in group.ops:
+            if not op.done():
+                op.set_result(None)
+        await asyncio.sleep(0)
+        assert sum(not op.done() for op in group.ops) <= window
+    await stream
+    assert len(group.ops) == 16
 
 
 def test_an_unexpected_error_describing_or_matching_is_told_to_every_rank(
@@ -449,10 +512,8 @@ def test_an_unexpected_error_describing_or_matching_is_told_to_every_rank(
     assert "the state of rank 1 cannot be copied" in results[0][0]
     monkeypatch.setattr(_state_wire, "describe", describe)
     results = run_world(_refused, 2, args=([3, 0], states), mode="thread", timeout=60)
-    assert (
-        "the description of the state rank 0 sent could not be taken: a bug here" in results[1][0]
-    )
-    assert "rank 1's state does not match the one sent" in results[0][0]
+    assert "this rank could not take the state rank 0 sent: a bug here" in results[1][0]
+    assert "rank 1 cannot take the state sent (an error of its own" in results[0][0]
     assert time.monotonic() - started < 25  # never a deadline of 30 s
 
 
@@ -473,10 +534,13 @@ async def _cancelled_while_staging(ctx: RankContext, entered: threading.Event) -
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            return type(group.errored()).__name__
+            errored = type(group.errored()).__name__
+            await ctx.wait_for("ended")  # the group stays: only an abort ends the peer's recv
+            return errored
         started = time.monotonic()
         with pytest.raises(ftcomm.CommError):
             await ftcomm.sync_state(group, {}, 0)
+        ctx.signal("ended")
         return time.monotonic() - started
 
 

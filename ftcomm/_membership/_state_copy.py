@@ -171,6 +171,8 @@ async def copy_state(group: Group, state: S, step: int, deadline: float) -> tupl
     try:
         mine = wire.describe(state, device)
         desc = mine.encode()
+        if len(desc) > wire.MAX_BYTES:
+            raise ValueError(f"its description takes {len(desc)} bytes, over {wire.MAX_BYTES}")
     except Exception as exc:  # ValueError, or torch's own on an odd tensor: told to every rank
         problem = exc
     row = [step, _OK if problem is None else _BAD_STATE, len(desc)]
@@ -193,20 +195,26 @@ async def copy_state(group: Group, state: S, step: int, deadline: float) -> tupl
     tree, specs = mine.tree, mine.specs  # a receiver's: the ones its chain's source sent
     verdict: list[int] = [_OK, -1]
     failure: Exception | None = None
-    if chain is not None and chain[0] == me:
-        data = _bytes_tensor(desc, device)
-        for rank in chain[1:]:
-            await group.send(data, rank, TAG, timeout=left())
-    elif chain is not None:
-        data = torch.empty(rows[chain[0]][2], dtype=torch.uint8, device=device)
-        await group.recv(data, chain[0], TAG, timeout=left())
-        try:
-            tree, specs = wire.parse(data.cpu().numpy().tobytes())
-            landing = wire.match(state, tree, specs)
-        except wire.Mismatch as exc:
-            verdict, failure = [exc.code, exc.index], exc
-        except Exception as exc:  # unreadable (or a bug here): never a rank left alone
-            verdict, failure = [_UNREADABLE, -1], exc
+    try:
+        if chain is not None and chain[0] == me:
+            data = _bytes_tensor(desc, device)
+            for rank in chain[1:]:
+                await group.send(data, rank, TAG, timeout=left())
+        elif chain is not None:
+            data = torch.empty(rows[chain[0]][2], dtype=torch.uint8, device=device)
+            await group.recv(data, chain[0], TAG, timeout=left())
+            try:
+                tree, specs = wire.parse(data.cpu().numpy().tobytes())
+                landing = wire.match(state, tree, specs)
+            except wire.Mismatch as exc:
+                verdict, failure = [exc.code, exc.index], exc
+            except Exception as exc:  # unreadable (or a bug here): never a rank left alone
+                verdict, failure = [_UNREADABLE, -1], exc
+    except CommError:
+        raise
+    except BaseException:  # out of memory, say: this rank leaves, its peers must not wait
+        group.abort()
+        raise
     verdicts = await _gather_ints(group, verdict, left())
     wrong = [(r, v) for r, v in enumerate(verdicts) if v[0] != _OK]
     if wrong:
@@ -237,24 +245,24 @@ def _refused(
     verdict), on this rank: its own reason, or the first refuser's, with the
     place named where this rank knows the tree the index is of (its chain's)."""
     if failure is not None:
-        assert chain is not None
+        source = "?" if chain is None else chain[0]
         if isinstance(failure, wire.Mismatch):
             error = ValueError(
-                f"this rank's state does not match the one rank {chain[0]} sent, at {failure}: "
+                f"this rank's state does not match the one rank {source} sent, at {failure}: "
                 "nothing was copied"
             )
         else:
             error = ValueError(
-                f"the description of the state rank {chain[0]} sent could not be taken: "
-                f"{failure}: nothing was copied"
+                f"this rank could not take the state rank {source} sent: {failure}: "
+                "nothing was copied"
             )
         error.__cause__ = failure
         return error
     rank, (code, index) = wrong[0]
     where = wire.path_of(tree, index) if chain is not None and rank in chain else None
-    what = wire.WHAT.get(code, "the description sent could not be taken")
+    what = wire.WHAT.get(code, "an error of its own")
     return ValueError(
-        f"rank {rank}'s state does not match the one sent ({what}"
+        f"rank {rank} cannot take the state sent ({what}"
         f"{' at ' + where if where else ''}; its error says more): nothing was copied"
     )
 
@@ -399,8 +407,6 @@ class _Receiver(_Side):
     def __init__(self, landing: wire.Landing, device: torch.device, deadline: float) -> None:
         super().__init__(device, deadline)
         self._landing = landing
-        self._written: list[torch.Tensor] = []
-        """The receiver's own tensors written straight from the wire."""
 
     async def tensor(self, index: int, spec: wire.TensorSpec) -> tuple[torch.Tensor, bool]:
         target = self._landing.targets[index]
@@ -408,10 +414,19 @@ class _Receiver(_Side):
             target = self._new(index, spec)
             await fill(target, self.deadline)
             return target, wire.on_device(target, self.device)
-        direct = wire.on_device(target, self.device) and _lands_as_is(target, spec)
-        if direct:
-            self._written.append(target)
-        return target, direct
+        self._changed(index)
+        return target, wire.on_device(target, self.device) and _lands_as_is(target, spec)
+
+    def _changed(self, index: int) -> None:
+        """The receiver's own tensor ``index`` is about to be written: as an
+        in-place op would, bump its version (and its DTensor's), so that a
+        graph that saved it raises rather than use what it no longer holds,
+        even if the copy then fails midway. Bytes written from the wire
+        bump nothing by themselves."""
+        target, leaf = self._landing.targets[index], self._landing.leaves[index]
+        for t in (target, leaf):
+            if isinstance(t, torch.Tensor):
+                torch.autograd.graph.increment_version(t)
 
     def _new(self, index: int, spec: wire.TensorSpec) -> torch.Tensor:
         where = self.device if spec.on_group else torch.device("cpu")
@@ -437,8 +452,6 @@ class _Receiver(_Side):
     async def finish(self, specs: list[wire.TensorSpec]) -> None:
         """After the stream: tensors with no bytes, and tensors sent once for
         several places (tied weights), each place its own."""
-        for t in self._written:  # as an in-place op would: a graph that saved it sees the change
-            torch.autograd.graph.increment_version(t)
         targets, leaves = self._landing.targets, self._landing.leaves
         for i, spec in enumerate(specs):
             if spec.same_as is None:
@@ -451,6 +464,7 @@ class _Receiver(_Side):
             if target is None:
                 targets[i], leaves[i] = source, leaves[spec.same_as]
             elif not _same_view(target, source):
+                self._changed(i)
                 await copy(target, source, self.deadline)
 
 

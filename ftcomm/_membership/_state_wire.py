@@ -253,6 +253,15 @@ def local_tensor(value: torch.Tensor, path: str) -> torch.Tensor:
         raise ValueError(f"{path}: a tensor of dtype {value.dtype} cannot be copied")
     if value.is_meta:
         raise ValueError(f"{path}: a tensor on the meta device has no data to copy")
+    if value.numel():
+        reach = value.storage_offset() + sum(
+            (size - 1) * stride for size, stride in zip(value.shape, value.stride(), strict=True)
+        )
+        if (reach + 1) * value.element_size() > value.untyped_storage().nbytes():
+            raise ValueError(
+                f"{path}: a tensor whose storage does not hold its values (freed or resized, "
+                "as FSDP does with a parameter it has sharded)"
+            )
     return value
 
 
@@ -583,7 +592,7 @@ WHAT = {
     DTYPE: "a dtype differs",
     KIND: "a kind of value differs",
     KEYS: "the keys or a length differ",
-    WRITE: "a tensor cannot be written in place",
+    WRITE: "a tensor of its own cannot be written in place",
 }
 
 
@@ -594,9 +603,22 @@ def _unwritable(t: torch.Tensor) -> str | None:
             "an inference tensor cannot be written in place (make the state outside "
             "torch.inference_mode(), or pass None there)"
         )
-    if torch._debug_has_internal_overlap(t) == 1:
+    overlap = torch._debug_has_internal_overlap(t)  # 0: no, 1: yes, 2: torch cannot tell
+    if overlap == 1 or (overlap == 2 and not _apart(tuple(t.shape), tuple(t.stride()))):
         return "its elements share memory (an expand()ed view): it cannot hold the values sent"
     return None
+
+
+def _apart(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether no two elements of a layout share memory: each dimension,
+    from the smallest stride up, steps past all the smaller ones span (a
+    sufficient test: a layout that interleaves its dimensions fails it)."""
+    span = 0
+    for st, size in sorted((st, size) for size, st in zip(shape, stride, strict=True) if size > 1):
+        if st <= span:
+            return False
+        span += (size - 1) * st
+    return True
 
 
 @dataclass
