@@ -911,7 +911,7 @@ async def test_a_state_copy_on_an_accelerator_group_moves_device_tensors_in_plac
     own tensor, or in the new one made where it holds none, in chunks (no
     staging, no host copy); the fake device layer records where the bytes
     each send and recv was given lie."""
-    from ftcomm._membership import _state_copy, _state_wire
+    from ftcomm._membership import _state_copy, _state_land, _state_wire
 
     monkey = pytest.MonkeyPatch()
     monkey.setattr(_state_copy, "CHUNK", 1 << 12)  # 16 KiB tensors in 4 KiB chunks
@@ -926,7 +926,7 @@ async def test_a_state_copy_on_an_accelerator_group_moves_device_tensors_in_plac
             deadline = time.monotonic() + 30
             receivers = []
             for template in (mine, {}):  # its own tensors; new ones
-                landing = _state_wire.match(template, tree, specs)
+                landing = _state_land.match(template, tree, specs)
                 receiver = _state_copy._Receiver(landing, device, deadline)
                 await _state_copy._stream(g, specs, receiver, 1, None, 16, deadline)
                 receivers.append((receiver, landing))

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 import ftcomm
-from ftcomm._membership import _state_copy, _state_wire
-from ftcomm._membership._state_wire import Mismatch, TensorSpec
+from ftcomm._membership import _state_copy, _state_land, _state_wire
+from ftcomm._membership._state_land import Mismatch
+from ftcomm._membership._state_wire import TensorSpec
 from ftcomm.testing import Fault, FaultPlan, RankContext, run_world
 
 CPU = torch.device("cpu")
@@ -99,7 +100,7 @@ def test_a_description_round_trips_as_json_and_builds_the_same_state() -> None:
     assert by_place["layouts/strided"].stride == (5, 1)  # row-major: it has gaps
     assert by_place["layouts/channels_last"].stride == state["layouts"]["channels_last"].stride()
     # What the receiver builds with the sender's tensors is the state itself.
-    built = _state_wire.build(tree, list(described.leaves))
+    built = _state_land.build(tree, list(described.leaves))
     assert _same(built, state)
     assert built["model"]._metadata == state["model"]._metadata
 
@@ -225,7 +226,7 @@ def _desc(state: Any) -> tuple[Any, list[TensorSpec]]:
 def test_a_receiver_of_the_same_structure_gets_its_own_tensors_back() -> None:
     sent = {"w": torch.ones(2, 3), "opt": {"m": [torch.ones(2)], "lr": 0.1}}
     mine = {"w": torch.zeros(2, 3), "opt": {"m": [torch.zeros(2)], "lr": 0.5}}
-    landing = _state_wire.match(mine, *_desc(sent))
+    landing = _state_land.match(mine, *_desc(sent))
     assert landing.targets[0] is mine["w"]
     assert landing.targets[1] is mine["opt"]["m"][0]
 
@@ -233,26 +234,26 @@ def test_a_receiver_of_the_same_structure_gets_its_own_tensors_back() -> None:
 def test_none_or_an_empty_container_gets_new_tensors_there() -> None:
     sent = {"model": {"w": torch.ones(2)}, "optim": {"state": {0: {"m": torch.ones(2)}}}}
     mine = {"model": {"w": torch.zeros(2)}, "optim": {"state": {}}}
-    landing = _state_wire.match(mine, *_desc(sent))
+    landing = _state_land.match(mine, *_desc(sent))
     assert landing.targets == [mine["model"]["w"], None]
-    assert _state_wire.match({}, *_desc(sent)).targets == [None, None]
-    assert _state_wire.match(None, *_desc(sent)).targets == [None, None]
+    assert _state_land.match({}, *_desc(sent)).targets == [None, None]
+    assert _state_land.match(None, *_desc(sent)).targets == [None, None]
 
 
 @pytest.mark.parametrize(
     ("mine", "code", "where"),
     [
-        ({"a": {"w": torch.zeros(2)}}, _state_wire.KEYS, "state['a']"),  # "b" missing
-        ({"a": {"w": torch.zeros(2), "b": 1, "c": 2}}, _state_wire.KEYS, "state['a']"),
-        ({"a": {"w": torch.zeros(3), "b": 1}}, _state_wire.SHAPE, "state['a']['w']"),
+        ({"a": {"w": torch.zeros(2)}}, _state_land.KEYS, "state['a']"),  # "b" missing
+        ({"a": {"w": torch.zeros(2), "b": 1, "c": 2}}, _state_land.KEYS, "state['a']"),
+        ({"a": {"w": torch.zeros(3), "b": 1}}, _state_land.SHAPE, "state['a']['w']"),
         (
             {"a": {"w": torch.zeros(2, dtype=torch.int32), "b": 1}},
-            _state_wire.DTYPE,
+            _state_land.DTYPE,
             "state['a']['w']",
         ),
-        ({"a": {"w": 0.0, "b": 1}}, _state_wire.KIND, "state['a']['w']"),
-        ({"a": {"w": torch.zeros(2), "b": torch.ones(1)}}, _state_wire.KIND, "state['a']['b']"),
-        ({"a": [torch.zeros(2)]}, _state_wire.KEYS, "state['a']"),
+        ({"a": {"w": 0.0, "b": 1}}, _state_land.KIND, "state['a']['w']"),
+        ({"a": {"w": torch.zeros(2), "b": torch.ones(1)}}, _state_land.KIND, "state['a']['b']"),
+        ({"a": [torch.zeros(2)]}, _state_land.KEYS, "state['a']"),
     ],
 )
 def test_a_mismatch_is_located_by_a_node_every_rank_can_name(
@@ -261,22 +262,22 @@ def test_a_mismatch_is_located_by_a_node_every_rank_can_name(
     sent = {"a": {"w": torch.ones(2), "b": 5}}
     tree, specs = _desc(sent)
     with pytest.raises(Mismatch) as caught:
-        _state_wire.match(mine, tree, specs)
+        _state_land.match(mine, tree, specs)
     assert caught.value.code == code
     assert str(caught.value).startswith(where + ":")
     # the sender names the place from its own tree
-    assert _state_wire.path_of(_state_wire.describe(sent, CPU).tree, caught.value.index) == where
+    assert _state_land.path_of(_state_wire.describe(sent, CPU).tree, caught.value.index) == where
 
 
 def test_a_tensor_that_cannot_be_written_in_place_is_a_mismatch() -> None:
     tree, specs = _desc({"w": torch.ones(3, 4)})
     with pytest.raises(Mismatch, match=r"state\['w'\]: its elements share memory") as caught:
-        _state_wire.match({"w": torch.zeros(4).expand(3, 4)}, tree, specs)
-    assert caught.value.code == _state_wire.WRITE
+        _state_land.match({"w": torch.zeros(4).expand(3, 4)}, tree, specs)
+    assert caught.value.code == _state_land.WRITE
     with torch.inference_mode():
         frozen = torch.zeros(3, 4)
     with pytest.raises(Mismatch, match="an inference tensor cannot be written in place"):
-        _state_wire.match({"w": frozen}, tree, specs)
+        _state_land.match({"w": frozen}, tree, specs)
 
 
 def test_the_plan_deals_the_members_behind_out_over_the_sources() -> None:
@@ -491,7 +492,7 @@ def test_an_unexpected_error_describing_or_matching_is_told_to_every_rank(
 ) -> None:
     """Never one rank raising while the others wait for the deadline: an
     error of torch's (or ftcomm's) own on one rank fails the copy on all."""
-    describe, match = _state_wire.describe, _state_wire.match
+    describe, match = _state_wire.describe, _state_land.match
 
     def odd_describe(state: Any, device: torch.device) -> Any:
         if isinstance(state, dict) and "odd" in state:
@@ -504,7 +505,7 @@ def test_an_unexpected_error_describing_or_matching_is_told_to_every_rank(
         return match(template, tree, specs)
 
     monkeypatch.setattr(_state_wire, "describe", odd_describe)
-    monkeypatch.setattr(_state_wire, "match", odd_match)
+    monkeypatch.setattr(_state_land, "match", odd_match)
     states = [{"w": torch.ones(2)}, {"w": torch.zeros(2), "odd": 1}]
     started = time.monotonic()
     results = run_world(_refused, 2, args=([3, 0], states), mode="thread", timeout=60)

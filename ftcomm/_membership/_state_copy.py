@@ -1,8 +1,8 @@
 """The state copy: the members furthest ahead stream their state to the members behind.
 
 Owns :func:`sync_state` (public as ``ftcomm.sync_state``, and the work of
-``Membership.sync_state``): its plan and its stream. What a state is, its
-description and where each tensor lands are ``_state_wire``'s.
+``Membership.sync_state``): its plan and its stream. What a state is and its
+description are ``_state_wire``'s; where each tensor lands, ``_state_land``'s.
 
 Every member of the group calls it, like a collective, under one deadline:
 
@@ -15,7 +15,7 @@ Every member of the group calls it, like a collective, under one deadline:
    member of a chain forwards each chunk as it lands, so two members behind
    one source take about the time of one.
 3. **Each source sends its description** to every member of its chain, which
-   matches it against its own state (:func:`~._state_wire.match`): in place
+   matches it against its own state (:func:`~._state_land.match`): in place
    where the structure is the same, new tensors where it holds ``None`` or an
    empty container.
 4. **One allgather of the verdicts**: a mismatch is a ``ValueError`` on every
@@ -50,6 +50,7 @@ from .._runtime.deadline import Timeout, resolve
 from .._runtime.loop import get_runtime
 from ..errors import CommError
 from ..group import Group
+from . import _state_land as land
 from . import _state_wire as wire
 
 S = TypeVar("S")
@@ -191,7 +192,7 @@ async def copy_state(group: Group, state: S, step: int, deadline: float) -> tupl
     top = max(got[0] for got in rows)
 
     # The description, and the verdicts: every rank learns of a mismatch.
-    landing: wire.Landing | None = None
+    landing: land.Landing | None = None
     tree, specs = mine.tree, mine.specs  # a receiver's: the ones its chain's source sent
     verdict: list[int] = [_OK, -1]
     failure: Exception | None = None
@@ -205,8 +206,8 @@ async def copy_state(group: Group, state: S, step: int, deadline: float) -> tupl
             await group.recv(data, chain[0], TAG, timeout=left())
             try:
                 tree, specs = wire.parse(data.cpu().numpy().tobytes())
-                landing = wire.match(state, tree, specs)
-            except wire.Mismatch as exc:
+                landing = land.match(state, tree, specs)
+            except land.Mismatch as exc:
                 verdict, failure = [exc.code, exc.index], exc
             except Exception as exc:  # unreadable (or a bug here): never a rank left alone
                 verdict, failure = [_UNREADABLE, -1], exc
@@ -232,7 +233,7 @@ async def copy_state(group: Group, state: S, step: int, deadline: float) -> tupl
     receiver = _Receiver(landing, device, deadline)
     await _stream(group, specs, receiver, prev, nxt, window, deadline)
     await receiver.finish(specs)
-    return wire.build(tree, landing.leaves), top
+    return land.build(tree, landing.leaves), top
 
 
 def _refused(
@@ -246,7 +247,7 @@ def _refused(
     place named where this rank knows the tree the index is of (its chain's)."""
     if failure is not None:
         source = "?" if chain is None else chain[0]
-        if isinstance(failure, wire.Mismatch):
+        if isinstance(failure, land.Mismatch):
             error = ValueError(
                 f"this rank's state does not match the one rank {source} sent, at {failure}: "
                 "nothing was copied"
@@ -259,8 +260,8 @@ def _refused(
         error.__cause__ = failure
         return error
     rank, (code, index) = wrong[0]
-    where = wire.path_of(tree, index) if chain is not None and rank in chain else None
-    what = wire.WHAT.get(code, "an error of its own")
+    where = land.path_of(tree, index) if chain is not None and rank in chain else None
+    what = land.WHAT.get(code, "an error of its own")
     return ValueError(
         f"rank {rank} cannot take the state sent ({what}"
         f"{' at ' + where if where else ''}; its error says more): nothing was copied"
@@ -404,7 +405,7 @@ class _Sender(_Side):
 
 
 class _Receiver(_Side):
-    def __init__(self, landing: wire.Landing, device: torch.device, deadline: float) -> None:
+    def __init__(self, landing: land.Landing, device: torch.device, deadline: float) -> None:
         super().__init__(device, deadline)
         self._landing = landing
 

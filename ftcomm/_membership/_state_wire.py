@@ -16,11 +16,8 @@ Rules this module keeps (the state copy, ``_state_copy``, moves the bytes):
 3. **A tensor's bytes go in the order of its storage** when it is dense (no
    overlap, no gaps): no copy, and a new tensor gets the sender's strides.
    Any other tensor goes in row-major order of its shape.
-4. **Where each tensor lands** (:func:`match`): into the receiver's own tensor
-   at the same place (same dtype and shape), or into a new one where the
-   receiver holds ``None`` or an empty container. Anything else is a
-   :class:`Mismatch`, located by the index of the node in the sender's tree
-   (:func:`path_of` names it), before a byte of a tensor moves.
+
+Where each tensor of a description lands on a receiver is ``_state_land``'s.
 """
 
 from __future__ import annotations
@@ -81,10 +78,10 @@ bytes; ``["L", [node...]]`` list; ``["U", [node...]]`` tuple;
 OrderedDict (``meta``: its ``_metadata`` as a node, or None). A key is a
 node of a plain value (``S``, ``I``, ``B``, ``F``, ``N``).
 """
-_PLAIN_TAGS = frozenset("NBIFSY")
+PLAIN_TAGS = frozenset("NBIFSY")
 _NONFINITE = ("nan", "inf", "-inf")
 _KEY_TAGS = frozenset("NBIFS")
-_CONTAINERS = (dict, OrderedDict, list, tuple)
+CONTAINERS = (dict, OrderedDict, list, tuple)
 
 
 @dataclass(frozen=True)
@@ -184,7 +181,7 @@ def _node(
     plain = _plain(value)
     if plain is None:
         raise ValueError(
-            f"{path}: a {_type_name(value)} cannot be copied (a state holds tensors, "
+            f"{path}: a {type_name(value)} cannot be copied (a state holds tensors, "
             "dict/OrderedDict/list/tuple, and None, bool, int, float, str, bytes)"
         )
     return plain
@@ -217,14 +214,14 @@ def _key(key: object, path: str) -> Node:
     node = _plain(key)
     if node is None or node[0] not in _KEY_TAGS:
         raise ValueError(
-            f"{path}: a key of type {_type_name(key)} (keys are str, int, float, bool or None)"
+            f"{path}: a key of type {type_name(key)} (keys are str, int, float, bool or None)"
         )
     if node[0] == "F" and isinstance(node[1], str) and node[1] == "nan":
         raise ValueError(f"{path}: a key that is NaN (no NaN equals another: it cannot be matched)")
     return node
 
 
-def _type_name(value: object) -> str:
+def type_name(value: object) -> str:
     kind = type(value)
     return (
         kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
@@ -240,11 +237,11 @@ def local_tensor(value: torch.Tensor, path: str) -> torch.Tensor:
         from torch.distributed.tensor import DTensor  # imported with the first DTensor
 
         if not isinstance(value, DTensor):
-            raise ValueError(f"{path}: a tensor subclass {_type_name(value)} cannot be copied")
+            raise ValueError(f"{path}: a tensor subclass {type_name(value)} cannot be copied")
         value = value._local_tensor
         if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter:
             raise ValueError(
-                f"{path}: a DTensor whose local shard is a {_type_name(value)} cannot be copied"
+                f"{path}: a DTensor whose local shard is a {type_name(value)} cannot be copied"
             )
     if value.is_nested or value.layout != torch.strided:
         what = "nested" if value.is_nested else str(value.layout)
@@ -348,10 +345,10 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _has_tensor(node: Node) -> bool:
-    return any(n[0] == "T" for n in _walk(node))
+    return any(n[0] == "T" for n in walk(node))
 
 
-def _walk(node: Node) -> Iterator[Node]:
+def walk(node: Node) -> Iterator[Node]:
     """Every node below ``node``, itself first (pre-order; keys are not nodes
     of the tree, an OrderedDict's ``_metadata`` comes after its items)."""
     stack = [node]
@@ -366,31 +363,6 @@ def _walk(node: Node) -> Iterator[Node]:
             if tag == "O" and n[2] is not None:
                 children.append(n[2])
             stack.extend(reversed(children))
-
-
-def path_of(tree: Node, index: int) -> str | None:
-    """The place of node ``index`` (pre-order) of ``tree``, as ``state[...]``."""
-    found: list[str] = []
-
-    def visit(node: Node, path: str, counter: list[int]) -> bool:
-        if counter[0] == index:
-            found.append(path)
-            return True
-        counter[0] += 1
-        tag = node[0]
-        if tag in ("L", "U"):
-            return any(visit(c, f"{path}[{i}]", counter) for i, c in enumerate(node[1]))
-        if tag in ("D", "O"):
-            for k, v in node[1]:
-                if visit(v, f"{path}[{plain_value(k)!r}]", counter):
-                    return True
-            return (
-                tag == "O" and node[2] is not None and visit(node[2], f"{path}._metadata", counter)
-            )
-        return False
-
-    visit(tree, "state", [0])
-    return found[0] if found else None
 
 
 def plain_value(node: Node) -> Any:
@@ -518,7 +490,7 @@ def _check_node(node: object, depth: int, count: int, used: set[int]) -> None:
         if index in used:
             raise ValueError(f"tensor {index} is named twice in the description's tree")
         used.add(index)
-    elif tag in _PLAIN_TAGS:
+    elif tag in PLAIN_TAGS:
         _check_plain(node)
     elif tag in ("L", "U"):
         if len(args) != 1 or type(args[0]) is not list:
@@ -551,7 +523,7 @@ def _check_node(node: object, depth: int, count: int, used: set[int]) -> None:
 
 
 def _check_plain(node: object) -> None:
-    if type(node) is not list or not node or node[0] not in _PLAIN_TAGS:
+    if type(node) is not list or not node or node[0] not in PLAIN_TAGS:
         raise ValueError(f"{node!r} is not a plain value's node")
     tag, args = node[0], node[1:]
     if tag == "N":
@@ -573,167 +545,3 @@ def _check_plain(node: object) -> None:
                 ok = False
     if not ok:
         raise ValueError(f"{node!r} is not a plain value's node")
-
-
-# -- where the tensors land ---------------------------------------------------
-class Mismatch(ValueError):
-    """The receiver's state and the one sent differ at node ``index``."""
-
-    def __init__(self, code: int, index: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.index = index
-
-
-SHAPE, DTYPE, KIND, KEYS, WRITE = 1, 2, 3, 4, 5
-"""A mismatch's code: what differs (told to every rank)."""
-WHAT = {
-    SHAPE: "a shape differs",
-    DTYPE: "a dtype differs",
-    KIND: "a kind of value differs",
-    KEYS: "the keys or a length differ",
-    WRITE: "a tensor of its own cannot be written in place",
-}
-
-
-def _unwritable(t: torch.Tensor) -> str | None:
-    """Why the values sent cannot be written into ``t`` (``None``: they can)."""
-    if t.is_inference():
-        return (
-            "an inference tensor cannot be written in place (make the state outside "
-            "torch.inference_mode(), or pass None there)"
-        )
-    overlap = torch._debug_has_internal_overlap(t)  # 0: no, 1: yes, 2: torch cannot tell
-    if overlap == 1 or (overlap == 2 and not _apart(tuple(t.shape), tuple(t.stride()))):
-        return "its elements share memory (an expand()ed view): it cannot hold the values sent"
-    return None
-
-
-def _apart(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """Whether no two elements of a layout share memory: each dimension,
-    from the smallest stride up, steps past all the smaller ones span (a
-    sufficient test: a layout that interleaves its dimensions fails it)."""
-    span = 0
-    for st, size in sorted((st, size) for size, st in zip(shape, stride, strict=True) if size > 1):
-        if st <= span:
-            return False
-        span += (size - 1) * st
-    return True
-
-
-@dataclass
-class Landing:
-    """Where each tensor of a description lands on a receiver: ``targets[i]``
-    is the receiver's tensor (its bytes, a ``DTensor``'s shard) or ``None``
-    (a new one); ``leaves[i]`` what the returned state holds there."""
-
-    targets: list[torch.Tensor | None]
-    leaves: list[object]
-
-
-def match(template: object, tree: Node, specs: list[TensorSpec]) -> Landing:
-    """Pair the receiver's own state (already described: well formed) with
-    the description of the state sent.
-
-    Raises: Mismatch: they differ where the receiver holds something.
-    """
-    landing = Landing([None] * len(specs), [None] * len(specs))
-    counter = [0]
-
-    def fail(code: int, path: str, detail: str) -> Mismatch:
-        return Mismatch(code, counter[0], f"{path}: {detail}")
-
-    def visit(node: Node, mine: object, path: str, fresh: bool) -> None:
-        tag = node[0]
-        fresh = fresh or mine is None or (type(mine) in _CONTAINERS and not mine)
-        if tag == "T":
-            spec = specs[node[1]]
-            if not fresh:
-                if not isinstance(mine, torch.Tensor):
-                    raise fail(KIND, path, f"a {_type_name(mine)} here, a tensor in the state sent")
-                t = local_tensor(mine, path)
-                if t.dtype != spec.dtype:
-                    raise fail(DTYPE, path, f"dtype {t.dtype} here, {spec.dtype} in the state sent")
-                if tuple(t.shape) != spec.shape:
-                    raise fail(
-                        SHAPE, path, f"shape {tuple(t.shape)} here, {spec.shape} in the state sent"
-                    )
-                unwritable = _unwritable(t)
-                if unwritable is not None:
-                    raise fail(WRITE, path, unwritable)
-                landing.targets[node[1]] = t
-                landing.leaves[node[1]] = mine
-            counter[0] += 1
-            return
-        if tag in _PLAIN_TAGS:
-            if not fresh and (isinstance(mine, torch.Tensor) or type(mine) in _CONTAINERS):
-                raise fail(
-                    KIND, path, f"a {_type_name(mine)} here, a plain value in the state sent"
-                )
-            counter[0] += 1
-            return
-        here = counter[0]
-        counter[0] += 1
-        if tag in ("L", "U"):
-            children = node[1]
-            if not fresh and (type(mine) not in (list, tuple) or len(mine) != len(children)):  # type: ignore[arg-type]
-                counter[0] = here
-                raise fail(
-                    KEYS,
-                    path,
-                    f"{_shape_of(mine)} here, a sequence of {len(children)} in the state sent",
-                )
-            for i, child in enumerate(children):
-                visit(child, None if fresh else mine[i], f"{path}[{i}]", fresh)  # type: ignore[index]
-            return
-        keys = [plain_value(k) for k, _ in node[1]]
-        if not fresh:
-            if type(mine) not in (dict, OrderedDict):
-                counter[0] = here
-                raise fail(KEYS, path, f"{_shape_of(mine)} here, a mapping in the state sent")
-            assert isinstance(mine, dict)
-            if set(mine) != set(keys):
-                counter[0] = here
-                missing = [k for k in keys if k not in mine]
-                extra = [k for k in mine if k not in set(keys)]
-                raise fail(
-                    KEYS, path, f"keys {missing} missing here, {extra} not in the state sent"
-                )
-        for key, (_, child) in zip(keys, node[1], strict=True):
-            visit(child, None if fresh else mine[key], f"{path}[{key!r}]", fresh)  # type: ignore[index]
-        if tag == "O" and node[2] is not None:
-            for _ in _walk(node[2]):  # plain values: taken as sent
-                counter[0] += 1
-
-    visit(tree, template, "state", False)
-    return landing
-
-
-def _shape_of(value: object) -> str:
-    if type(value) in (list, tuple):
-        return f"a {type(value).__name__} of {len(value)}"  # type: ignore[arg-type]
-    return f"a {_type_name(value)}"
-
-
-def build(tree: Node, leaves: list[object]) -> Any:
-    """The state a description's tree gives, with ``leaves[i]`` for tensor ``i``."""
-
-    def make(node: Node) -> Any:
-        tag = node[0]
-        if tag == "T":
-            return leaves[node[1]]
-        if tag in _PLAIN_TAGS:
-            return plain_value(node)
-        if tag == "L":
-            return [make(c) for c in node[1]]
-        if tag == "U":
-            return tuple(make(c) for c in node[1])
-        items = [(plain_value(k), make(v)) for k, v in node[1]]
-        if tag == "D":
-            return dict(items)
-        result: OrderedDict[Any, Any] = OrderedDict(items)
-        if node[2] is not None:
-            result._metadata = make(node[2])  # type: ignore[attr-defined]
-        return result
-
-    return make(tree)
