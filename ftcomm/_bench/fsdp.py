@@ -14,7 +14,6 @@ package, ftcomm's c10d facade, torch's FSDP2 and DeviceMesh.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import time
 import traceback
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .report import percentile
-from .runner import HOST, end_children
+from .runner import HOST, spawn_ranks
 
 WORLD = 2
 LAYERS = 4
@@ -121,36 +120,13 @@ def measure(steps: int, rounds: int, timeout: float = 300.0) -> Rows:
     """
     from .._server import serve_store
 
-    ctx = multiprocessing.get_context("spawn")
     server = serve_store(HOST)  # loopback only
-    procs: list[Any] = []
-    conns: list[Connection] = []
     try:
-        for rank in range(WORLD):
-            recv_end, send_end = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_rank, args=(rank, server.port, steps, rounds, send_end), daemon=True
-            )
-            proc.start()
-            send_end.close()  # the child holds the only write end: its exit gives EOF
-            procs.append(proc)
-            conns.append(recv_end)
-        deadline = time.monotonic() + timeout
-        answers = []
-        for rank, conn in enumerate(conns):
-            if not conn.poll(max(deadline - time.monotonic(), 0.0)):
-                raise FsdpFailed(f"rank {rank} did not finish within {timeout:g} s")
-            try:
-                kind, value = conn.recv()
-            except EOFError:
-                raise FsdpFailed(f"rank {rank} exited without an answer") from None
-            if kind == "error":
-                raise FsdpFailed(f"rank {rank} failed:\n{value}")
-            answers.append(value)
-        return Rows(steps, rounds, answers[0])
+        args = [(rank, server.port, steps, rounds) for rank in range(WORLD)]
+        answers = spawn_ranks(_rank, args, timeout, FsdpFailed)
     finally:
-        end_children(procs, conns)
         server.close()
+    return Rows(steps, rounds, answers[0])
 
 
 def format_fsdp(rows: Rows) -> str:

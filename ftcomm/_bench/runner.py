@@ -360,6 +360,49 @@ def _run_children(plan: Plan, timeout: float) -> Report:
         store.close()
 
 
+def spawn_ranks(
+    target: Callable[..., None],
+    args: Sequence[tuple[Any, ...]],
+    timeout: float,
+    failed: type[Exception],
+) -> list[Any]:
+    """Run ``target(*args[rank], conn)`` in one spawned process per rank; each
+    sends ``(kind, value)`` on ``conn`` (``kind`` ``"error"``: ``value`` is its
+    traceback). Returns each rank's value, in rank order; the processes are
+    reaped either way.
+
+    Raises:
+        failed: a rank raised (its traceback in the message), exited without
+            an answer, or none came within ``timeout`` seconds.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    procs: list[Any] = []
+    conns: list[Connection] = []
+    try:
+        for rank_args in args:
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=target, args=(*rank_args, send_end), daemon=True)
+            proc.start()
+            send_end.close()  # the child holds the only write end: its exit gives EOF
+            procs.append(proc)
+            conns.append(recv_end)
+        deadline = time.monotonic() + timeout
+        answers = []
+        for rank, conn in enumerate(conns):
+            if not conn.poll(max(deadline - time.monotonic(), 0.0)):
+                raise failed(f"rank {rank} did not finish within {timeout:g} s")
+            try:
+                kind, value = conn.recv()
+            except EOFError:
+                raise failed(f"rank {rank} exited without an answer") from None
+            if kind == "error":
+                raise failed(f"rank {rank} failed:\n{value}")
+            answers.append(value)
+        return answers
+    finally:
+        end_children(procs, conns)
+
+
 def end_children(
     procs: Sequence[multiprocessing.process.BaseProcess], conns: Iterable[Connection]
 ) -> None:

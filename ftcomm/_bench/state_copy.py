@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import multiprocessing
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -27,7 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .report import percentile
-from .runner import HOST, end_children
+from .runner import HOST, spawn_ranks
 
 RANKS = 3
 TENSORS = 32
@@ -222,33 +221,11 @@ def measure(mib: int, rounds: int, torchft_skip: str | None, timeout: float = 60
     """
     from .._server import serve_store
 
-    ctx = multiprocessing.get_context("spawn")
     server = serve_store(HOST)  # loopback only
-    procs: list[Any] = []
-    conns: list[Connection] = []
     try:
-        for rank in range(RANKS):
-            recv_end, send_end = ctx.Pipe(duplex=False)
-            args = (rank, server.port, mib, rounds, torchft_skip is None, send_end)
-            proc = ctx.Process(target=_child, args=args, daemon=True)
-            proc.start()
-            send_end.close()  # the child holds the only write end: its exit gives EOF
-            procs.append(proc)
-            conns.append(recv_end)
-        deadline = time.monotonic() + timeout
-        answers = []
-        for rank, conn in enumerate(conns):
-            if not conn.poll(max(deadline - time.monotonic(), 0.0)):
-                raise StateCopyFailed(f"rank {rank} did not finish within {timeout:g} s")
-            try:
-                kind, value = conn.recv()
-            except EOFError:
-                raise StateCopyFailed(f"rank {rank} exited without an answer") from None
-            if kind == "error":
-                raise StateCopyFailed(f"rank {rank} failed:\n{value}")
-            answers.append(value)
+        args = [(r, server.port, mib, rounds, torchft_skip is None) for r in range(RANKS)]
+        answers = spawn_ranks(_child, args, timeout, StateCopyFailed)
     finally:
-        end_children(procs, conns)
         server.close()
     for rank, answer in enumerate(answers):
         if answer["wrong"]:

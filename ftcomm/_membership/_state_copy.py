@@ -368,15 +368,10 @@ class _Side:
         they go straight between it and the wire (else through buffers)."""
         raise NotImplementedError
 
-    async def staged(
-        self,
-        t: torch.Tensor,
-        spec: wire.TensorSpec,
-        view: tuple[Any, ...],
-        buffer: torch.Tensor,
-        lo: int,
-        hi: int,
-    ) -> _Chunk:
+    async def staged(self, t: torch.Tensor, spec: wire.TensorSpec, view: Any, data: Any) -> Any:
+        """A chunk through a buffer: ``data``, its bytes in the buffer, for
+        the values ``view`` picks of ``t`` permuted into wire order. A sender
+        fills ``data`` now; a receiver returns what lands it once it came."""
         raise NotImplementedError
 
 
@@ -389,19 +384,10 @@ class _Sender(_Side):
         t = self._mine.tensors[index]
         return t, wire.on_device(t, self.device) and wire.plain_bytes(t)
 
-    async def staged(
-        self,
-        t: torch.Tensor,
-        spec: wire.TensorSpec,
-        view: tuple[Any, ...],
-        buffer: torch.Tensor,
-        lo: int,
-        hi: int,
-    ) -> _Chunk:
+    async def staged(self, t: torch.Tensor, spec: wire.TensorSpec, view: Any, data: Any) -> Any:
         source = t.permute(wire_order(spec))[view]
-        data = buffer[: hi - lo]
         await copy(_values(data, spec, source), source, self.deadline)
-        return _Chunk(data, buffer)
+        return None
 
 
 class _Receiver(_Side):
@@ -435,20 +421,9 @@ class _Receiver(_Side):
         self._landing.targets[index] = self._landing.leaves[index] = new
         return new
 
-    async def staged(
-        self,
-        t: torch.Tensor,
-        spec: wire.TensorSpec,
-        view: tuple[Any, ...],
-        buffer: torch.Tensor,
-        lo: int,
-        hi: int,
-    ) -> _Chunk:
+    async def staged(self, t: torch.Tensor, spec: wire.TensorSpec, view: Any, data: Any) -> Any:
         target = t.permute(wire_order(spec))[view]
-        data = buffer[: hi - lo]
-        return _Chunk(
-            data, buffer, lambda: copy(target, _values(data, spec, target), self.deadline)
-        )
+        return lambda: copy(target, _values(data, spec, target), self.deadline)
 
     async def finish(self, specs: list[wire.TensorSpec]) -> None:
         """After the stream: tensors with no bytes, and tensors sent once for
@@ -575,7 +550,9 @@ async def _stream(
                 if flat is not None:
                     chunk = _Chunk(flat[lo:hi])
                 else:
-                    chunk = await side.staged(t, spec, view, await buffer(), lo, hi)
+                    held = await buffer()
+                    data = held[: hi - lo]
+                    chunk = _Chunk(data, held, await side.staged(t, spec, view, data))
                 issue(chunk, receive=prev is not None)
                 while len(in_flight) >= window:
                     await retire()
