@@ -83,8 +83,11 @@ def test_delay_and_error_faults_apply_to_their_rank_and_op() -> None:
 
 async def hung_op(ctx: RankContext) -> str:
     # the op's deadline is short; configure's is not (the ranks' processes
-    # may start seconds apart on a loaded machine)
-    g = ftcomm.Group("gloo", timeout=0.5, configure_timeout=30)
+    # may start seconds apart on a loaded machine). The hung rank's is the
+    # longer one: on a loaded machine rank 0 may issue its op a while after
+    # rank 1 did, and rank 1's abort at a deadline that came first would
+    # reach rank 0 as the peer closing (CommFailed) before its own deadline.
+    g = ftcomm.Group("gloo", timeout=0.5 if ctx.rank == 0 else 3.0, configure_timeout=30)
     await g.configure(ctx.addr(), ctx.rank, 2)
     try:
         await g.allreduce(torch.ones(1))  # op 0: never issued on rank 1
