@@ -65,11 +65,15 @@ def test_survivors_of_a_lost_rank_finish_the_run(fault: Fault, error: tuple[str,
     results = run_world(train, 3, args=([0, 1],), plan=FaultPlan.of(fault), timeout=60)
     wall = time.monotonic() - started
     assert results[2] is None  # the victim died by SIGKILL (stopped ones are killed at the end)
+    # A stopped rank is found by a deadline: the survivor whose deadline
+    # passes first times out, and its abort may reach the other survivor
+    # first, as its peer closing (CommFailed) just before its own deadline.
+    assert any(results[rank]["failure"]["error"] in error for rank in (0, 1)), results[:2]
     for rank in (0, 1):
         r = results[rank]
         assert r["members"] == [0, 1]
         assert r["failure"]["step"] == FAULT_STEP
-        assert r["failure"]["error"] in error, r["failure"]
+        assert r["failure"]["error"] in ("CommFailed", "CommTimeout"), r["failure"]
         assert r["failure"]["after"] < OP_TIMEOUT + 1.0  # within the deadline (generous)
         want = [float(sum(s + m for m in range(3))) for s in range(FAULT_STEP)]
         want += [float(s + s + 1) for s in range(FAULT_STEP, STEPS)]

@@ -143,9 +143,13 @@ def test_survivors_of_a_hung_member_recover_at_the_op_deadline() -> None:
     plan = FaultPlan.of(Fault.stop(2, 3))
     results = run_world(_train, 3, plan=plan, args=(5, 1.5), timeout=60)
     assert results[2] is None  # stopped, then killed by the harness
+    # The survivor whose deadline passes first times out; its abort may reach
+    # the other as its peer closing (CommFailed) just before its own deadline.
+    assert "CommTimeout" in {log[3][0] for log in results[:2]}
     for log in results[:2]:
         error, generation, size, took = log[3]
-        assert (error, generation, size) == ("CommTimeout", 2, 2)
+        assert error in ("CommTimeout", "CommFailed")
+        assert (generation, size) == (2, 2)
         # its heartbeat went silent during the deadline: configure's time only
         assert took < 2.0
         assert log[4:] == [(2, 2.0)] * 2
