@@ -131,8 +131,9 @@ async def sync_state(
     * **Plain values** (and the containers) as sent.
 
     No code runs on a receiver: the state is described as data, never
-    pickled. A copy costs at most about one tensor of extra memory on any
-    rank, and never blocks the event loop for long.
+    pickled. A copy costs at most two 32 MiB staging buffers of extra memory
+    on any rank (none where layouts match), and never blocks the event loop
+    for long. Cancelled, it aborts the group, as a cancelled op does.
 
     :meth:`ftcomm.Membership.sync_state` is this call on the membership's
     group; call this one on a group the membership does not configure
