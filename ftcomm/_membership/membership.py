@@ -93,7 +93,7 @@ class Membership:
     same on every member) whether newcomers wait or a member died, so that
     every member calls ``recover()`` at the same point;
     ``await members.sync_state(state, step)`` gives the members behind the
-    state of the one furthest ahead.
+    state of the ones furthest ahead, in place into their own tensors.
 
     Args:
         address: the engine: a c10d store's ``host:port`` (what
@@ -349,23 +349,28 @@ class Membership:
     async def sync_state(
         self, state: S, step: int, *, timeout: Timeout | None = None
     ) -> tuple[S, int]:
-        """Give the members behind the state of the member furthest ahead.
+        """Give the members behind the state of the members furthest ahead.
 
         Every member of the world calls it (after ``join()``/``recover()``)
-        with its own ``state`` (a ``state_dict``, or any nesting of tensors
-        and plain values) and ``step``. The lowest rank at the highest step
-        sends to every member at a lower step, over the group; each returns
-        ``(state, step)``: its own where it was not behind, else what it got
-        (new tensors: load them, ``model.load_state_dict(state)``). It is
-        :func:`ftcomm.sync_state` on the membership's group.
+        with its own ``state`` (a ``state_dict``, or any nesting of dict,
+        list and tuple whose leaves are tensors and plain values) and
+        ``step``. The members at the highest step stream their tensors to
+        the members at a lower step, over the group; each returns ``(state,
+        step)``: its own where it was not behind, else the state sent,
+        written into its own tensors where its structure is the same (a
+        ``model.state_dict()`` passed in updates the model), new tensors
+        where it holds ``None`` or an empty container. It is
+        :func:`ftcomm.sync_state` on the membership's group (which says what
+        a caller may rely on).
 
         Raises:
-            CommError: the group failed during the copy (``recover()``, then
-                call it again).
-            ValueError: ``step`` is negative (or over ``2**63 - 1``); the
-                state of the member that sends holds what cannot be loaded
-                with ``weights_only=True`` (raised there, and on the members
-                behind, which keep theirs); or what came is not a state.
+            CommError: the group failed during the copy (a member behind may
+                hold a state partly written: ``recover()``, then call it
+                again).
+            ValueError: ``step`` is negative (or over ``2**63 - 1``); on
+                every member, before a tensor moves: a member's state holds
+                what cannot be copied, or a member behind holds a state whose
+                structure differs from the one sent.
             TypeError: ``step`` is not an int.
             RuntimeError: not in a world, or another call running.
         """
