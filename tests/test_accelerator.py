@@ -829,8 +829,8 @@ def test_the_facade_wait_orders_the_stream_and_the_loop_keeps_the_deadline(
         fake.hold()
         barrier = pg.barrier()
         releaser = threading.Timer(0.2, fake.release)
+        start = time.monotonic()  # before the timer starts: its 0.2 s count from here on
         releaser.start()
-        start = time.monotonic()
         assert barrier.wait() is True
         assert time.monotonic() - start >= 0.15  # it waited for the device
         releaser.join()
