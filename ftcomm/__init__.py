@@ -28,6 +28,7 @@ from .errors import Evicted as Evicted
 from .errors import MembershipError as MembershipError
 from .errors import MembershipTimeout as MembershipTimeout
 from .errors import NotConfigured as NotConfigured
+from .errors import PrefixReused as PrefixReused
 from .errors import ProtocolError as ProtocolError
 from .errors import WorkerDied as WorkerDied
 from .group import BatchScope as BatchScope
@@ -52,6 +53,7 @@ __all__ = [
     "MembershipTimeout",
     "NotConfigured",
     "OpStats",
+    "PrefixReused",
     "ProtocolError",
     "State",
     "StoreServer",

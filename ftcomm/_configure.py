@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import re
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ from ._state import Attempt, Config, GroupCore
 from ._store import ENV_SCHEME, StoreAddr, env_int, parse_env_addr, parse_store_addr
 from ._verify import Chain
 from .backends import Backend, ConnectSpec
-from .errors import CommAborted, CommError, CommFailed, CommTimeout
+from .errors import CommAborted, CommError, CommFailed, CommTimeout, PrefixReused
 
 if TYPE_CHECKING:
     from .backends.subprocess import Launcher
@@ -61,6 +62,11 @@ def _connect_error(exc: Exception, where: str, rank: int) -> CommError:
     if isinstance(exc, CommError):
         return exc._located(rank, "configure", None)
     remote_type = getattr(exc, "remote_type", None)  # raised in a subprocess worker
+    if remote_type == PrefixReused.__name__:  # the worker's own words, as its own class
+        said = str(exc).partition(": ")[2]
+        return PrefixReused(
+            re.sub(r" \[rank=\d+ op=configure\]$", "", said), rank=rank, op="configure"
+        )
     timed_out = isinstance(exc, _TIMEOUTS) or remote_type in _TIMEOUT_NAMES
     cls = CommTimeout if timed_out else CommFailed
     return cls(f"configure failed ({where}): {exc}", rank=rank, op="configure")

@@ -18,6 +18,8 @@ from typing import Any
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed import DistNetworkError
 
+from .errors import PrefixReused
+
 log = logging.getLogger("ftcomm")
 
 
@@ -281,6 +283,7 @@ def _wait_listening(
 
 MEET_KEY = "ftcomm/met/{world}/{rank}"
 MEET_COUNT = "ftcomm/met/{world}/n"
+MET_KEY = "ftcomm/met/done"  # set once a configuration's ranks all met: the prefix is used
 _OUT_PREFIX = b"out-"  # a rank's key once an attempt took it out: out-<its token>
 
 
@@ -291,6 +294,8 @@ def meet(
     deadline: float,
     progress: ConnectProgress,
     stop: concurrent.futures.Future[Any] | None = None,
+    *,
+    where: str = "this store prefix",
 ) -> None:
     """Wait in ``store`` until every rank of the group has come.
 
@@ -306,15 +311,33 @@ def meet(
     of counting again; an attempt that gives up takes the rank out only if
     the key is still its own.
 
+    A prefix serves one configuration: once its ranks have all met, each
+    rank that saw it marks the prefix used (``MET_KEY``, before it builds
+    its native group, which reads the prefix's keys), and every later
+    attempt there is refused before it counts itself in. The mark comes
+    after every rank of the configuration looked for it, so none of them
+    is refused; every rank of a later one is (``where``: the address, for
+    the message).
+
     Raises:
+        PrefixReused: an earlier configuration's ranks met at this prefix.
         TimeoutError: not every rank came by ``deadline`` (it names who did not).
         Stopped: ``stop`` completed.
     """
+    if store.check([MET_KEY]):
+        raise PrefixReused(
+            f"configure() at {where}: an earlier configuration's ranks met at this "
+            "prefix, and its keys are still there; configure each group at a fresh "
+            "prefix (a generation or quorum number in it)",
+            rank=rank,
+            op="configure",
+        )
     mine = MEET_KEY.format(world=world_size, rank=rank)
     count = MEET_COUNT.format(world=world_size)
     token = f"{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
     came = _come(store, mine, count, token)
     if world_size == 1:
+        store.set(MET_KEY, str(world_size))
         return
     progress.step = "meet"
     # Polls back off from 0.2 ms to 50 ms (longer for large worlds: every
@@ -342,6 +365,7 @@ def meet(
                 raise Stopped
             delay = min(delay * 1.5, cap)
             came = int(store.add(count, 0))
+        store.set(MET_KEY, str(world_size))
     except (Stopped, TimeoutError):
         with contextlib.suppress(Exception):  # best effort: the store may be gone
             out = _OUT_PREFIX.decode() + token

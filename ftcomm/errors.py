@@ -136,6 +136,18 @@ class CommFailed(CommError):
     """
 
 
+class PrefixReused(CommError, ValueError):
+    """``configure()`` was given a store prefix where an earlier configuration met.
+
+    Every rank of the new configuration gets it at once, before any native
+    group is built: the prefix still holds the earlier group's keys, and a
+    group built over them connects to peers that are gone. It is also a
+    ``ValueError``: the address is the problem, and trying it again fails
+    again. Configure each group at a fresh prefix (a generation or quorum
+    number in it, as ``Membership`` and torchft's Manager do).
+    """
+
+
 class NotConfigured(CommError):
     """An op or query needs a configured group and there is none.
 

@@ -11,12 +11,15 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
+from helpers import StoreServer
 
 import ftcomm
 from ftcomm._runtime.loop import get_runtime
 from ftcomm._store import (
     MEET_COUNT,
     MEET_KEY,
+    MET_KEY,
     ConnectProgress,
     Stopped,
     meet,
@@ -211,3 +214,68 @@ async def _never_answers(black_hole: int) -> None:
         # each try at the port is bounded (0.5 s): the connect sees the stop
         assert await asyncio.to_thread(get_runtime().control.wait_idle, 5.0)
         assert time.monotonic() - started < 1.5
+
+
+def test_a_used_prefix_is_refused_before_the_rank_counts_itself_in() -> None:
+    store = MemoryStore()
+    meet(store, 0, 1, time.monotonic() + 5, ConnectProgress())  # type: ignore[arg-type]
+    assert store.data[MET_KEY] == "1"
+    before = dict(store.data)
+    with pytest.raises(ftcomm.PrefixReused, match="at h:1/p: an earlier configuration") as info:
+        meet(store, 0, 1, time.monotonic() + 5, ConnectProgress(), where="h:1/p")  # type: ignore[arg-type]
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, ftcomm.CommError)
+    assert (info.value.rank, info.value.op) == (0, "configure")
+    assert store.data == before  # refused before it touched anything
+
+
+def test_a_prefix_is_marked_used_only_once_every_rank_came() -> None:
+    """A rank that gives up before the others came leaves the prefix free:
+    its next attempt (or another rank's first) is not refused."""
+    store = MemoryStore()
+    with pytest.raises(TimeoutError):
+        meet(store, 0, 2, time.monotonic() + 0.1, ConnectProgress())  # type: ignore[arg-type]
+    assert MET_KEY not in store.data
+    store.set(MEET_KEY.format(world=2, rank=1), "1")
+    store.add(MEET_COUNT.format(world=2), 1)
+    meet(store, 0, 2, time.monotonic() + 5, ConnectProgress())  # type: ignore[arg-type]
+    assert store.data[MET_KEY] == "2"
+
+
+def test_a_reused_prefix_fails_at_once_on_every_rank_every_time(store: StoreServer) -> None:
+    """The same script run twice at one prefix of a long-lived store: the
+    second run's ranks all get PrefixReused, before any native group, in
+    20 tries of 20; a larger world at the prefix too (its extra rank never
+    met there before)."""
+    asyncio.run(_reuse(store.port, tries=20))
+
+
+@pytest.mark.slow
+def test_a_reused_prefix_is_the_same_error_from_a_worker_process(store: StoreServer) -> None:
+    asyncio.run(_reuse(store.port, tries=1, subprocess=True))
+
+
+async def _reuse(port: int, tries: int, subprocess: bool = False) -> None:
+    async def world(prefix: str, size: int) -> list[BaseException | None]:
+        groups = [ftcomm.Group("gloo", timeout=10, subprocess=subprocess) for _ in range(size)]
+        try:
+            results = await asyncio.gather(
+                *(g.configure(f"127.0.0.1:{port}/{prefix}", r, size) for r, g in enumerate(groups)),
+                return_exceptions=True,
+            )
+            if not any(results):
+                sums = [g.allreduce(torch.ones(1)) for g in groups]
+                assert [t.item() for t in await asyncio.gather(*sums)] == [size] * size
+            return list(results)
+        finally:
+            await asyncio.gather(*(g.shutdown() for g in groups))
+
+    for i in range(tries):
+        assert await world(f"run{i}", 2) == [None, None]
+        started = time.monotonic()
+        again = await world(f"run{i}", 3 if i == 0 else 2)
+        assert time.monotonic() - started < 5.0  # at once: not the 10 s configure timeout
+        for rank, error in enumerate(again):
+            assert isinstance(error, ftcomm.PrefixReused), (i, rank, error)
+            assert f"127.0.0.1:{port}/run{i}: an earlier configuration" in str(error)
+            assert error.rank == rank

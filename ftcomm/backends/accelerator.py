@@ -363,7 +363,8 @@ class AcceleratorBackend(Backend):
         progress = spec.progress
         store = connect_store(spec.store, spec.timeout, progress, cancel)
         with contextlib.suppress(Stopped):  # stopped: cancel is done, and the check below raises
-            meet(store, spec.rank, spec.world_size, deadline, progress, cancel)
+            where = str(spec.store)  # for the error of a used prefix
+            meet(store, spec.rank, spec.world_size, deadline, progress, cancel, where=where)
         if cancel is not None and cancel.done():  # nobody waits any more: build nothing
             del store  # not held by the error's traceback
             _go_on(cancel)

@@ -333,7 +333,7 @@ class GlooBackend(Backend):
         opts.group_name = f"ftcomm:{spec.replica_id}:{spec.quorum_id}:{spec.store.prefix}"
         if listener is not None:
             store.set(LISTENER_KEY.format(rank=spec.rank), encode_addr(listener))
-        meet(store, spec.rank, spec.world_size, deadline, progress, cancel)
+        meet(store, spec.rank, spec.world_size, deadline, progress, cancel, where=str(spec.store))
         progress.step = "native"
         before = socket_inodes()
         pg = pg_gloo(store, spec.rank, spec.world_size, opts)
