@@ -1,6 +1,7 @@
 """``python -m ftcomm <command>``: the project's command-line tools.
 
 Commands:
+    run     start a job's members, restart the ones that die, never stop the others
     store   host a store that ranks configure() against (loopback by default)
     doctor  what this machine has: torch, backends, which abort for real, ...
     bench   time ftcomm's collectives against raw torch.distributed Gloo
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 
 # command -> (module with a main(argv) -> int, one line of help)
 COMMANDS = {
+    "run": ("ftcomm._launch", "start N members of a job; restart only the dead (Membership)"),
     "store": ("ftcomm._server", "host a store for configure() (loopback unless --host)"),
     "doctor": ("ftcomm._doctor", "check this machine: torch, backends, aborts, /dev/shm, a store"),
     "bench": ("ftcomm._bench", "time ftcomm's collectives against raw torch.distributed Gloo"),

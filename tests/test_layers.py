@@ -53,7 +53,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("membership", ("ftcomm._membership",)),
     ("testing", ("ftcomm.testing",)),
     ("api", ("ftcomm",)),
-    ("tools", ("ftcomm.__main__", "ftcomm._bench", "ftcomm._doctor")),
+    ("tools", ("ftcomm.__main__", "ftcomm._bench", "ftcomm._doctor", "ftcomm._launch")),
 )
 
 

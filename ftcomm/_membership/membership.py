@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +34,9 @@ from ._engine import Engine, Stopped
 from ._lighthouse import LighthouseEngine, is_lighthouse
 from ._rule import NO_CAP, Member, WorldRecord
 from ._store_engine import StoreEngine
+
+ENV_NAMES = ("engine", "job", "member_id", "min_size", "max_size")
+"""What :meth:`Membership.from_env` reads: ``FTCOMM_<NAME>``, set by ``ftcomm run``."""
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -195,6 +199,63 @@ class Membership:
     def world(self) -> World | None:
         """The generation this member is in (``None`` before ``join()``, after eviction)."""
         return self._world
+
+    @classmethod
+    def from_env(
+        cls,
+        *,
+        min_size: int | None = None,
+        max_size: int | None = None,
+        join_window: Timeout = 2.0,
+        heartbeat_timeout: Timeout = 1.0,
+        heartbeat_interval: Timeout | None = None,
+        timeout: Timeout = 60.0,
+        store_host: str = "127.0.0.1",
+    ) -> Membership:
+        """This member of a job that ``python -m ftcomm run`` started: the
+        engine, job, member id and sizes from the environment it sets
+        (``FTCOMM_ENGINE``, ``FTCOMM_JOB``, ``FTCOMM_MEMBER_ID``,
+        ``FTCOMM_MIN_SIZE``, ``FTCOMM_MAX_SIZE``; docs/running.md), so a
+        script names no address. ``min_size``/``max_size`` given here win
+        over the environment's; the other arguments are ``Membership()``'s.
+
+        Raises:
+            ValueError: a variable it needs is not set (the script was not
+                started by ``python -m ftcomm run``), or one is malformed;
+                and as ``Membership()``.
+            TypeError: as ``Membership()``.
+        """
+        env = {name: os.environ.get(f"FTCOMM_{name.upper()}", "") for name in ENV_NAMES}
+        missing = [f"FTCOMM_{n.upper()}" for n in ("engine", "job", "member_id") if not env[n]]
+        if missing:
+            raise ValueError(
+                f"{', '.join(missing)} not set: start this script with `python -m ftcomm run "
+                "--nproc N script.py` (docs/running.md), or build ftcomm.Membership(address, "
+                "job, member_id) yourself"
+            )
+
+        def size(name: str, given: int | None) -> int | None:
+            if given is not None or not env[name]:
+                return given
+            try:
+                return int(env[name])
+            except ValueError:
+                raise ValueError(
+                    f"FTCOMM_{name.upper()} must be an int, got {env[name]!r}"
+                ) from None
+
+        return cls(
+            env["engine"],
+            env["job"],
+            env["member_id"],
+            size("min_size", min_size) or 1,
+            size("max_size", max_size),
+            join_window=join_window,
+            heartbeat_timeout=heartbeat_timeout,
+            heartbeat_interval=heartbeat_interval,
+            timeout=timeout,
+            store_host=store_host,
+        )
 
     # -- lifecycle --------------------------------------------------------
 

@@ -11,11 +11,12 @@ default result and how to issue it; wrappers override that.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from .._runtime.loop import get_runtime
 from .._runtime.observe import Event, GroupStats, Subscription
 from ..errors import CommError, NotConfigured
 from ..group import Group
-from . import _registry
+from . import _interop, _registry
 from ._base import ProcessGroup, logger
 from ._ops import DummyOps, GroupOps
 
@@ -353,6 +354,24 @@ class _Facade(ProcessGroup):
             return self._inner.errored()
         return self._group.errored() if self._group is not None else None
 
+    def raising(self) -> contextlib.AbstractContextManager[None]:
+        """``with pg.raising(): loss.backward()``: the group's typed error
+        out of code that runs its ops for you.
+
+        DDP's reducer turns a failed allreduce into a plain ``RuntimeError``
+        ("Got the following error when running the callback: CommTimeout:
+        ..."), with no ``__cause__``. Inside the block, such an error (a
+        ``RuntimeError`` that names an ftcomm error, while the group is
+        errored) is raised again as a copy of :meth:`errored`'s error, from
+        torch's. Anything else passes through unchanged.
+
+        Raises:
+            CommError: the group's error (``CommTimeout``, ``CommFailed``,
+                ``CommAborted``, ...), with torch's ``RuntimeError`` as its
+                ``__cause__``.
+        """
+        return _interop.raising(self.errored)
+
     def set_timeout(self, timeout: timedelta | float) -> None:
         """Set the default deadline of every op issued from now on (torchft's
         applied it at the next configure only).
@@ -511,6 +530,25 @@ class ProcessGroupWrapper(_Facade):
             group_world_size,
             global_ranks,
         )
+
+    @classmethod
+    def of(cls, group: Group) -> Self:
+        """This class's view of an :class:`ftcomm.Group`: its ops are
+        ``group``'s, its rank and size follow each ``group.configure()``
+        (``ftcomm.Membership``'s too), so DDP and ``torch.distributed``
+        run on a group that async code reconfigures. (To ``register()`` it
+        under a default group, configure it through the view: the members'
+        global ranks are exchanged there.)
+
+        Raises:
+            TypeError: ``group`` is not an ``ftcomm.Group``.
+            ValueError: its backend is not this class's (a Baby class:
+                ``Group(subprocess=True)``, and the others ``False``).
+        """
+        _interop.check_view(cls.__name__, cls._backend, cls._subprocess, group)
+        pg = cls(timeout=group.timeout)
+        pg._group, pg._ops = group, GroupOps(group)
+        return pg
 
     def _on_configure(self) -> None:
         """Called first by :meth:`configure`: wrappers drop per-configuration state."""

@@ -1,0 +1,277 @@
+"""``python -m ftcomm run`` (ftcomm/_launch.py), ``Membership.from_env`` and the DDP
+user's recovery: a typed error out of ``backward()`` (``pg.raising()``) and DDP over
+``ProcessGroupGloo.of(group)``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import ftcomm
+from ftcomm import c10d
+from ftcomm.testing import RankContext, run_world
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = [sys.executable, "-m", "ftcomm", "run"]
+
+
+def launch(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*RUN, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False
+    )
+
+
+def script(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "member.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ddp_trains_on_when_a_member_is_killed_and_the_launcher_brings_it_back() -> None:
+    """The DDP example under the launcher: m1 SIGKILLs itself at step 10; m0
+    and m2 get a typed error out of backward(), recover and train on; the
+    launcher restarts m1 alone, which rejoins with the state. Every step's
+    gradient is the whole batch's, and all end with the same parameters."""
+    done = launch("--nproc", "3", "examples/ddp_launched.py", timeout=200)
+    assert done.returncode == 0, done.stdout + done.stderr
+    reports = {r["member"]: r for r in map(json.loads, _json_lines(done.stdout))}
+    assert sorted(reports) == ["m0", "m1", "m2"], done.stdout
+    for who in ("m0", "m2"):
+        assert reports[who]["life"] == 0
+        assert reports[who]["errors"] in (["CommFailed"], ["CommAborted"]), reports[who]
+        assert reports[who]["generations"][0] == 1
+    assert reports["m1"]["life"] == 1  # its second life: restarted once, as m1
+    assert reports["m1"]["generations"][0] > 2  # it came back into a later world
+    assert all(r["wrong_steps"] == [] and r["size"] == 3 for r in reports.values()), reports
+    assert len({json.dumps(r["params"]) for r in reports.values()}) == 1
+    assert "m1 (pid" in done.stderr
+    assert "was killed by SIGKILL: restart 1 of 3" in done.stderr
+    for who, restarts in (("m0", "0 restarts"), ("m1", "1 restart"), ("m2", "0 restarts")):
+        assert f"{who} done: exited 0 ({restarts})" in done.stderr
+    assert "SIGTERM" not in done.stderr  # no survivor was signalled
+
+
+def _json_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("{")]
+
+
+def test_a_member_out_of_restarts_ends_the_job_after_the_others_and_stops_none(
+    tmp_path: Path,
+) -> None:
+    marker = tmp_path / "m1-gave-up"
+    member = script(
+        tmp_path,
+        f"""
+        import os, signal, sys, time
+        me, life = os.environ["FTCOMM_MEMBER_ID"], int(os.environ["FTCOMM_RESTART_COUNT"])
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(99))  # a signal would show
+        if me == "m1":
+            if life == 1:
+                open({str(marker)!r}, "w").close()
+            sys.exit(3)
+        deadline = time.monotonic() + 30
+        while not os.path.exists({str(marker)!r}) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(me, os.environ["FTCOMM_JOB"], os.environ["FTCOMM_NPROC"], flush=True)
+        """,
+    )
+    done = launch("--nproc", "2", "--job", "j", "--max-restarts", "1", "--backoff", "0", member)
+    assert done.returncode == 1, done.stderr
+    assert done.stdout.split() == ["m0", "j", "2"]
+    assert "m1 (pid" in done.stderr
+    assert "exited 3: restart 1 of 1 in 0 s, as m1" in done.stderr
+    assert "exited 3: no restarts left of 1; the others go on" in done.stderr
+    assert "m0 done: exited 0 (0 restarts)" in done.stderr
+    assert "m1 gave up: exited 3 (1 restart)" in done.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_reaches_every_member_and_leaves_none_behind(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """Ctrl-C (or SIGTERM) at the launcher: SIGTERM to each member; one that
+    ignores it is SIGKILLed after the grace; no restart; 130 (143)."""
+    member = script(
+        tmp_path,
+        f"""
+        import os, signal, time
+        me = os.environ["FTCOMM_MEMBER_ID"]
+        if me == "m1":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open(os.path.join({str(tmp_path)!r}, me + ".pid"), "w").write(str(os.getpid()))
+        while True:
+            signal.pause()
+        """,
+    )
+    proc = subprocess.Popen(
+        [*RUN, "--nproc", "2", "--grace", "0.5", member],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,  # the signal goes to the launcher alone, not to a group
+    )
+    try:
+        pids = _wait_for_pids(tmp_path, ["m0", "m1"], proc)
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], err
+    assert time.monotonic() - sent < 10.0  # the grace (0.5 s), with room for a busy machine
+    assert f"{sig.name}: stopping every member" in err
+    assert "m0 stopped: was killed by SIGTERM (0 restarts)" in err
+    assert "m1 stopped: was killed by SIGKILL (0 restarts)" in err
+    assert "restart 1" not in err
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _wait_for_pids(where: Path, ids: list[str], proc: subprocess.Popen[str]) -> list[int]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and proc.poll() is None:
+        files = [where / f"{i}.pid" for i in ids]
+        texts = [f.read_text() if f.exists() else "" for f in files]
+        if all(texts):
+            return [int(t) for t in texts]
+        time.sleep(0.01)
+    raise AssertionError(f"the members did not start (launcher: {proc.poll()})")
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--nproc", "0", "x.py"], "--nproc must be >= 1, got 0"),
+        (["--min-size", "3", "--max-size", "2", "x.py"], "--min-size (3) must not exceed"),
+        (["--max-restarts", "-1", "x.py"], "--max-restarts must be >= 0"),
+        (["--backoff", "nan", "x.py"], "--backoff must be a number of seconds"),
+        (["--engine", "http//x", "x.py"], "--engine 'http//x' has no port"),
+        (["--id-prefix", "a b", "x.py"], "--id-prefix must be non-empty"),
+        (["no-such-script.py"], "no such script: 'no-such-script.py'"),
+    ],
+)
+def test_bad_arguments_are_named_and_start_nothing(args: list[str], says: str) -> None:
+    done = launch(*args)
+    assert done.returncode == 2
+    assert says in done.stderr, done.stderr
+
+
+def test_from_env_reads_what_the_launcher_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("ENGINE", "JOB", "MEMBER_ID", "MIN_SIZE", "MAX_SIZE"):
+        monkeypatch.delenv(f"FTCOMM_{name}", raising=False)
+    with pytest.raises(ValueError, match="FTCOMM_ENGINE, FTCOMM_JOB, FTCOMM_MEMBER_ID not set"):
+        ftcomm.Membership.from_env()
+    monkeypatch.setenv("FTCOMM_ENGINE", "127.0.0.1:1/p")
+    monkeypatch.setenv("FTCOMM_JOB", "j")
+    monkeypatch.setenv("FTCOMM_MEMBER_ID", "m7")
+    members = ftcomm.Membership.from_env()
+    assert (members.job, members.member_id, members.min_size, members.max_size) == (
+        "j",
+        "m7",
+        1,
+        None,
+    )
+    monkeypatch.setenv("FTCOMM_MIN_SIZE", "2")
+    monkeypatch.setenv("FTCOMM_MAX_SIZE", "4")
+    members = ftcomm.Membership.from_env(max_size=3)  # an argument wins
+    assert (members.min_size, members.max_size) == (2, 3)
+    monkeypatch.setenv("FTCOMM_MAX_SIZE", "four")
+    with pytest.raises(ValueError, match="FTCOMM_MAX_SIZE must be an int, got 'four'"):
+        ftcomm.Membership.from_env()
+
+
+# -- typed errors out of DDP, and DDP on a group Membership configures ------------------
+
+
+def test_a_view_checks_its_group() -> None:
+    with pytest.raises(TypeError, match=r"group must be an ftcomm\.Group, got str"):
+        c10d.ProcessGroupGloo.of("g")  # type: ignore[arg-type]
+    group = ftcomm.Group("gloo")
+    with pytest.raises(ValueError, match="ProcessGroupBabyGloo cannot run on a 'gloo' group"):
+        c10d.ProcessGroupBabyGloo.of(group)
+    with pytest.raises(ValueError, match="ProcessGroupWrapper cannot run on a 'gloo' group"):
+        c10d.ProcessGroupWrapper.of(group)
+    pg = c10d.ProcessGroupGloo.of(group)
+    assert pg.parent is group
+
+
+def test_raising_passes_on_what_is_not_the_groups_error() -> None:
+    """Only a RuntimeError that names an ftcomm error, while the group is
+    errored, becomes the group's error; everything else is as it was."""
+    errored: list[Exception | None] = [None]
+    pg = c10d.ProcessGroupGloo()
+    pg.errored = lambda: errored[0]  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="CommTimeout: late") as info, pg.raising():
+        raise RuntimeError("callback: CommTimeout: late")  # the group is not errored
+    assert type(info.value) is RuntimeError
+    errored[0] = ftcomm.CommTimeout("late", rank=0, op="allreduce", seq=3)
+    with pytest.raises(RuntimeError, match="shape mismatch") as info, pg.raising():
+        raise RuntimeError("shape mismatch")  # names no ftcomm error
+    assert type(info.value) is RuntimeError
+    with pytest.raises(KeyError), pg.raising():
+        raise KeyError("x")
+    own = ftcomm.CommAborted("gone")
+    with pytest.raises(ftcomm.CommAborted) as caught, pg.raising():
+        raise own
+    assert caught.value is own
+    torch_error = RuntimeError("Got the following error when running the callback: CommTimeout: x")
+    for _ in range(2):  # a copy each time: errored()'s own error is not changed
+        with pytest.raises(ftcomm.CommTimeout) as timed_out, pg.raising():
+            raise torch_error
+        assert timed_out.value is not errored[0]
+        assert timed_out.value.__cause__ is torch_error
+        assert (timed_out.value.rank, timed_out.value.op, timed_out.value.seq) == (
+            0,
+            "allreduce",
+            3,
+        )
+    assert errored[0].__cause__ is None
+
+
+async def _hung_peer_under_ddp(ctx: RankContext) -> tuple[str, str, str, str]:
+    """Rank 1 never runs backward: rank 0's gradient allreduce hits its deadline."""
+    pg = c10d.ProcessGroupGloo(timeout=timedelta(seconds=30))
+    pg.configure(ctx.addr("ddp"), f"r{ctx.rank}", ctx.rank, ctx.world_size)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Linear(4, 1), process_group=pg)
+        pg.set_timeout(timedelta(seconds=0.5))
+        if ctx.rank == 1:
+            await ctx.wait_for("done")
+            return ("", "", "", "")
+        loss = model(torch.ones(2, 4)).sum()
+        try:
+            with pg.raising():
+                loss.backward()
+        except ftcomm.CommError as exc:
+            ctx.signal("done")
+            cause = exc.__cause__
+            return (type(exc).__name__, type(cause).__name__, str(cause), str(exc))
+        raise AssertionError("backward did not fail")
+    finally:
+        pg.shutdown()
+
+
+def test_raising_gives_the_typed_error_of_a_backward_whose_peer_hangs() -> None:
+    typed, cause, torch_said, text = run_world(_hung_peer_under_ddp, 2, timeout=60)[0]
+    assert typed == "CommTimeout"
+    # what DDP's reducer raised: the error's name and text, in a plain RuntimeError
+    assert cause == "RuntimeError"
+    assert "Got the following error when running the callback: CommTimeout: allreduce" in torch_said
+    assert "the group is aborted (configure() it again to go on) after: allreduce" in text
