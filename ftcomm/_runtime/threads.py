@@ -9,7 +9,11 @@ interpreter exit:
   wait bounded by their op's deadline are spawned, never queued.
 * :class:`Reaper` drops references to native objects. Dropping the last
   reference to a Gloo group with an op in flight blocks the dropping thread
-  until that op's own timeout; the reaper is that thread.
+  until that op's own timeout; the reaper is that thread. And dropping it on
+  one of the group's own threads (a completion callback runs there) kills
+  the process: its destructor joins that thread. So a group is handed over
+  in a :class:`Handoff`, and the reaper drops it only once its own reference
+  is the last one.
 
 Each blocking item may say by when (``time.monotonic()``) it will end, at the
 latest. At interpreter exit the runtime waits a few seconds for the items that
@@ -22,9 +26,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -283,8 +289,81 @@ def _run_one(fut: Future[Any], fn: Callable[..., Any], args: tuple[object, ...])
         fut.set_result(result)
 
 
+SOLE_WAIT = 2.0
+"""How long the reaper waits for other holders of a :class:`Handoff`'s
+objects to let go (a thread in the middle of a call on the group: a moment)
+before it drops its own references all the same."""
+
+_COLLECT_AFTER = 0.05
+"""Still held after this long: a garbage cycle may hold them, and is
+collected on the reaper (not on whatever thread, a Gloo one included,
+collects next)."""
+
+
+class Handoff:
+    """Native objects handed to the reaper in a cell: ``dispose(Handoff(pg,
+    store))``, for objects whose last reference must be dropped on the
+    reaper and nowhere else (a Gloo group: its destructor joins its worker
+    threads, and on one of them, where its ops' completion callbacks run,
+    aborts the process with "Resource deadlock avoided").
+
+    A hand-over leaves references on the handing thread for a moment: its
+    arguments, ``dispose(*objs)``'s tuples, until those frames return; the
+    reaper may drop its own before that, and the handing thread's would be
+    the last. Through a cell they are references to the cell, never to the
+    objects: the reaper takes the objects out of it (:meth:`take`). And it
+    drops them only once its references are the only ones (a thread in the
+    middle of an issue on the group holds it too), at most
+    :data:`SOLE_WAIT` seconds later.
+    """
+
+    __slots__ = ("_objs",)
+
+    def __init__(self, *objs: object) -> None:
+        self._objs: list[object] = list(objs)
+
+    def take(self) -> list[object]:
+        """The objects, now the caller's alone (the cell is left empty)."""
+        objs, self._objs = self._objs, []
+        return objs
+
+
+def _refs(objs: list[object], i: int) -> int:
+    return sys.getrefcount(objs[i])
+
+
+_ONLY_HERE = _refs([object()], 0)
+"""What :func:`_refs` reads of an object that only the list holds."""
+
+
+def _held_elsewhere(objs: list[object]) -> bool:
+    return any(_refs(objs, i) > _ONLY_HERE for i in range(len(objs)))
+
+
+def _until_only_here(objs: list[object], limit: float) -> bool:
+    """Wait (at most ``limit`` s) until ``objs`` holds the only reference to
+    each of its objects; whether it does. Nothing new can take one: the
+    objects were taken from the only place that handed them out (a closed
+    backend), so once the count is down to ``objs`` it stays there."""
+    started = time.monotonic()
+    collected = False
+    pause = 0.0002
+    while _held_elsewhere(objs):
+        waited = time.monotonic() - started
+        if waited >= limit:
+            return False
+        if not collected and waited >= _COLLECT_AFTER:
+            collected = True
+            gc.collect()
+            continue
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)
+    return True
+
+
 class Reaper:
-    """One daemon thread that drops references handed to it, in order."""
+    """One daemon thread that drops references handed to it, in order; a
+    :class:`Handoff`'s objects once nothing else holds them."""
 
     def __init__(self, name: str = "ftcomm-reaper") -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -331,13 +410,34 @@ class Reaper:
                 return
             token, batch = item
             del item
-            batch.clear()  # may block until a native op's own timeout
+            _drop(batch)  # may block until a native op's own timeout
             del batch
             self._pending.remove(token)
 
     def close(self, timeout: float = 1.0) -> None:
         self._queue.put(_STOP)
         self._thread.join(timeout)
+
+
+def _drop(batch: list[Any]) -> None:
+    """Drop ``batch``'s references in order (the reaper's own: the list is
+    its); a :class:`Handoff`'s objects once they are held nowhere else."""
+    batch.reverse()
+    while batch:
+        obj = batch.pop()
+        if type(obj) is not Handoff:
+            del obj
+            continue
+        owned = obj.take()
+        del obj
+        if not _until_only_here(owned, SOLE_WAIT):
+            logging.getLogger("ftcomm").warning(
+                "ftcomm: native objects handed to the reaper are still referenced "
+                "elsewhere after %g s (%s); whoever holds them drops them last",
+                SOLE_WAIT,
+                ", ".join(type(o).__name__ for o in owned),
+            )
+        owned.clear()
 
 
 class EventQueue:

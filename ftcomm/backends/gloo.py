@@ -62,6 +62,7 @@ from .._runtime.native import (
     divide,
     write_outputs,
 )
+from .._runtime.threads import Handoff
 from .._store import StoreAddr, connect_store, meet
 from .._validate import PremulSum, ReduceOpArg
 from ._base import NUMERIC_DTYPES, Backend, ConnectSpec
@@ -352,7 +353,11 @@ class GlooBackend(Backend):
         are still finishing their last op.)"""
         pg, store = self._pg, self._store
         self._pg = self._store = None
-        return [obj for obj in (pg, store) if obj is not None]
+        objs = [obj for obj in (pg, store) if obj is not None]
+        # In a cell: the group's last reference must go on the reaper, never
+        # on the thread that hands it over (a completion callback's, on one
+        # of the threads the group's destructor joins): see Handoff.
+        return [Handoff(*objs)] if objs else []
 
     @property
     def pg(self) -> Any:
