@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 import ftcomm
+from ftcomm._runtime.native import DoneOp
 from ftcomm.testing import Fault, FaultPlan, Kind, RankContext, run_world
+from ftcomm.testing._faults import Injector
 
 PINNED_SEED_7 = (
     "FaultPlan(seed=7): delay(rank 0, op 2 0.0412s), delay(rank 0, op 3 0.0296s), "
@@ -135,3 +138,19 @@ def test_spared_ranks_are_never_killed_whatever_iterable_names_them() -> None:
 def test_a_one_op_plan_still_kills() -> None:
     plan = FaultPlan.random(3, 2, 1, delay_rate=0, kills=1)
     assert [str(f) for f in plan.faults] == ["kill(rank 1, op 0)"]
+
+
+def test_a_fault_that_fires_names_its_op_and_how_ops_are_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A fault's op is counted from 0 across the rank's groups, an error's
+    seq from 1 per configuration: the warning at firing says which op it hit."""
+    injector = Injector({1: Fault.delay(0, 1, 0.001)})
+    with caplog.at_level(logging.WARNING, logger="ftcomm"):
+        injector("allreduce", lambda: DoneOp())
+        assert caplog.records == []  # op 0: no fault
+        injector("broadcast", lambda: DoneOp())
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("ftcomm.testing: delay(rank 0, op 1 0.001s) fires at broadcast")
+    assert "this rank's op 1, counted from 0" in line
+    assert "seq counts from 1 in each configuration" in line

@@ -14,7 +14,7 @@ import torch
 
 import ftcomm
 from ftcomm._runtime.loop import get_runtime
-from ftcomm._runtime.observe import Histogram
+from ftcomm._runtime.observe import Histogram, Observer
 
 
 def delivered() -> None:
@@ -302,3 +302,26 @@ def test_an_event_queue_that_cannot_start_its_thread_drops_and_never_raises(
     assert events.wait_idle(5)
     assert ran == [1]
     events.close()
+
+
+def test_an_abort_log_line_says_gloos_error_without_its_boilerplate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Gloo ends each connection error with the same advice ("This is
+    typically caused by ... GLHF!"): the log line keeps the error, not that."""
+    native = (
+        "allreduce failed: [gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:26550. This is typically caused by a remote worker crashing. Check "
+        "the logs of the remote worker before reporting an error. GLHF! \U0001f3d6\ufe0f"
+    )
+    cause = ftcomm.CommFailed(native, rank=0, op="allreduce", seq=8)
+    observer = Observer(threading.Lock(), lambda call: call())  # posted calls run at once
+    with caplog.at_level(logging.WARNING, logger="ftcomm"):
+        observer.broke(cause, "break", "127.0.0.1:1/p", 0, 0)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.endswith(
+        "allreduce failed: [gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:26550. [rank=0 op=allreduce seq=8]"
+    )
+    assert "GLHF" not in line
+    assert "GLHF" in str(cause)  # the error itself keeps the native text whole

@@ -539,7 +539,7 @@ def format_membership(rows: Sequence[Row], notes: Sequence[str]) -> str:
         "(from the signal, sent by the bench, to the survivors' first good allreduce in the "
         "next generation, the later survivor's (torchft: its first committed step); beyond: "
         "less what finds the failure, the heartbeat timeout for a SIGKILL, the op deadline for "
-        "a SIGSTOP; target: beyond <= 250 ms. torchft asks its lighthouse for a quorum every "
+        "a SIGSTOP. torchft asks its lighthouse for a quorum every "
         "step: a member stopped outside an allreduce is found by its heartbeat, before the "
         "deadline, hence a negative beyond)"
     )

@@ -66,7 +66,11 @@ def format_table(plan: Plan, report: Report, notes: Sequence[str]) -> str:
             if w.bandwidth:
                 ratio = f"(bw ratio {base_p50 / p50:.2f}x)"
             elif w.burst:
-                ratio = f"{p50 / base_p50:.3f}x ({base_p50 / p50:.1f}x faster than raw, one by one)"
+                if p50 <= base_p50:
+                    than = f"{base_p50 / p50:.1f}x faster"
+                else:
+                    than = f"{p50 / base_p50:.1f}x slower"
+                ratio = f"{p50 / base_p50:.3f}x ({than} than raw, one by one)"
             else:
                 ratio = f"{p50 / base_p50:.2f}x"
         row = f"{w.label:<24} {impl:<{width}} {p50 * 1e6:9.1f} {p99 * 1e6:9.1f} {gbs:>7}   {ratio}"

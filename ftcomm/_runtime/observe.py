@@ -47,6 +47,7 @@ import bisect
 import contextlib
 import logging
 import math
+import re
 import threading
 import time
 from collections import Counter
@@ -562,7 +563,7 @@ class Observer:
             store,
             kind,
             in_flight,
-            str(cause),  # not the error: its traceback may hold the native group
+            _plain(str(cause)),  # not the error: its traceback may hold the native group
             extra=_extra("aborted", rank, store, op=cause.op, seq=cause.seq, error=cause),
         )
         if died:
@@ -587,6 +588,16 @@ class Observer:
             last_abort=last,
             in_flight=in_flight,
         )
+
+
+# Gloo's advice, appended to each of its connection errors: once per log line
+# it is noise ("... Check the logs of the remote worker ... GLHF! 🏖️").
+_GLOO_ADVICE = re.compile(r" This is typically caused by .*?GLHF!\S*( \S+)?(?= \[|$)")
+
+
+def _plain(text: str) -> str:
+    """An error's text for a log line, without Gloo's boilerplate advice."""
+    return _GLOO_ADVICE.sub("", text)
 
 
 def _extra(

@@ -149,7 +149,22 @@ class ProcessGroup(dist.ProcessGroup):
         group_world_size: int | None = None,
         global_ranks: Sequence[int] | None = None,
     ) -> None:
-        """(Re)build the group on a fresh store prefix; blocks until it is built."""
+        """(Re)build the group on a fresh store prefix; blocks until it is built.
+
+        Args:
+            store_addr: ``host:port/prefix`` (or ``env://prefix``), the same
+                on every rank, at a prefix no earlier configuration used.
+            replica_id: a name for this rank's replica (torchft passes its
+                replica group's id). A label only: it names the native
+                group in torch's logs and tables; any string will do, e.g.
+                ``f"replica-{rank}"``.
+            rank, world_size: this rank and the world's size.
+            quorum_id: torchft's quorum number; a label too, in the name.
+            group_rank, group_world_size: this rank's place in its replica
+                group (torchft's; kept for its callers).
+            global_ranks: every member's default-group rank, by group rank,
+                where the caller knows them (found by exchange otherwise).
+        """
         raise NotImplementedError(f"{type(self).__name__} does not implement configure")
 
     def size(self) -> int:

@@ -495,7 +495,8 @@ class ProcessGroupWrapper(_Facade):
         global_ranks: Sequence[int] | None = None,
     ) -> None:
         """(Re)build the group: every rank calls it with the same fresh store
-        address (``host:port/prefix``). The previous configuration's ops in
+        address (the arguments: :meth:`ProcessGroup.configure`; ``replica_id``
+        is a label). The previous configuration's ops in
         flight end with ``CommAborted``. Blocks until the group is built or the
         timeout passes; never call it on ftcomm's owner loop thread.
 

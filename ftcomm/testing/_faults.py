@@ -2,14 +2,18 @@
 
 A :class:`FaultPlan` is a tuple of :class:`Fault` records. Each names a rank
 and the index of an op that rank issues (counted from 0 over all its
-:class:`~ftcomm.Group` objects and configurations). The harness installs the rank's faults in its
-process before the code under test runs; the code under test is not edited.
+:class:`~ftcomm.Group` objects and configurations; not an error's ``seq``,
+which counts from 1 within one configuration: ``op=3`` in a rank's first
+configuration is ``seq=4``). A fault that fires logs a warning naming its
+op. The harness installs the rank's faults in its process before the code
+under test runs; the code under test is not edited.
 Seeded plans (:meth:`FaultPlan.random`) replay exactly from their seed.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import random
 import signal
@@ -24,6 +28,8 @@ from .._protocol import Kind as ProtoKind
 from .._runtime import faults as _seam
 from .._runtime.loop import get_runtime
 from .._runtime.native import Done, NativeOp
+
+log = logging.getLogger("ftcomm")
 
 
 class Kind(enum.StrEnum):
@@ -286,6 +292,13 @@ class Injector:
         if fault is None:
             return issue()
         self.applied.append(fault)
+        log.warning(
+            "ftcomm.testing: %s fires at %s (this rank's op %d, counted from 0 across its "
+            "groups; an error's seq counts from 1 in each configuration)",
+            fault,
+            op,
+            index,
+        )
         if fault.kind in WORKER_KINDS:
             _hurt_worker(fault.kind, backend)
             return issue()
