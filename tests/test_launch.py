@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -152,6 +153,51 @@ def _wait_for_pids(where: Path, ids: list[str], proc: subprocess.Popen[str]) -> 
             return [int(t) for t in texts]
         time.sleep(0.01)
     raise AssertionError(f"the members did not start (launcher: {proc.poll()})")
+
+
+@pytest.mark.slow
+def test_launchers_on_two_hosts_share_one_engine(tmp_path: Path) -> None:
+    """One launcher per host, each given the engine: their members form one
+    world (ids from the host name by default, or --id-prefix)."""
+    member = script(
+        tmp_path,
+        """
+        import asyncio, os, torch, ftcomm
+
+        async def main():
+            members = ftcomm.Membership.from_env(join_window=20)
+            async with members, ftcomm.Group("gloo", timeout=30) as group:
+                world = await members.join(group)
+                total = await group.allreduce(torch.ones(1))
+                print(members.member_id, world.size, int(total.item()), flush=True)
+
+        asyncio.run(main())
+        """,
+    )
+    with ftcomm.serve_store() as server:
+        common = ["--engine", f"{server.address}/jobs", "--max-size", "2", "--job", "two"]
+        procs = [
+            subprocess.Popen(
+                [*RUN, *common, *extra, member],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
+            for extra in ([], ["--id-prefix", "b"])
+        ]
+        outs = []
+        try:
+            for proc in procs:
+                out, err = proc.communicate(timeout=90)
+                assert proc.returncode == 0, err
+                outs.append(out.split())
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    assert outs == [[f"{socket.gethostname()}-m0", "2", "2"], ["b0", "2", "2"]]
 
 
 @pytest.mark.parametrize(
