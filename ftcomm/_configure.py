@@ -30,7 +30,14 @@ from ._runtime.loop import Runtime, require_asyncio, wake_threadsafe
 from ._runtime.observe import Observer
 from ._runtime.table import OpTable
 from ._state import Attempt, Config, GroupCore
-from ._store import ENV_SCHEME, StoreAddr, env_int, parse_env_addr, parse_store_addr
+from ._store import (
+    ENV_SCHEME,
+    Stopped,
+    StoreAddr,
+    env_int,
+    parse_env_addr,
+    parse_store_addr,
+)
 from ._verify import Chain
 from .backends import Backend, ConnectSpec
 from .errors import CommAborted, CommError, CommFailed, CommTimeout, PrefixReused
@@ -115,6 +122,19 @@ def _connect_in_process(
     return cls.connect(spec, cancel)
 
 
+def _begin_connect(
+    connect: Callable[[ConnectSpec, concurrent.futures.Future[Any]], Backend],
+    spec: ConnectSpec,
+    stop: concurrent.futures.Future[Any],
+) -> Backend:
+    """A connect's control thread: it begins ``connect`` only if nobody gave
+    it up while the call waited for its thread (the call's future is running
+    by now: too late to cancel)."""
+    if stop.done():
+        raise Stopped
+    return connect(spec, stop)
+
+
 def _finish(fut: concurrent.futures.Future[Any]) -> None:
     """Complete ``fut`` unless it is (any thread, any number of times)."""
     with contextlib.suppress(concurrent.futures.InvalidStateError):
@@ -175,6 +195,8 @@ class Configuring:
             CommTimeout: the store or the peers did not answer within the
                 configure timeout.
             CommFailed: the store or the native group construction failed.
+            PrefixReused: this rank built a group at this prefix before, or
+                another rank of this configuration was refused there.
             CommAborted: ``shutdown()`` or another ``configure()`` superseded this one.
             RuntimeError: awaited without a running asyncio loop (trio).
         """
@@ -314,7 +336,10 @@ class Configuring:
         # c10d's store client may retry once more after the timeout: allow it.
         until = time.monotonic() + 2 * seconds + 2.0
         # Completes when nobody waits for this connect any more: superseded,
-        # timed out or cancelled. A backend that can, stops connecting then.
+        # timed out or cancelled. This attempt alone completes it (_finish);
+        # the connect only reads it. Not begun then, the connect never begins
+        # (_begin_connect); begun, a backend that can stops at its next step
+        # (in-process Gloo also inside its native construction: StoppableStore).
         stop: concurrent.futures.Future[Any] = concurrent.futures.Future()
         attempt.superseded.add_done_callback(lambda _: _finish(stop))
         # A thread of its own (never queued behind connects that were given
@@ -323,9 +348,9 @@ class Configuring:
         # bounded pool, so that retries cannot pile up threads for good.
         control = self._runtime.control
         if self._backend_cls.stoppable_connect:
-            cf = control.spawn(self._connect, spec, stop, until=until)
+            cf = control.spawn(_begin_connect, self._connect, spec, stop, until=until)
         else:
-            cf = control.submit(self._connect, spec, stop, until=until)
+            cf = control.submit(_begin_connect, self._connect, spec, stop, until=until)
         wrapped = asyncio.wrap_future(cf)
         # Not wrap_future: cancelling that wrapper would cancel the attempt's future.
         loop = asyncio.get_running_loop()

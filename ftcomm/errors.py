@@ -136,15 +136,17 @@ class CommFailed(CommError):
     """
 
 
-class PrefixReused(CommError, ValueError):
-    """``configure()`` was given a store prefix where an earlier configuration met.
+class PrefixReused(CommError):
+    """``configure()`` was given a store prefix where a group was built before.
 
-    Every rank of the new configuration gets it at once, before any native
-    group is built: the prefix still holds the earlier group's keys, and a
-    group built over them connects to peers that are gone. It is also a
-    ``ValueError``: the address is the problem, and trying it again fails
-    again. Configure each group at a fresh prefix (a generation or quorum
-    number in it, as ``Membership`` and torchft's Manager do).
+    A rank that built a native group at the prefix is refused before it
+    builds another, and every other rank of its configuration that waits
+    there for it is told so (within 0.5 s): the prefix still holds the
+    earlier group's keys, and a group built over them connects to peers
+    that are gone. Trying the same prefix again fails again: configure each
+    group at a fresh prefix (a generation or quorum number in it, as
+    ``Membership`` and torchft's Manager do). As after any failed
+    ``configure()``, the group is unconfigured.
     """
 
 

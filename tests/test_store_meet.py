@@ -13,13 +13,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 from helpers import StoreServer
+from torch.distributed import PrefixStore, TCPStore
 
 import ftcomm
 from ftcomm._runtime.loop import get_runtime
 from ftcomm._store import (
     MEET_COUNT,
     MEET_KEY,
-    MET_KEY,
+    NATIVE_KEY,
+    REFUSED_KEY,
     ConnectProgress,
     Stopped,
     meet,
@@ -216,30 +218,57 @@ async def _never_answers(black_hole: int) -> None:
         assert time.monotonic() - started < 1.5
 
 
-def test_a_used_prefix_is_refused_before_the_rank_counts_itself_in() -> None:
+def test_a_rank_that_built_a_group_at_a_prefix_is_refused_there() -> None:
     store = MemoryStore()
     meet(store, 0, 1, time.monotonic() + 5, ConnectProgress())  # type: ignore[arg-type]
-    assert store.data[MET_KEY] == "1"
+    assert store.data[NATIVE_KEY.format(rank=0)] == "1"
     before = dict(store.data)
-    with pytest.raises(ftcomm.PrefixReused, match="at h:1/p: an earlier configuration") as info:
+    with pytest.raises(ftcomm.PrefixReused, match="at h:1/p: rank 0 built a group") as info:
         meet(store, 0, 1, time.monotonic() + 5, ConnectProgress(), where="h:1/p")  # type: ignore[arg-type]
-    assert isinstance(info.value, ValueError)
     assert isinstance(info.value, ftcomm.CommError)
     assert (info.value.rank, info.value.op) == (0, "configure")
-    assert store.data == before  # refused before it touched anything
+    assert "configure each group at a fresh prefix" in str(info.value)
+    # refused before it counted itself in; it says so to the others
+    assert store.data == {**before, REFUSED_KEY: "0"}
 
 
-def test_a_prefix_is_marked_used_only_once_every_rank_came() -> None:
-    """A rank that gives up before the others came leaves the prefix free:
-    its next attempt (or another rank's first) is not refused."""
+def test_a_rank_waiting_at_a_prefix_where_another_was_refused_is_refused_too() -> None:
+    """A larger world at a used prefix: its new rank never built anything
+    there, but the ranks that did are refused, and it hears of it."""
+    store = MemoryStore()
+    store.set(REFUSED_KEY, "0")
+    started = time.monotonic()
+    with pytest.raises(ftcomm.PrefixReused, match="another rank was refused at this prefix"):
+        meet(store, 2, 3, time.monotonic() + 10, ConnectProgress())  # type: ignore[arg-type]
+    assert time.monotonic() - started < 5.0  # at its next look (0.5 s), not its deadline
+    assert store.data[MEET_COUNT.format(world=3)] == 0  # it took itself out
+    assert NATIVE_KEY.format(rank=2) not in store.data
+
+
+def test_a_rank_whose_earlier_attempt_built_nothing_may_come_again() -> None:
+    """A first run's rank 1 counted itself in and was killed before rank 0
+    came (its count stands): rank 0 meets at once and goes on to build;
+    rank 1, coming again, takes its key over, is not refused, and meets."""
+    store = MemoryStore()
+    store.set(MEET_KEY.format(world=2, rank=1), "token-of-a-killed-worker")
+    store.add(MEET_COUNT.format(world=2), 1)
+    meet(store, 0, 2, time.monotonic() + 5, ConnectProgress())  # type: ignore[arg-type]
+    assert NATIVE_KEY.format(rank=0) in store.data
+    meet(store, 1, 2, time.monotonic() + 5, ConnectProgress())  # type: ignore[arg-type]
+    assert NATIVE_KEY.format(rank=1) in store.data
+    assert REFUSED_KEY not in store.data
+    assert store.data[MEET_COUNT.format(world=2)] == 2
+
+
+def test_a_rank_that_gave_up_is_not_marked() -> None:
     store = MemoryStore()
     with pytest.raises(TimeoutError):
         meet(store, 0, 2, time.monotonic() + 0.1, ConnectProgress())  # type: ignore[arg-type]
-    assert MET_KEY not in store.data
+    assert NATIVE_KEY.format(rank=0) not in store.data
     store.set(MEET_KEY.format(world=2, rank=1), "1")
     store.add(MEET_COUNT.format(world=2), 1)
     meet(store, 0, 2, time.monotonic() + 5, ConnectProgress())  # type: ignore[arg-type]
-    assert store.data[MET_KEY] == "2"
+    assert store.data[NATIVE_KEY.format(rank=0)] == "2"
 
 
 def test_a_reused_prefix_fails_at_once_on_every_rank_every_time(store: StoreServer) -> None:
@@ -277,5 +306,44 @@ async def _reuse(port: int, tries: int, subprocess: bool = False) -> None:
         assert time.monotonic() - started < 5.0  # at once: not the 10 s configure timeout
         for rank, error in enumerate(again):
             assert isinstance(error, ftcomm.PrefixReused), (i, rank, error)
-            assert f"127.0.0.1:{port}/run{i}: an earlier configuration" in str(error)
+            assert f"configure() at 127.0.0.1:{port}/run{i}: " in str(error)
+            assert "configure each group at a fresh prefix" in str(error)
             assert error.rank == rank
+
+
+@pytest.mark.slow
+def test_a_rank_whose_worker_was_killed_in_the_meet_configures_again_there(
+    store: StoreServer,
+) -> None:
+    """The same configuration, retried: rank 1's first attempt is given up
+    while its worker waits in the meet (the worker is killed, its count
+    stands); rank 0 comes and goes on to build; rank 1 configures again at
+    the same prefix, and the two make one group."""
+    asyncio.run(_retry_after_a_killed_worker(store.port))
+
+
+def _counted(port: int, prefix: str, key: str) -> None:
+    """Wait (at most 30 s) until a rank counted itself in at ``key``."""
+    client = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+    store = PrefixStore(prefix, client)
+    deadline = time.monotonic() + 30
+    while not (store.check([key]) and store.add(key, 0) >= 1):
+        assert time.monotonic() < deadline, f"nobody counted itself in at {key!r}"
+        time.sleep(0.01)
+
+
+async def _retry_after_a_killed_worker(port: int) -> None:
+    addr = f"127.0.0.1:{port}/retry"
+    first = ftcomm.Group("gloo", timeout=30, subprocess=True)
+    attempt = asyncio.ensure_future(first.configure(addr, 1, 2))
+    await asyncio.to_thread(_counted, port, "retry", MEET_COUNT.format(world=2))
+    await first.abort()
+    with pytest.raises(ftcomm.CommAborted):
+        await attempt
+    r0, r1 = ftcomm.Group("gloo", timeout=30), ftcomm.Group("gloo", timeout=30, subprocess=True)
+    try:
+        await asyncio.gather(r0.configure(addr, 0, 2), r1.configure(addr, 1, 2))
+        sums = await asyncio.gather(r0.allreduce(torch.ones(1)), r1.allreduce(torch.ones(1)))
+        assert [t.item() for t in sums] == [2.0, 2.0]
+    finally:
+        await asyncio.gather(first.shutdown(), r0.shutdown(), r1.shutdown())

@@ -72,7 +72,7 @@ def test_serve_store_rejects_bad_arguments_by_name() -> None:
 
 
 def test_env_addresses_read_torchruns_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ValueError, match="needs MASTER_ADDR and MASTER_PORT"):
         parse_env_addr("env://")
@@ -96,6 +96,9 @@ def test_env_addresses_read_torchruns_variables(monkeypatch: pytest.MonkeyPatch)
     for query in ("env://?rank=0", "env://run/q0?rank=1"):
         with pytest.raises(ValueError, match="takes a prefix"):
             parse_env_addr(query)
+    # under torchrun, each restart of its workers meets at a prefix of its own
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert parse_env_addr("env://run/q1").prefix == "run/q1/attempt_2"
 
 
 @pytest.mark.asyncio
@@ -187,6 +190,47 @@ def test_the_multi_host_recipe_on_two_loopback_hosts() -> None:
         out, err = store.communicate(timeout=10)
     assert store.returncode == 0, err
     assert "ftcomm store stopped" in out
+
+
+RESTARTED = """
+import asyncio, os, torch, ftcomm
+
+async def main():
+    attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+    async with ftcomm.Group("gloo", timeout=30) as g:
+        await g.configure("env://restarts")
+        total = await g.allreduce(torch.ones(1))
+        print(f"attempt {attempt} rank {rank} sum {total.item():g}", flush=True)
+        if attempt == 0 and rank == 1:
+            os._exit(1)  # a rank dies: torchrun stops the other and restarts both
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_restarted_workers_meet_at_a_prefix_of_their_own(tmp_path: Path) -> None:
+    """torchrun's store outlives a restart of its workers: configure("env://x")
+    after a restart is not refused as a reused prefix (it meets at
+    x/attempt_1)."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("no torchrun next to this interpreter (torch installed elsewhere)")
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED)
+    done = subprocess.run(
+        [
+            *(torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"),
+            *("--no-python", sys.executable, str(script)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("attempt"))
+    assert lines[-2:] == ["attempt 1 rank 0 sum 2", "attempt 1 rank 1 sum 2"], done.stdout
 
 
 @pytest.mark.slow

@@ -21,6 +21,11 @@ Facts of torch 2.13 this backend is built around (DESIGN.md):
   issues one fused allreduce itself instead (see
   :meth:`GlooBackend._reduce_scatter`), whose future ends the op with no
   thread at all.
+* The construction of ``ProcessGroupGloo`` waits in the store for each
+  peer's address until its own timeout, and nothing ends that wait early:
+  it is built through a store view whose waits poll and end once nobody
+  waits for the connect (``StoppableStore``), so a configure given up there
+  gives its control thread back at once.
 * The backend has no ``allgather_into_tensor_coalesced``: it is issued as one
   ``_allgather_base`` per tensor, all in flight at once, and ends when all
   have (:class:`WorksOp`). The cost is one native op per tensor instead of
@@ -63,7 +68,7 @@ from .._runtime.native import (
     write_outputs,
 )
 from .._runtime.threads import Handoff
-from .._store import StoreAddr, connect_store, meet
+from .._store import StoppableStore, StoreAddr, connect_store, meet
 from .._validate import PremulSum, ReduceOpArg
 from ._base import NUMERIC_DTYPES, Backend, ConnectSpec
 from ._gloo_pairs import (
@@ -337,13 +342,20 @@ class GlooBackend(Backend):
         meet(store, spec.rank, spec.world_size, deadline, progress, cancel, where=str(spec.store))
         progress.step = "native"
         before = socket_inodes()
-        pg = pg_gloo(store, spec.rank, spec.world_size, opts)
+        # The construction waits in the store for each peer's address until
+        # its own timeout: through a view that ends those waits once nobody
+        # waits for this connect, it gives its thread back at once. The
+        # group keeps the view (plain from now on) as long as it lives.
+        native_store = store if cancel is None else StoppableStore(store, cancel)
+        pg = pg_gloo(native_store, spec.rank, spec.world_size, opts)
+        if isinstance(native_store, StoppableStore):
+            native_store.built()
         pairs = None
         if listener is not None:
             pairs = find_pairs(before, _listeners(store, spec.world_size), spec.rank)
         if pairs is None:
             warn_local_aborts()
-        return cls(pg, store, spec.rank, spec.world_size, pairs)
+        return cls(pg, native_store, spec.rank, spec.world_size, pairs)
 
     def close(self) -> list[object]:
         """Let go of the native objects. Not a sever: an op in flight was

@@ -504,7 +504,7 @@ class ProcessGroupWrapper(_Facade):
             TypeError, ValueError: a bad argument (the previous configuration
                 stays as it was).
             CommTimeout: the store or a peer did not answer in time.
-            CommFailed: the store or the group construction failed.
+            CommFailed: the store or the group construction failed; PrefixReused: a used prefix.
             NotImplementedError: this class has no backend of its own and wraps nothing.
         """
         self._on_configure()
