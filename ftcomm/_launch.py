@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import os
 import signal
 import socket
@@ -29,10 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._membership._lighthouse import is_lighthouse
+from ._membership.membership import check_name
 from ._server import serve_store
 from ._store import parse_store_addr
 
 EXIT_STOPPED = {signal.SIGINT: 130, signal.SIGTERM: 143}  # a shell's 128 + signal
+EXIT_INTERNAL = 3  # the launcher itself failed (after stopping every member)
 MAX_BACKOFF = 30.0  # seconds: the most a restart waits, however many came before
 
 
@@ -46,7 +49,7 @@ class Member:
     restarts: int = 0
     proc: asyncio.subprocess.Process | None = None
     state: str = "running"  # running -> done | gave up | stopped
-    codes: list[int] = field(default_factory=list)  # every exit, in order
+    codes: list[int | None] = field(default_factory=list)  # every exit (None: no start)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -60,10 +63,12 @@ def parser() -> argparse.ArgumentParser:
         epilog=(
             "Exit status: 0 when every member exited 0; 1 when one gave up (its "
             "restarts used up: the launcher waits for the others first); 2 for bad "
-            "arguments; 130 (SIGINT, Ctrl-C) or 143 (SIGTERM) when stopped. "
+            "arguments; 3 when the launcher itself failed; 130 (SIGINT, Ctrl-C) or 143 "
+            "(SIGTERM) when stopped: the signal goes to every member, SIGKILL after "
+            "--grace, or at once on a second one. "
             "Members get FTCOMM_ENGINE, FTCOMM_JOB, FTCOMM_MEMBER_ID, FTCOMM_MIN_SIZE, "
-            "FTCOMM_MAX_SIZE, FTCOMM_LOCAL_INDEX, FTCOMM_NPROC, FTCOMM_RESTART_COUNT "
-            "(docs/running.md)."
+            "FTCOMM_MAX_SIZE, FTCOMM_STORE_HOST (a lighthouse engine), FTCOMM_LOCAL_INDEX, "
+            "FTCOMM_NPROC, FTCOMM_RESTART_COUNT (docs/running.md)."
         ),
     )
     p.add_argument("--nproc", type=int, default=1, help="members on this host (default 1)")
@@ -88,6 +93,14 @@ def parser() -> argparse.ArgumentParser:
         "--max-size",
         type=int,
         help="FTCOMM_MAX_SIZE: the most members (default: --nproc with the embedded store)",
+    )
+    p.add_argument(
+        "--store-host",
+        help=(
+            "with a lighthouse engine: the address this host's members host their "
+            "groups' store on, which the other hosts reach (default: the one that routes "
+            "to the lighthouse)"
+        ),
     )
     p.add_argument("--max-restarts", type=int, default=3, help="restarts per member (default 3)")
     p.add_argument(
@@ -118,18 +131,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.print_usage(sys.stderr)
         print(f"python -m ftcomm run: {problem}", file=sys.stderr)
         return 2
-    with _engine(opts.engine) as engine:
-        return asyncio.run(_run(opts, engine))
+    try:
+        with _engine(opts.engine) as engine:
+            return asyncio.run(_run(opts, engine))
+    except Exception as exc:  # members were stopped on the way out (_run's finally)
+        _say(f"the launcher failed: {type(exc).__name__}: {exc}")
+        return EXIT_INTERNAL
 
 
 def _check(opts: argparse.Namespace) -> str:
-    """What is wrong with the arguments, in words ('' if nothing)."""
+    """What is wrong with the arguments, in words ('' if nothing): whatever
+    would make every member fail at its start is refused here instead."""
     for name in ("nproc", "min_size", "max_size"):
         value = getattr(opts, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {value}"
-    if opts.min_size and opts.max_size and opts.min_size > opts.max_size:
-        return f"--min-size ({opts.min_size}) must not exceed --max-size ({opts.max_size})"
+    most = max_size_of(opts)
+    if opts.min_size and most and opts.min_size > most:
+        where = "--max-size" if opts.max_size else "--nproc, the most with the embedded store"
+        return f"--min-size ({opts.min_size}) must not exceed {where} ({most})"
+    if opts.max_size and opts.nproc > opts.max_size:
+        return (
+            f"--nproc ({opts.nproc}) exceeds --max-size ({opts.max_size}): the members "
+            "beyond it would never be let in"
+        )
     if opts.max_restarts < 0:
         return f"--max-restarts must be >= 0, got {opts.max_restarts}"
     for name in ("backoff", "grace"):
@@ -140,12 +165,39 @@ def _check(opts: argparse.Namespace) -> str:
             parse_store_addr(opts.engine, "--engine")
         except ValueError as exc:
             return str(exc)
-    prefix = opts.id_prefix
-    if prefix is not None and (not prefix or any(c.isspace() or c == "/" for c in prefix)):
-        return f"--id-prefix must be non-empty, without whitespace or '/', got {prefix!r}"
-    if not opts.module and not os.path.isfile(opts.script):
+        if opts.store_host is not None:
+            return "--store-host is for a lighthouse engine (a store engine hosts the groups)"
+    try:
+        check_name(opts.job, "--job")
+        if opts.id_prefix is not None:
+            check_name(opts.id_prefix, "--id-prefix")
+    except ValueError as exc:
+        return str(exc)
+    if opts.module:
+        try:
+            found = importlib.util.find_spec(opts.script) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return f"no module named {opts.script!r}"
+    elif not os.path.isfile(opts.script):
         return f"no such script: {opts.script!r} (a module: -m {opts.script})"
     return ""
+
+
+def max_size_of(opts: argparse.Namespace) -> int | None:
+    """The most members a generation may have: ``--max-size``; with the
+    embedded store (a job on this host only), ``--nproc``."""
+    return opts.max_size or (opts.nproc if opts.engine is None else None)
+
+
+def _route_to(url: str) -> str:
+    """This host's address on the route to ``url``'s host (no packet is sent)."""
+    host, _, port = url.split("://", 1)[-1].split("/", 1)[0].rpartition(":")
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host.strip("[]"), int(port or 80)))
+        return str(probe.getsockname()[0])
 
 
 @contextlib.contextmanager
@@ -158,18 +210,23 @@ def _engine(given: str | None) -> Iterator[str]:
         yield server.address
 
 
-def _kill(members: list[Member]) -> None:
-    for m in members:
-        if m.proc is not None and m.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                m.proc.kill()
+def _signal(m: Member, sig: signal.Signals) -> None:
+    """``sig`` to member ``m``'s process group (it and what it started), if it runs."""
+    proc = m.proc
+    if proc is not None and proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
 
 
 def _say(text: str) -> None:
-    print(f"ftcomm run: {text}", file=sys.stderr, flush=True)
+    """A line on stderr; a reader that went away does not stop the launcher."""
+    with contextlib.suppress(OSError, ValueError):
+        print(f"ftcomm run: {text}", file=sys.stderr, flush=True)
 
 
-def _ended(code: int) -> str:
+def _ended(code: int | None) -> str:
+    if code is None:
+        return "could not be started"
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"was killed by {signal.Signals(-code).name}"
@@ -181,15 +238,20 @@ async def _run(opts: argparse.Namespace, engine: str) -> int:
     embedded = opts.engine is None
     prefix = opts.id_prefix or ("m" if embedded else f"{socket.gethostname()}-m")
     members = [Member(i, f"{prefix}{i}") for i in range(opts.nproc)]
-    max_size = opts.max_size or (opts.nproc if embedded else None)
+    max_size = max_size_of(opts)
     base = dict(os.environ)
     base.update(FTCOMM_ENGINE=engine, FTCOMM_JOB=opts.job, FTCOMM_NPROC=str(opts.nproc))
-    base.pop("FTCOMM_MAX_SIZE", None)
-    base.pop("FTCOMM_MIN_SIZE", None)
+    for name in ("FTCOMM_MIN_SIZE", "FTCOMM_MAX_SIZE", "FTCOMM_STORE_HOST"):
+        base.pop(name, None)
     if opts.min_size:
         base["FTCOMM_MIN_SIZE"] = str(opts.min_size)
     if max_size:
         base["FTCOMM_MAX_SIZE"] = str(max_size)
+    if is_lighthouse(engine):
+        base["FTCOMM_STORE_HOST"] = opts.store_host or _route_to(engine)
+    if opts.nproc > 1 and "OMP_NUM_THREADS" not in base:
+        base["OMP_NUM_THREADS"] = "1"  # as torchrun: N members' thread pools share the CPUs
+        _say("OMP_NUM_THREADS=1 for each member (set it to change that)")
     command = [sys.executable, *(["-m"] if opts.module else []), opts.script, *opts.args]
     where = "a store on loopback" if embedded else engine
     _say(
@@ -198,19 +260,22 @@ async def _run(opts: argparse.Namespace, engine: str) -> int:
     )
 
     stopping = asyncio.Event()
-    stopped_by: list[signal.Signals] = []
+    signals: list[signal.Signals] = []
     loop = asyncio.get_running_loop()
 
     def stop(sig: signal.Signals) -> None:
+        """Each member is in a process group of its own (a terminal's Ctrl-C
+        reaches the launcher alone): the signal is passed on to each, once;
+        a second one SIGKILLs them."""
+        signals.append(sig)
         if stopping.is_set():
+            for m in members:
+                _signal(m, signal.SIGKILL)
             return
-        stopped_by.append(sig)
         stopping.set()
-        _say(f"{sig.name}: stopping every member (SIGKILL after {opts.grace:g} s)")
         for m in members:
-            if m.proc is not None and m.proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    m.proc.send_signal(signal.SIGTERM)
+            _signal(m, sig)
+        _say(f"{sig.name}: passed on to every member (SIGKILL after {opts.grace:g} s)")
 
     for sig in EXIT_STOPPED:
         loop.add_signal_handler(sig, stop, sig)
@@ -221,25 +286,35 @@ async def _run(opts: argparse.Namespace, engine: str) -> int:
     try:
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if stopping.is_set():
-            try:
-                await asyncio.wait_for(asyncio.shield(done), opts.grace)
-            except TimeoutError:
-                _kill(members)
+            await _ended_within(done, members, opts.grace)
         await done
-    finally:  # (a failure of the launcher's own, too): no member outlives it
+    finally:  # and where the launcher itself failed: SIGTERM, the grace, SIGKILL
         asked.cancel()
         for sig in EXIT_STOPPED:
             loop.remove_signal_handler(sig)
-        _kill(members)
+        if not done.done():
+            stopping.set()
+            for m in members:
+                _signal(m, signal.SIGTERM)
+            await _ended_within(done, members, opts.grace)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     for m in members:
         restarts = f"{m.restarts} restart{'s' if m.restarts != 1 else ''}"
         _say(f"{m.id} {m.state}: {_ended(m.codes[-1]) if m.codes else 'never ran'} ({restarts})")
-    if stopped_by:
-        return EXIT_STOPPED[stopped_by[0]]
+    if signals:
+        return EXIT_STOPPED[signals[0]]
     return 0 if all(m.state == "done" for m in members) else 1
+
+
+async def _ended_within(done: asyncio.Future[Any], members: list[Member], grace: float) -> None:
+    """Wait ``grace`` seconds for every member to end; then SIGKILL the rest."""
+    with contextlib.suppress(TimeoutError, Exception):
+        await asyncio.wait_for(asyncio.shield(done), grace)
+    if not done.done():
+        for m in members:
+            _signal(m, signal.SIGKILL)
 
 
 async def _supervise(
@@ -257,31 +332,31 @@ async def _supervise(
             FTCOMM_LOCAL_INDEX=str(m.index),
             FTCOMM_RESTART_COUNT=str(m.restarts),
         )
-        m.proc = await asyncio.create_subprocess_exec(*command, env=env)
-        if stopping.is_set():  # the stop came as it started: it gets the others' SIGTERM
-            with contextlib.suppress(ProcessLookupError):
-                m.proc.send_signal(signal.SIGTERM)
-        code = await m.proc.wait()
-        pid, m.proc = m.proc.pid, None
+        code: int | None = None
+        try:  # in a session of its own: a terminal's Ctrl-C is the launcher's to pass on
+            m.proc = await asyncio.create_subprocess_exec(*command, env=env, start_new_session=True)
+        except OSError as exc:  # no fork (memory, a process limit): a failed start
+            _say(f"{m.id} could not be started: {exc}")
+            pid = None
+        else:
+            if stopping.is_set():  # the stop came as it started
+                _signal(m, signal.SIGTERM)
+            code = await m.proc.wait()
+            pid, m.proc = m.proc.pid, None
         m.codes.append(code)
         if code == 0:
             m.state = "done"
             return
         if stopping.is_set():
             break
+        who = f"{m.id} (pid {pid})" if pid is not None else m.id
         if m.restarts >= opts.max_restarts:
             m.state = "gave up"
-            _say(
-                f"{m.id} (pid {pid}) {_ended(code)}: no restarts left of "
-                f"{opts.max_restarts}; the others go on"
-            )
+            _say(f"{who} {_ended(code)}: no restarts left of {opts.max_restarts}; the others go on")
             return
         m.restarts += 1
         delay = min(opts.backoff * 2 ** (m.restarts - 1), MAX_BACKOFF)
-        _say(
-            f"{m.id} (pid {pid}) {_ended(code)}: restart {m.restarts} of "
-            f"{opts.max_restarts} in {delay:g} s, as {m.id}"
-        )
+        _say(f"{who} {_ended(code)}: restart {m.restarts} of {opts.max_restarts} in {delay:g} s")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopping.wait(), delay)
     m.state = "stopped"

@@ -93,7 +93,7 @@ def test_a_member_out_of_restarts_ends_the_job_after_the_others_and_stops_none(
     assert done.returncode == 1, done.stderr
     assert done.stdout.split() == ["m0", "j", "2"]
     assert "m1 (pid" in done.stderr
-    assert "exited 3: restart 1 of 1 in 0 s, as m1" in done.stderr
+    assert "exited 3: restart 1 of 1 in 0 s" in done.stderr
     assert "exited 3: no restarts left of 1; the others go on" in done.stderr
     assert "m0 done: exited 0 (0 restarts)" in done.stderr
     assert "m1 gave up: exited 3 (1 restart)" in done.stderr
@@ -103,15 +103,17 @@ def test_a_member_out_of_restarts_ends_the_job_after_the_others_and_stops_none(
 def test_a_stop_reaches_every_member_and_leaves_none_behind(
     tmp_path: Path, sig: signal.Signals
 ) -> None:
-    """Ctrl-C (or SIGTERM) at the launcher: SIGTERM to each member; one that
-    ignores it is SIGKILLed after the grace; no restart; 130 (143)."""
+    """Ctrl-C at a terminal (SIGINT to the launcher's process group) or
+    SIGTERM: each member gets that signal once, from the launcher (they are
+    in groups of their own); one that ignores it is SIGKILLed after the
+    grace; no restart; 130 (143)."""
     member = script(
         tmp_path,
         f"""
         import os, signal, time
         me = os.environ["FTCOMM_MEMBER_ID"]
         if me == "m1":
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal({int(sig)}, signal.SIG_IGN)
         open(os.path.join({str(tmp_path)!r}, me + ".pid"), "w").write(str(os.getpid()))
         while True:
             signal.pause()
@@ -122,12 +124,12 @@ def test_a_stop_reaches_every_member_and_leaves_none_behind(
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
-        start_new_session=True,  # the signal goes to the launcher alone, not to a group
+        start_new_session=True,  # its own group, as a terminal's foreground job
     )
     try:
         pids = _wait_for_pids(tmp_path, ["m0", "m1"], proc)
         sent = time.monotonic()
-        proc.send_signal(sig)
+        os.killpg(proc.pid, sig)  # what a terminal does: the whole foreground group
         _, err = proc.communicate(timeout=20)
     finally:
         if proc.poll() is None:
@@ -135,13 +137,53 @@ def test_a_stop_reaches_every_member_and_leaves_none_behind(
             proc.wait()
     assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], err
     assert time.monotonic() - sent < 10.0  # the grace (0.5 s), with room for a busy machine
-    assert f"{sig.name}: stopping every member" in err
-    assert "m0 stopped: was killed by SIGTERM (0 restarts)" in err
+    assert f"{sig.name}: passed on to every member" in err
+    assert f"m0 stopped: was killed by {sig.name} (0 restarts)" in err
     assert "m1 stopped: was killed by SIGKILL (0 restarts)" in err
     assert "restart 1" not in err
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_second_ctrl_c_kills_at_once(tmp_path: Path) -> None:
+    member = script(
+        tmp_path,
+        f"""
+        import os, signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        open(os.path.join({str(tmp_path)!r}, "m0.pid"), "w").write(str(os.getpid()))
+        while True:
+            signal.pause()
+        """,
+    )
+    proc = subprocess.Popen(
+        [*RUN, "--grace", "60", member],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        _wait_for_pids(tmp_path, ["m0"], proc)
+        proc.send_signal(signal.SIGINT)
+        _wait_for_line(proc, "SIGINT: passed on to every member")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)  # not the 60 s grace
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "m0 stopped: was killed by SIGKILL (0 restarts)" in err
+
+
+def _wait_for_line(proc: subprocess.Popen[str], text: str) -> None:
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if text in line:
+            return
+    raise AssertionError(f"the launcher never said {text!r}")
 
 
 def _wait_for_pids(where: Path, ids: list[str], proc: subprocess.Popen[str]) -> list[int]:
@@ -208,7 +250,12 @@ def test_launchers_on_two_hosts_share_one_engine(tmp_path: Path) -> None:
         (["--max-restarts", "-1", "x.py"], "--max-restarts must be >= 0"),
         (["--backoff", "nan", "x.py"], "--backoff must be a number of seconds"),
         (["--engine", "http//x", "x.py"], "--engine 'http//x' has no port"),
-        (["--id-prefix", "a b", "x.py"], "--id-prefix must be non-empty"),
+        (["--id-prefix", "a b", "x.py"], "--id-prefix 'a b' must not contain whitespace"),
+        (["--job", "a/b", "x.py"], "--job 'a/b' must not contain whitespace or '/'"),
+        (["--nproc", "2", "--min-size", "3", "x.py"], "--min-size (3) must not exceed --nproc"),
+        (["--nproc", "3", "--max-size", "2", "x.py"], "--nproc (3) exceeds --max-size (2)"),
+        (["--engine", "127.0.0.1:1", "--store-host", "h", "x.py"], "--store-host is for a light"),
+        (["-m", "no_such_module_here"], "no module named 'no_such_module_here'"),
         (["no-such-script.py"], "no such script: 'no-such-script.py'"),
     ],
 )
@@ -219,7 +266,7 @@ def test_bad_arguments_are_named_and_start_nothing(args: list[str], says: str) -
 
 
 def test_from_env_reads_what_the_launcher_sets(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("ENGINE", "JOB", "MEMBER_ID", "MIN_SIZE", "MAX_SIZE"):
+    for name in ("ENGINE", "JOB", "MEMBER_ID", "MIN_SIZE", "MAX_SIZE", "STORE_HOST"):
         monkeypatch.delenv(f"FTCOMM_{name}", raising=False)
     with pytest.raises(ValueError, match="FTCOMM_ENGINE, FTCOMM_JOB, FTCOMM_MEMBER_ID not set"):
         ftcomm.Membership.from_env()
@@ -239,6 +286,10 @@ def test_from_env_reads_what_the_launcher_sets(monkeypatch: pytest.MonkeyPatch) 
     assert (members.min_size, members.max_size) == (2, 3)
     monkeypatch.setenv("FTCOMM_MAX_SIZE", "four")
     with pytest.raises(ValueError, match="FTCOMM_MAX_SIZE must be an int, got 'four'"):
+        ftcomm.Membership.from_env()
+    monkeypatch.setenv("FTCOMM_MAX_SIZE", "4")
+    monkeypatch.setenv("FTCOMM_MIN_SIZE", "0")  # as Membership(min_size=0): refused
+    with pytest.raises(ValueError, match="min_size must be >= 1, got 0"):
         ftcomm.Membership.from_env()
 
 
@@ -267,6 +318,7 @@ def test_raising_passes_on_what_is_not_the_groups_error() -> None:
         raise RuntimeError("callback: CommTimeout: late")  # the group is not errored
     assert type(info.value) is RuntimeError
     errored[0] = ftcomm.CommTimeout("late", rank=0, op="allreduce", seq=3)
+    errored[0].__cause__ = ftcomm.CommTimeout("the op's own", rank=0, op="allreduce", seq=3)
     with pytest.raises(RuntimeError, match="shape mismatch") as info, pg.raising():
         raise RuntimeError("shape mismatch")  # names no ftcomm error
     assert type(info.value) is RuntimeError
@@ -282,12 +334,13 @@ def test_raising_passes_on_what_is_not_the_groups_error() -> None:
             raise torch_error
         assert timed_out.value is not errored[0]
         assert timed_out.value.__cause__ is torch_error
+        assert torch_error.__cause__ is errored[0].__cause__  # on to the op's own error
         assert (timed_out.value.rank, timed_out.value.op, timed_out.value.seq) == (
             0,
             "allreduce",
             3,
         )
-    assert errored[0].__cause__ is None
+    assert str(errored[0].__cause__) == "the op's own [rank=0 op=allreduce seq=3]"
 
 
 async def _hung_peer_under_ddp(ctx: RankContext) -> tuple[str, str, str, str]:
@@ -321,3 +374,10 @@ def test_raising_gives_the_typed_error_of_a_backward_whose_peer_hangs() -> None:
     assert cause == "RuntimeError"
     assert "Got the following error when running the callback: CommTimeout: allreduce" in torch_said
     assert "the group is aborted (configure() it again to go on) after: allreduce" in text
+
+
+def test_a_lighthouse_engine_gets_the_address_that_routes_to_it() -> None:
+    from ftcomm._launch import _route_to
+
+    assert _route_to("http://127.0.0.1:29510") == "127.0.0.1"
+    assert _route_to("http://[::1]:29510/") == "::1"

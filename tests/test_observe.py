@@ -14,7 +14,7 @@ import torch
 
 import ftcomm
 from ftcomm._runtime.loop import get_runtime
-from ftcomm._runtime.observe import Histogram, Observer
+from ftcomm._runtime.observe import Histogram, Observer, _plain
 
 
 def delivered() -> None:
@@ -325,3 +325,9 @@ def test_an_abort_log_line_says_gloos_error_without_its_boilerplate(
     )
     assert "GLHF" not in line
     assert "GLHF" in str(cause)  # the error itself keeps the native text whole
+    advice = (
+        " This is typically caused by a remote worker hanging. Check the logs of the "
+        "remote worker before reporting an error. GLHF! \U0001f3d6\ufe0f"
+    )
+    two = f"A failed.{advice}; then B failed: peer gone.{advice} [rank=0]"
+    assert _plain(two) == "A failed.; then B failed: peer gone. [rank=0]"

@@ -35,7 +35,7 @@ from ._lighthouse import LighthouseEngine, is_lighthouse
 from ._rule import NO_CAP, Member, WorldRecord
 from ._store_engine import StoreEngine
 
-ENV_NAMES = ("engine", "job", "member_id", "min_size", "max_size")
+ENV_NAMES = ("engine", "job", "member_id", "min_size", "max_size", "store_host")
 """What :meth:`Membership.from_env` reads: ``FTCOMM_<NAME>``, set by ``ftcomm run``."""
 
 T = TypeVar("T")
@@ -66,7 +66,13 @@ class World:
     store_addr: str
 
 
-def _check_name(value: object, name: str) -> str:
+def check_name(value: object, name: str) -> str:
+    """``value`` as a job's or member's name: a non-empty str without whitespace or '/'.
+
+    Raises:
+        TypeError: not a str.
+        ValueError: empty, or with whitespace or '/'.
+    """
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str, got {type(value).__name__}")
     if not value or not value.strip():
@@ -145,8 +151,8 @@ class Membership:
         timeout: Timeout = 60.0,
         store_host: str = "127.0.0.1",
     ) -> None:
-        self.job = _check_name(job, "job")
-        self.member_id = _check_name(member_id, "member_id")
+        self.job = check_name(job, "job")
+        self.member_id = check_name(member_id, "member_id")
         self.min_size = _check_size(min_size, "min_size")
         self.max_size = None if max_size is None else _check_size(max_size, "max_size")
         if self.max_size is not None and self.min_size > self.max_size:
@@ -210,13 +216,14 @@ class Membership:
         heartbeat_timeout: Timeout = 1.0,
         heartbeat_interval: Timeout | None = None,
         timeout: Timeout = 60.0,
-        store_host: str = "127.0.0.1",
+        store_host: str | None = None,
     ) -> Membership:
         """This member of a job that ``python -m ftcomm run`` started: the
         engine, job, member id and sizes from the environment it sets
         (``FTCOMM_ENGINE``, ``FTCOMM_JOB``, ``FTCOMM_MEMBER_ID``,
-        ``FTCOMM_MIN_SIZE``, ``FTCOMM_MAX_SIZE``; docs/running.md), so a
-        script names no address. ``min_size``/``max_size`` given here win
+        ``FTCOMM_MIN_SIZE``, ``FTCOMM_MAX_SIZE``, and for a lighthouse
+        engine ``FTCOMM_STORE_HOST``; docs/running.md), so a script names no
+        address. ``min_size``, ``max_size`` and ``store_host`` given here win
         over the environment's; the other arguments are ``Membership()``'s.
 
         Raises:
@@ -244,17 +251,18 @@ class Membership:
                     f"FTCOMM_{name.upper()} must be an int, got {env[name]!r}"
                 ) from None
 
+        least = size("min_size", min_size)
         return cls(
             env["engine"],
             env["job"],
             env["member_id"],
-            size("min_size", min_size) or 1,
+            1 if least is None else least,
             size("max_size", max_size),
             join_window=join_window,
             heartbeat_timeout=heartbeat_timeout,
             heartbeat_interval=heartbeat_interval,
             timeout=timeout,
-            store_host=store_host,
+            store_host=store_host or env["store_host"] or "127.0.0.1",
         )
 
     # -- lifecycle --------------------------------------------------------

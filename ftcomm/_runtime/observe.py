@@ -592,7 +592,10 @@ class Observer:
 
 # Gloo's advice, appended to each of its connection errors: once per log line
 # it is noise ("... Check the logs of the remote worker ... GLHF! 🏖️").
-_GLOO_ADVICE = re.compile(r" This is typically caused by .*?GLHF!\S*( \S+)?(?= \[|$)")
+_GLOO_ADVICE = re.compile(
+    r" This is typically caused by [^.]*\. Check the logs of the remote worker before "
+    r"reporting an error\. GLHF!(?: [^\x00-\x7f]+)?"  # and its emoji
+)
 
 
 def _plain(text: str) -> str:

@@ -13,7 +13,7 @@ interpreter exit:
   one of the group's own threads (a completion callback runs there) kills
   the process: its destructor joins that thread. So a group is handed over
   in a :class:`Handoff`, and the reaper drops it only once its own reference
-  is the last one.
+  is the last one (parking it meanwhile: later batches do not wait).
 
 Each blocking item may say by when (``time.monotonic()``) it will end, at the
 latest. At interpreter exit the runtime waits a few seconds for the items that
@@ -289,15 +289,21 @@ def _run_one(fut: Future[Any], fn: Callable[..., Any], args: tuple[object, ...])
         fut.set_result(result)
 
 
-SOLE_WAIT = 2.0
+SOLE_WAIT = 0.2
 """How long the reaper waits for other holders of a :class:`Handoff`'s
 objects to let go (a thread in the middle of a call on the group: a moment)
-before it drops its own references all the same."""
+before it parks them and goes on with the next batch."""
 
 _COLLECT_AFTER = 0.05
 """Still held after this long: a garbage cycle may hold them, and is
 collected on the reaper (not on whatever thread, a Gloo one included,
 collects next)."""
+
+_RECHECK = 0.05
+"""While objects are parked, how often the reaper looks at them again."""
+
+_WARN_AFTER = 5.0
+"""Parked this long: a warning (something keeps a native group alive)."""
 
 
 class Handoff:
@@ -313,8 +319,9 @@ class Handoff:
     the last. Through a cell they are references to the cell, never to the
     objects: the reaper takes the objects out of it (:meth:`take`). And it
     drops them only once its references are the only ones (a thread in the
-    middle of an issue on the group holds it too), at most
-    :data:`SOLE_WAIT` seconds later.
+    middle of an issue on the group holds it too): it waits a moment
+    (:data:`SOLE_WAIT`), then parks them and looks again every
+    :data:`_RECHECK` seconds, never letting go elsewhere.
     """
 
     __slots__ = ("_objs",)
@@ -404,24 +411,38 @@ class Reaper:
         return self._pending.wait_short(cap)
 
     def _run(self) -> None:
+        parked: list[_Parked] = []  # Handoffs whose objects others still held
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=_RECHECK if parked else None)
+            except queue.Empty:
+                item = None
             if item is _STOP:
                 return
-            token, batch = item
-            del item
-            _drop(batch)  # may block until a native op's own timeout
-            del batch
-            self._pending.remove(token)
+            if item is not None:
+                token, batch = item
+                del item
+                held = _drop(batch)  # may block until a native op's own timeout
+                del batch
+                if held:
+                    parked.append(_Parked(token, held, time.monotonic()))
+                else:
+                    self._pending.remove(token)
+            for p in [p for p in parked if p.settle()]:
+                parked.remove(p)
+                self._pending.remove(p.token)
 
     def close(self, timeout: float = 1.0) -> None:
         self._queue.put(_STOP)
         self._thread.join(timeout)
 
 
-def _drop(batch: list[Any]) -> None:
+def _drop(batch: list[Any]) -> list[list[object]]:
     """Drop ``batch``'s references in order (the reaper's own: the list is
-    its); a :class:`Handoff`'s objects once they are held nowhere else."""
+    its); a :class:`Handoff`'s objects once they are held nowhere else.
+    Those still held elsewhere after a moment (:data:`SOLE_WAIT`, a garbage
+    collection) are returned, to be parked: kept until they are."""
+    held: list[list[object]] = []
     batch.reverse()
     while batch:
         obj = batch.pop()
@@ -430,14 +451,35 @@ def _drop(batch: list[Any]) -> None:
             continue
         owned = obj.take()
         del obj
-        if not _until_only_here(owned, SOLE_WAIT):
+        if _until_only_here(owned, SOLE_WAIT):
+            owned.clear()
+        else:
+            held.append(owned)
+    return held
+
+
+class _Parked:
+    """A batch's Handoff objects that others still held when it was dropped."""
+
+    __slots__ = ("held", "since", "token", "warned")
+
+    def __init__(self, token: int, held: list[list[object]], since: float) -> None:
+        self.token, self.held, self.since, self.warned = token, held, since, False
+
+    def settle(self) -> bool:
+        """Drop what only the reaper holds now; True once nothing is left."""
+        for owned in [o for o in self.held if not _held_elsewhere(o)]:
+            self.held.remove(owned)
+            owned.clear()
+        if self.held and not self.warned and time.monotonic() - self.since >= _WARN_AFTER:
+            self.warned = True
             logging.getLogger("ftcomm").warning(
-                "ftcomm: native objects handed to the reaper are still referenced "
-                "elsewhere after %g s (%s); whoever holds them drops them last",
-                SOLE_WAIT,
-                ", ".join(type(o).__name__ for o in owned),
+                "ftcomm: native objects handed to the reaper are still referenced elsewhere "
+                "after %g s (%s); the reaper keeps them until it holds the last reference",
+                _WARN_AFTER,
+                ", ".join(type(o).__name__ for owned in self.held for o in owned),
             )
-        owned.clear()
+        return not self.held
 
 
 class EventQueue:

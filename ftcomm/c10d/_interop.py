@@ -67,4 +67,7 @@ def raising(errored: Callable[[], Exception | None]) -> Iterator[None]:
         if not isinstance(error, CommError) or not _names_an_error(str(exc)):
             raise
         # A copy: errored() hands out one object, which a raise would change.
+        # The chain goes on through torch's error to the op's (its native cause).
+        if exc.__cause__ is None:
+            exc.__cause__ = error.__cause__
         raise error._located(error.rank, error.op, error.seq) from exc
