@@ -337,9 +337,9 @@ class GlooBackend(Backend):
         if spec.global_ranks is not None:
             opts.global_ranks_in_group = list(spec.global_ranks)
         opts.group_name = f"ftcomm:{spec.replica_id}:{spec.quorum_id}:{spec.store.prefix}"
-        if listener is not None:
-            store.set(LISTENER_KEY.format(rank=spec.rank), encode_addr(listener))
         meet(store, spec.rank, spec.world_size, deadline, progress, cancel, where=str(spec.store))
+        if listener is not None:  # after the meet: a refused rank writes nothing here
+            store.set(LISTENER_KEY.format(rank=spec.rank), encode_addr(listener))
         progress.step = "native"
         before = socket_inodes()
         # The construction waits in the store for each peer's address until

@@ -537,9 +537,9 @@ class ProcessGroupWrapper(_Facade):
         """This class's view of an :class:`ftcomm.Group`: its ops are
         ``group``'s, its rank and size follow each ``group.configure()``
         (``ftcomm.Membership``'s too), so DDP and ``torch.distributed``
-        run on a group that async code reconfigures. (To ``register()`` it
-        under a default group, configure it through the view: the members'
-        global ranks are exchanged there.)
+        run on a group that async code reconfigures. Its ``abort()``,
+        ``shutdown()`` and ``set_timeout()`` act on ``group`` (the owner's to
+        call); ``register()`` it only after a ``configure()`` through it.
 
         Raises:
             TypeError: ``group`` is not an ``ftcomm.Group``.
