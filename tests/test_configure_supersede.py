@@ -58,6 +58,23 @@ async def _give_up(group: ftcomm.Group, task: asyncio.Future[None], how: str, po
         await task
 
 
+async def _give_up_once(port: int, how: str, reached: threading.Event, go: threading.Event) -> None:
+    """Configure rank 0 of 2; once the connect has ``reached`` its point (and
+    waits there for ``go``), give it up the way ``how`` says; then its
+    control thread must be free at once."""
+    async with ftcomm.Group("gloo") as group:
+        task = asyncio.ensure_future(
+            group.configure(f"127.0.0.1:{port}/{PREFIX}", 0, 2, timeout=TIMEOUT)
+        )
+        await asyncio.to_thread(reached.wait, 10)
+        assert reached.is_set()
+        try:
+            await _give_up(group, task, how, port)
+        finally:
+            go.set()
+        await _assert_control_idle_at_once()
+
+
 async def _assert_control_idle_at_once() -> None:
     started = time.monotonic()
     idle = await asyncio.to_thread(get_runtime().control.wait_idle, PROMPT)
@@ -132,18 +149,8 @@ async def test_a_connect_given_up_as_its_ranks_met_never_builds_the_native_group
             go.wait(30)
 
     monkeypatch.setattr(gloo, "meet", meet_then_pause)
-    async with ftcomm.Group("gloo") as group:
-        task = asyncio.ensure_future(
-            group.configure(f"127.0.0.1:{store.port}/{PREFIX}", 0, 2, timeout=TIMEOUT)
-        )
-        await asyncio.to_thread(met.wait, 10)
-        assert met.is_set()
-        try:
-            await _give_up(group, task, how, store.port)
-        finally:
-            go.set()
-        await _assert_control_idle_at_once()
-        assert not watcher.has("0/0"), "the native construction began"
+    await _give_up_once(store.port, how, met, go)
+    assert not watcher.has("0/0"), "the native construction began"
 
 
 @pytest.mark.asyncio
@@ -178,18 +185,8 @@ async def test_a_connect_given_up_before_its_thread_began_it_never_begins(
         return real_connect(cls, spec, cancel)  # type: ignore[no-any-return]
 
     monkeypatch.setattr(GlooBackend, "connect", classmethod(connect))
-    async with ftcomm.Group("gloo") as group:
-        task = asyncio.ensure_future(
-            group.configure(f"127.0.0.1:{store.port}/{PREFIX}", 0, 2, timeout=TIMEOUT)
-        )
-        await asyncio.to_thread(picked.wait, 10)
-        assert picked.is_set()
-        try:
-            await _give_up(group, task, how, store.port)
-        finally:
-            go.set()
-        await _assert_control_idle_at_once()
-        assert PREFIX not in began, "the given-up connect began after all"
+    await _give_up_once(store.port, how, picked, go)
+    assert PREFIX not in began, "the given-up connect began after all"
 
 
 def test_the_view_a_group_is_built_through_stops_with_its_connect() -> None:
