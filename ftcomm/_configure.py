@@ -96,8 +96,8 @@ def _configure_timeout(
     elif progress.step == "native":
         why = (
             f"every rank came to the store {spec.store}, but the native group was not "
-            "built in time (a peer unreachable on its own address, a slow start, or a "
-            "prefix reused from an earlier configuration?)"
+            "built in time (a peer unreachable on its own address, or a slow start); "
+            "try again at a fresh prefix"
         )
     elif progress.detail:  # meeting the other ranks, a worker starting, ...
         why = f"{progress.detail} (store {spec.store})"

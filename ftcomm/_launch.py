@@ -29,12 +29,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._membership._lighthouse import host_port as lighthouse_host_port
 from ._membership._lighthouse import is_lighthouse
 from ._membership.membership import check_name
 from ._server import serve_store
 from ._store import parse_store_addr
 
-EXIT_STOPPED = {signal.SIGINT: 130, signal.SIGTERM: 143}  # a shell's 128 + signal
+# a shell's 128 + signal; SIGHUP: the terminal went away (the members, in
+# sessions of their own, would not hear of it otherwise)
+EXIT_STOPPED = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 EXIT_INTERNAL = 3  # the launcher itself failed (after stopping every member)
 MAX_BACKOFF = 30.0  # seconds: the most a restart waits, however many came before
 
@@ -63,9 +66,9 @@ def parser() -> argparse.ArgumentParser:
         epilog=(
             "Exit status: 0 when every member exited 0; 1 when one gave up (its "
             "restarts used up: the launcher waits for the others first); 2 for bad "
-            "arguments; 3 when the launcher itself failed; 130 (SIGINT, Ctrl-C) or 143 "
-            "(SIGTERM) when stopped: the signal goes to every member, SIGKILL after "
-            "--grace, or at once on a second one. "
+            "arguments; 3 when the launcher itself failed; 130 (SIGINT, Ctrl-C), 143 "
+            "(SIGTERM) or 129 (SIGHUP) when stopped: the signal goes to every member, "
+            "SIGKILL after --grace, or at once on a second one. "
             "Members get FTCOMM_ENGINE, FTCOMM_JOB, FTCOMM_MEMBER_ID, FTCOMM_MIN_SIZE, "
             "FTCOMM_MAX_SIZE, FTCOMM_STORE_HOST (a lighthouse engine), FTCOMM_LOCAL_INDEX, "
             "FTCOMM_NPROC, FTCOMM_RESTART_COUNT (docs/running.md)."
@@ -160,13 +163,19 @@ def _check(opts: argparse.Namespace) -> str:
     for name in ("backoff", "grace"):
         if not 0 <= getattr(opts, name) < float("inf"):
             return f"--{name} must be a number of seconds >= 0, got {getattr(opts, name)}"
-    if opts.engine is not None and not is_lighthouse(opts.engine):
-        try:
+    lighthouse = opts.engine is not None and is_lighthouse(opts.engine)
+    try:
+        if lighthouse:
+            lighthouse_host_port(opts.engine)
+        elif opts.engine is not None:
             parse_store_addr(opts.engine, "--engine")
-        except ValueError as exc:
-            return str(exc)
-        if opts.store_host is not None:
+    except ValueError as exc:
+        return f"--engine {opts.engine!r}: {exc}" if "--engine" not in str(exc) else str(exc)
+    if opts.store_host is not None:
+        if not lighthouse:
             return "--store-host is for a lighthouse engine (a store engine hosts the groups)"
+        if not opts.store_host.strip() or any(c.isspace() for c in opts.store_host):
+            return f"--store-host must be a host name or address, got {opts.store_host!r}"
     try:
         check_name(opts.job, "--job")
         if opts.id_prefix is not None:
@@ -174,12 +183,13 @@ def _check(opts: argparse.Namespace) -> str:
     except ValueError as exc:
         return str(exc)
     if opts.module:
+        top = opts.script.partition(".")[0]  # its package only: nothing of it runs here
         try:
-            found = importlib.util.find_spec(opts.script) is not None
-        except (ImportError, ValueError):
+            found = bool(top) and importlib.util.find_spec(top) is not None
+        except Exception:
             found = False
         if not found:
-            return f"no module named {opts.script!r}"
+            return f"no module named {top or opts.script!r}"
     elif not os.path.isfile(opts.script):
         return f"no such script: {opts.script!r} (a module: -m {opts.script})"
     return ""
@@ -193,10 +203,10 @@ def max_size_of(opts: argparse.Namespace) -> int | None:
 
 def _route_to(url: str) -> str:
     """This host's address on the route to ``url``'s host (no packet is sent)."""
-    host, _, port = url.split("://", 1)[-1].split("/", 1)[0].rpartition(":")
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    host, port = lighthouse_host_port(url)
+    family, _, _, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((host.strip("[]"), int(port or 80)))
+        probe.connect(where)
         return str(probe.getsockname()[0])
 
 
@@ -279,30 +289,36 @@ async def _run(opts: argparse.Namespace, engine: str) -> int:
 
     for sig in EXIT_STOPPED:
         loop.add_signal_handler(sig, stop, sig)
-    tasks = [asyncio.create_task(_supervise(m, opts, base, command, stopping)) for m in members]
-    done = asyncio.gather(*tasks)
+    tasks = [
+        asyncio.create_task(_supervise(m, opts, base, command, stopping, signals)) for m in members
+    ]
+    # Ends when every supervisor has (one that failed does not end it early).
+    done = asyncio.gather(*tasks, return_exceptions=True)
     asked = asyncio.ensure_future(stopping.wait())
     either: list[asyncio.Future[Any]] = [done, asked]
     try:
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if stopping.is_set():
             await _ended_within(done, members, opts.grace)
-        await done
-    finally:  # and where the launcher itself failed: SIGTERM, the grace, SIGKILL
+        results = await done
+    finally:  # the launcher itself failed: the members get SIGTERM, the grace, SIGKILL
         asked.cancel()
-        for sig in EXIT_STOPPED:
-            loop.remove_signal_handler(sig)
-        if not done.done():
+        if any(m.proc is not None and m.proc.returncode is None for m in members):
             stopping.set()
             for m in members:
                 _signal(m, signal.SIGTERM)
             await _ended_within(done, members, opts.grace)
+        for sig in EXIT_STOPPED:
+            loop.remove_signal_handler(sig)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     for m in members:
         restarts = f"{m.restarts} restart{'s' if m.restarts != 1 else ''}"
         _say(f"{m.id} {m.state}: {_ended(m.codes[-1]) if m.codes else 'never ran'} ({restarts})")
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:  # a supervisor's own failure (its member had ended): main() says so
+        raise failed[0]
     if signals:
         return EXIT_STOPPED[signals[0]]
     return 0 if all(m.state == "done" for m in members) else 1
@@ -323,8 +339,10 @@ async def _supervise(
     base: dict[str, str],
     command: list[str],
     stopping: asyncio.Event,
+    stop_signal: list[signal.Signals],
 ) -> None:
-    """Run member ``m`` until it exits 0, its restarts are used up, or the launcher stops."""
+    """Run member ``m`` until it exits 0, its restarts are used up, or the
+    launcher stops (``stop_signal``: what stopped it, once it has)."""
     while not stopping.is_set():
         env = dict(base)
         env.update(
@@ -339,8 +357,8 @@ async def _supervise(
             _say(f"{m.id} could not be started: {exc}")
             pid = None
         else:
-            if stopping.is_set():  # the stop came as it started
-                _signal(m, signal.SIGTERM)
+            if stopping.is_set():  # the stop came as it started: what the others got
+                _signal(m, stop_signal[0] if stop_signal else signal.SIGTERM)
             code = await m.proc.wait()
             pid, m.proc = m.proc.pid, None
         m.codes.append(code)
@@ -355,7 +373,7 @@ async def _supervise(
             _say(f"{who} {_ended(code)}: no restarts left of {opts.max_restarts}; the others go on")
             return
         m.restarts += 1
-        delay = min(opts.backoff * 2 ** (m.restarts - 1), MAX_BACKOFF)
+        delay = min(opts.backoff * 2.0 ** min(m.restarts - 1, 30), MAX_BACKOFF)
         _say(f"{who} {_ended(code)}: restart {m.restarts} of {opts.max_restarts} in {delay:g} s")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopping.wait(), delay)

@@ -1,6 +1,5 @@
-"""Store addresses: ``host:port/prefix`` parsing, the store client, the
-ranks' meeting in the store, and the view a native group is built through
-(:class:`StoppableStore`)."""
+"""Store addresses: ``host:port/prefix`` parsing and the store client (the
+ranks' meeting in it: ``_meet``)."""
 
 from __future__ import annotations
 
@@ -18,9 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
-from torch.distributed import DistNetworkError, DistStoreError
-
-from .errors import PrefixReused
+from torch.distributed import DistNetworkError
 
 log = logging.getLogger("ftcomm")
 
@@ -133,11 +130,14 @@ def parse_env_addr(value: str, name: str = "store_addr") -> StoreAddr:
     """``env://`` or ``env://prefix``: the store at ``MASTER_ADDR:MASTER_PORT``
     (which ``torchrun`` sets, and whose agent hosts the store), under
     ``prefix`` (``"ftcomm"`` when empty). ``RANK`` and ``WORLD_SIZE`` are
-    read by whoever needs them (:func:`env_int`). Under torchrun the prefix
-    ends with ``/attempt_<TORCHELASTIC_RESTART_COUNT>``, as torch's own
-    ``env://`` does: the agent's store outlives a restart of its workers,
-    which then meet at a prefix of their own (not at one they built a group
-    at, which they would be refused: ``PrefixReused``).
+    read by whoever needs them (:func:`env_int`). Under a one-node torchrun
+    (``LOCAL_WORLD_SIZE`` equal to ``WORLD_SIZE``) the prefix ends with
+    ``/attempt_<TORCHELASTIC_RESTART_COUNT>``: the agent's store outlives a
+    restart of its workers, which then meet at a prefix of their own (not
+    at one they built a group at, where they would be refused:
+    ``PrefixReused``). Across nodes the agents' restart counts may differ
+    (a node that restarts for another's failure does not count it), so no
+    suffix there: the caller puts a generation of its own in the prefix.
 
     Raises:
         ValueError: ``MASTER_ADDR`` or ``MASTER_PORT`` is unset or malformed
@@ -176,7 +176,7 @@ def parse_env_addr(value: str, name: str = "store_addr") -> StoreAddr:
     if port is None or not 0 < port < 65536:
         raise ValueError(f"the environment's MASTER_PORT must be in 1..65535, got {port}")
     attempt = env_int("TORCHELASTIC_RESTART_COUNT")
-    if attempt is not None:
+    if attempt is not None and env_int("LOCAL_WORLD_SIZE") == env_int("WORLD_SIZE"):
         prefix = f"{prefix}/attempt_{attempt}"
     return StoreAddr(host, port, prefix)
 
@@ -290,245 +290,6 @@ def _wait_listening(
         if _stopped(stop, min(delay, remaining)):
             raise Stopped
         delay = min(delay * 2, 0.5)
-
-
-MEET_KEY = "ftcomm/met/{world}/{rank}"
-MEET_COUNT = "ftcomm/met/{world}/n"
-NATIVE_KEY = "ftcomm/met/native/{rank}"  # this rank went on to build its native group here
-REFUSED_KEY = "ftcomm/met/refused"  # a rank was refused here: the others stop waiting
-_OUT_PREFIX = b"out-"  # a rank's key once an attempt took it out: out-<its token>
-
-
-def _reused(where: str, rank: int, why: str) -> PrefixReused:
-    return PrefixReused(
-        f"configure() at {where}: {why}; its keys are still there: configure each "
-        "group at a fresh prefix (a generation or quorum number in it)",
-        rank=rank,
-        op="configure",
-    )
-
-
-def meet(
-    store: Store,
-    rank: int,
-    world_size: int,
-    deadline: float,
-    progress: ConnectProgress,
-    stop: concurrent.futures.Future[Any] | None = None,
-    *,
-    where: str = "this store prefix",
-) -> None:
-    """Wait in ``store`` until every rank of the group has come.
-
-    The native group's own rendezvous waits for the peers too, but with a
-    timeout that logs a C++ stack and names no one. Here, a missing rank is
-    named, a superseded connect stops at its next poll, and the native group
-    is built once everyone is there. Each poll is one counter read, so the
-    store's load grows with the ranks, not their square.
-
-    A rank is counted once, whatever its attempts: its key holds the token
-    of the attempt that counts it, and a later attempt takes the key over
-    (an earlier one killed with its worker process still counts it) instead
-    of counting again; an attempt that gives up takes the rank out only if
-    the key is still its own.
-
-    A prefix serves one native group per rank: a rank that met the others
-    marks its own rank (``NATIVE_KEY``) before it builds the native group,
-    which writes and reads the prefix's keys. An attempt of a rank that is
-    marked is refused before it counts itself in, and says so in the store
-    (``REFUSED_KEY``): a rank of the same configuration waiting here sees it
-    within 0.5 s and is refused too. So every rank of a configuration after
-    a complete one is refused at once, while a rank whose earlier attempts
-    never built anything (given up, timed out, its worker killed) may come
-    again (``where``: the address, for the message).
-
-    Raises:
-        PrefixReused: this rank built a native group at this prefix before,
-            or another rank was refused here.
-        TimeoutError: not every rank came by ``deadline`` (it names who did not).
-        Stopped: ``stop`` completed.
-    """
-    if store.check([NATIVE_KEY.format(rank=rank)]):
-        store.set(REFUSED_KEY, str(rank))
-        raise _reused(where, rank, f"rank {rank} built a group at this prefix before")
-    mine = MEET_KEY.format(world=world_size, rank=rank)
-    count = MEET_COUNT.format(world=world_size)
-    token = f"{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
-    came = _come(store, mine, count, token)
-    progress.step = "meet"
-    # Polls back off from 0.2 ms to 50 ms (longer for large worlds: every
-    # rank polls): ranks that come within milliseconds meet within a poll.
-    cap = min(0.5, 0.05 * max(1.0, world_size / 64))
-    delay = 0.0002
-    looked_at = time.monotonic()
-    try:
-        while came < world_size:
-            now = time.monotonic()
-            if now >= deadline:
-                came = int(store.add(count, 0))  # one last look
-                if came >= world_size:
-                    break
-                progress.detail = _missing(store, world_size)
-                raise TimeoutError(f"{progress.detail} (this is rank {rank})")
-            # names: for small worlds all along, for up to 64 near the end
-            names = world_size <= 16 or (world_size <= 64 and deadline - now <= 0.6)
-            if now - looked_at >= 0.5:
-                looked_at = now
-                if store.check([REFUSED_KEY]):
-                    raise _reused(where, rank, "another rank was refused at this prefix")
-                if names:
-                    progress.detail = _missing(store, world_size)
-            if not names:
-                progress.detail = f"{world_size - came} of {world_size} ranks never came"
-            if _stopped(stop, min(delay, deadline - now)):
-                raise Stopped
-            delay = min(delay * 1.5, cap)
-            came = int(store.add(count, 0))
-        if _stopped(stop):  # all came (maybe at once), but nobody waits for this connect
-            raise Stopped
-        store.set(NATIVE_KEY.format(rank=rank), str(world_size))
-    except (Stopped, TimeoutError, PrefixReused):
-        with contextlib.suppress(Exception):  # best effort: the store may be gone
-            out = _OUT_PREFIX.decode() + token
-            if store.compare_set(mine, token, out) == out.encode():  # still ours
-                store.add(count, -1)
-        raise
-
-
-def _come(store: Store, key: str, count: str, token: str) -> int:
-    """Count this rank in, once; the count after.
-
-    Counted first, then the key claimed: an attempt killed in between
-    leaves the rank counted once too often (the others then wait in the
-    native rendezvous), never uncounted for good. Where another attempt of
-    this rank holds the key (and so counts it), this one takes it over and
-    takes its own count back.
-    """
-    came = int(store.add(count, 1))
-    mine = token.encode()
-    held: Any = store.compare_set(key, "", token)  # bytes, passed back as they are
-    for _ in range(64):  # each failed swap is another attempt's success
-        if held == mine:
-            return came
-        if held.startswith(_OUT_PREFIX):  # taken out: this attempt's count stands
-            swapped = store.compare_set(key, held, token)
-            if swapped == mine:
-                return came
-        else:  # another attempt counts it: take the key over, uncount ours
-            swapped = store.compare_set(key, held, token)
-            if swapped == mine:
-                return int(store.add(count, -1))
-        # compare_set answers the expected value when the key is gone
-        held = store.compare_set(key, "", token) if swapped == held else swapped
-    raise RuntimeError(f"could not claim {key!r} in the store: it keeps changing")
-
-
-def _missing(store: Store, world_size: int) -> str:
-    """Who has not come, in words (ranks checked one by one up to 64)."""
-    if world_size > 64:
-        came = store.add(MEET_COUNT.format(world=world_size), 0)
-        return f"{world_size - came} of {world_size} ranks never came to the store"
-    missing = []
-    for r in range(world_size):
-        key = MEET_KEY.format(world=world_size, rank=r)
-        if not store.check([key]) or store.get(key).startswith(_OUT_PREFIX):
-            missing.append(r)
-    if not missing:
-        return f"all {world_size} ranks came to the store"
-    shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
-    return (
-        f"{len(missing)} of {world_size} ranks never came to the store (rank {shown}): "
-        "did each call configure() with this address and world size?"
-    )
-
-
-class StoppableStore(Store):
-    """The store a native group is built through: ``store``, ending with its connect.
-
-    torch 2.13's ``ProcessGroupGloo`` waits in the store for each peer's
-    address (``wait``, then ``get``) until its own timeout, and nothing ends
-    that wait early: a connect given up there (superseded, cancelled, timed
-    out) held its control thread for the rest of its timeout. Here a wait
-    polls the store (``check``, backing off from 0.2 ms to 50 ms, as
-    :func:`meet` does) and raises :class:`Stopped` at the first poll after
-    ``stop`` completed; any other call raises it too once ``stop`` has. A
-    wait past its timeout raises c10d's own error.
-
-    Two states: *stopping*, from construction, and *plain* once the group
-    is built (:meth:`built`): every call then goes straight to ``store``
-    (the group keeps this store for as long as it lives). ``stop`` is the
-    configure attempt's: only the attempt completes it (``_configure``).
-    """
-
-    def __init__(self, store: Store, stop: concurrent.futures.Future[Any]) -> None:
-        super().__init__()
-        self._store: Any = store  # Any: torch's stubs lack timeout, append and multi_set
-        self._stop: concurrent.futures.Future[Any] | None = stop
-
-    def built(self) -> None:
-        """The native group is built: from now on, calls go straight to the store."""
-        self._stop = None
-
-    def _go_on(self) -> None:
-        stop = self._stop
-        if stop is not None and stop.done():
-            raise Stopped
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        stop = self._stop
-        if stop is None:
-            self._store.wait(keys, *(() if timeout is None else (timeout,)))
-            return
-        seconds = (self._store.timeout if timeout is None else timeout).total_seconds()
-        deadline = time.monotonic() + seconds if seconds > 0 else float("inf")  # 0: none
-        delay = 0.0002
-        while not self._store.check(keys):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 and not stop.done():
-                raise DistStoreError(f"wait timeout after {seconds * 1000:.0f}ms, keys: {keys}")
-            if _stopped(stop, min(delay, max(remaining, 0.0))):
-                raise Stopped
-            delay = min(delay * 1.5, 0.05)
-
-    def get(self, key: str) -> bytes:
-        self.wait([key])  # c10d's get waits for the key
-        return self._store.get(key)  # type: ignore[no-any-return]
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        self.wait(keys)
-        return self._store.multi_get(keys)  # type: ignore[no-any-return]
-
-    def set(self, key: str, value: Any) -> None:
-        self._go_on()
-        self._store.set(key, value)
-
-    def multi_set(self, keys: list[str], values: list[Any]) -> None:
-        self._go_on()
-        self._store.multi_set(keys, values)
-
-    def add(self, key: str, value: int) -> int:
-        self._go_on()
-        return self._store.add(key, value)  # type: ignore[no-any-return]
-
-    def append(self, key: str, value: Any) -> None:
-        self._go_on()
-        self._store.append(key, value)
-
-    def check(self, keys: list[str]) -> bool:
-        self._go_on()
-        return self._store.check(keys)  # type: ignore[no-any-return]
-
-    def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
-        self._go_on()
-        return self._store.compare_set(key, expected_value, desired_value)  # type: ignore[no-any-return]
-
-    def delete_key(self, key: str) -> bool:
-        self._go_on()
-        return self._store.delete_key(key)  # type: ignore[no-any-return]
-
-    def num_keys(self) -> int:
-        self._go_on()
-        return self._store.num_keys()  # type: ignore[no-any-return]
 
 
 def connect_store(

@@ -13,10 +13,10 @@ from typing import Any
 from torch.distributed import PrefixStore, TCPStore
 
 import ftcomm
+from ftcomm._meet import MEET_COUNT, MEET_KEY
 from ftcomm._runtime.native import Done
 from ftcomm._runtime.table import OpTable
 from ftcomm._runtime.work import Work
-from ftcomm._store import MEET_COUNT, MEET_KEY
 from ftcomm.backends.subprocess import SubprocessBackend
 
 

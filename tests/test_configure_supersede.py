@@ -23,9 +23,10 @@ from helpers import StoreServer, peers_came
 from torch.distributed import DistStoreError, HashStore, PrefixStore, TCPStore
 
 import ftcomm
+from ftcomm._meet import StoppableStore
 from ftcomm._runtime import threads
 from ftcomm._runtime.loop import get_runtime
-from ftcomm._store import StoppableStore, Stopped
+from ftcomm._store import Stopped
 from ftcomm.backends import ConnectSpec, gloo
 from ftcomm.backends.gloo import GlooBackend
 
@@ -151,6 +152,8 @@ async def test_a_connect_given_up_as_its_ranks_met_never_builds_the_native_group
     monkeypatch.setattr(gloo, "meet", meet_then_pause)
     await _give_up_once(store.port, how, met, go)
     assert not watcher.has("0/0"), "the native construction began"
+    # it built nothing at the prefix: its mark is taken back, it may come again
+    assert not watcher.has("ftcomm/met/native/0")
 
 
 @pytest.mark.asyncio

@@ -99,7 +99,7 @@ def test_a_member_out_of_restarts_ends_the_job_after_the_others_and_stops_none(
     assert "m1 gave up: exited 3 (1 restart)" in done.stderr
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_stop_reaches_every_member_and_leaves_none_behind(
     tmp_path: Path, sig: signal.Signals
 ) -> None:
@@ -135,7 +135,9 @@ def test_a_stop_reaches_every_member_and_leaves_none_behind(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], err
+    assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}[sig], (
+        err
+    )
     assert time.monotonic() - sent < 10.0  # the grace (0.5 s), with room for a busy machine
     assert f"{sig.name}: passed on to every member" in err
     assert f"m0 stopped: was killed by {sig.name} (0 restarts)" in err
@@ -256,6 +258,11 @@ def test_launchers_on_two_hosts_share_one_engine(tmp_path: Path) -> None:
         (["--nproc", "3", "--max-size", "2", "x.py"], "--nproc (3) exceeds --max-size (2)"),
         (["--engine", "127.0.0.1:1", "--store-host", "h", "x.py"], "--store-host is for a light"),
         (["-m", "no_such_module_here"], "no module named 'no_such_module_here'"),
+        (["-m", "no_such_pkg.sub"], "no module named 'no_such_pkg'"),
+        (["--engine", "http://localhost", "x.py"], "a lighthouse is 'http://host:port'"),
+        (["--engine", "http://h:1/x", "x.py"], "a lighthouse is 'http://host:port'"),
+        (["--store-host", "h", "x.py"], "--store-host is for a lighthouse engine"),
+        (["--engine", "http://h:1", "--store-host", " ", "x.py"], "--store-host must be"),
         (["no-such-script.py"], "no such script: 'no-such-script.py'"),
     ],
 )
@@ -381,3 +388,4 @@ def test_a_lighthouse_engine_gets_the_address_that_routes_to_it() -> None:
 
     assert _route_to("http://127.0.0.1:29510") == "127.0.0.1"
     assert _route_to("http://[::1]:29510/") == "::1"
+    assert _route_to("http://127.0.0.1:29510/") == "127.0.0.1"

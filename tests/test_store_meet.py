@@ -9,6 +9,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 import torch
@@ -16,16 +17,16 @@ from helpers import StoreServer
 from torch.distributed import PrefixStore, TCPStore
 
 import ftcomm
-from ftcomm._runtime.loop import get_runtime
-from ftcomm._store import (
+from ftcomm._meet import (
     MEET_COUNT,
     MEET_KEY,
     NATIVE_KEY,
     REFUSED_KEY,
-    ConnectProgress,
-    Stopped,
+    StoppableStore,
     meet,
 )
+from ftcomm._runtime.loop import get_runtime
+from ftcomm._store import ConnectProgress, Stopped
 
 
 class MemoryStore:
@@ -228,8 +229,12 @@ def test_a_rank_that_built_a_group_at_a_prefix_is_refused_there() -> None:
     assert isinstance(info.value, ftcomm.CommError)
     assert (info.value.rank, info.value.op) == (0, "configure")
     assert "configure each group at a fresh prefix" in str(info.value)
-    # refused before it counted itself in; it says so to the others
-    assert store.data == {**before, REFUSED_KEY: "0"}
+    # refused before it counted itself in; it says so to the others, and
+    # takes out what counted it before (a stale count lets no peer through)
+    key, count = MEET_KEY.format(world=1, rank=0), MEET_COUNT.format(world=1)
+    assert str(store.data[key]) == f"out-{before[key]}"
+    assert store.data[count] == 0
+    assert store.data == {**before, REFUSED_KEY: "0", key: f"out-{before[key]}", count: 0}
 
 
 def test_a_rank_waiting_at_a_prefix_where_another_was_refused_is_refused_too() -> None:
@@ -243,6 +248,26 @@ def test_a_rank_waiting_at_a_prefix_where_another_was_refused_is_refused_too() -
     assert time.monotonic() - started < 5.0  # at its next look (0.5 s), not its deadline
     assert store.data[MEET_COUNT.format(world=3)] == 0  # it took itself out
     assert NATIVE_KEY.format(rank=2) not in store.data
+
+
+def test_a_stale_count_lets_no_peer_of_a_refused_rank_through() -> None:
+    """Run 1 (a world of 2) left rank 0 marked and both counted, rank 1
+    unmarked (its worker was killed before it marked itself). In run 2,
+    rank 0 is refused and takes its stale count out, so rank 1 does not
+    pass the meet on it: it hears of the refusal instead of building a
+    group against rank 0's dead keys."""
+    store = MemoryStore()
+    for rank in (0, 1):
+        store.set(MEET_KEY.format(world=2, rank=rank), f"run-1-token-{rank}")
+        store.add(MEET_COUNT.format(world=2), 1)
+    store.set(NATIVE_KEY.format(rank=0), "2")
+    with pytest.raises(ftcomm.PrefixReused, match="rank 0 built a group"):
+        meet(store, 0, 2, time.monotonic() + 5, ConnectProgress())  # type: ignore[arg-type]
+    started = time.monotonic()
+    with pytest.raises(ftcomm.PrefixReused, match="another rank was refused"):
+        meet(store, 1, 2, time.monotonic() + 10, ConnectProgress())  # type: ignore[arg-type]
+    assert time.monotonic() - started < 1.0  # at once: it looks as it comes
+    assert NATIVE_KEY.format(rank=1) not in store.data
 
 
 def test_a_rank_whose_earlier_attempt_built_nothing_may_come_again() -> None:
@@ -303,7 +328,9 @@ async def _reuse(port: int, tries: int, subprocess: bool = False) -> None:
         assert await world(f"run{i}", 2) == [None, None]
         started = time.monotonic()
         again = await world(f"run{i}", 3 if i == 0 else 2)
-        assert time.monotonic() - started < 5.0  # at once: not the 10 s configure timeout
+        if not subprocess:  # (worker processes take their own time to start)
+            assert time.monotonic() - started < 10.0  # before the configure timeout
+        # refused, every rank: not a CommTimeout at the configure timeout
         for rank, error in enumerate(again):
             assert isinstance(error, ftcomm.PrefixReused), (i, rank, error)
             assert f"configure() at 127.0.0.1:{port}/run{i}: " in str(error)
@@ -347,3 +374,21 @@ async def _retry_after_a_killed_worker(port: int) -> None:
         assert [t.item() for t in sums] == [2.0, 2.0]
     finally:
         await asyncio.gather(first.shutdown(), r0.shutdown(), r1.shutdown())
+
+
+def test_the_view_a_group_is_built_through_hears_of_a_refused_rank() -> None:
+    """A rank in its native construction waits in the store for its peers:
+    once one of them was refused at the prefix, the wait ends (within a
+    look, 0.5 s) with the refusal, not at the construction's timeout."""
+    store = MemoryStore()
+    refused = ftcomm.PrefixReused("refused", rank=1, op="configure")
+    view = StoppableStore(store, concurrent.futures.Future(), lambda: refused)  # type: ignore[arg-type]
+    assert view.wrote is False
+    view.set("1/addr", "x")
+    assert view.wrote is True
+    store.set(REFUSED_KEY, "0")
+    started = time.monotonic()
+    with pytest.raises(ftcomm.PrefixReused) as info:
+        view.wait(["0/addr"], timedelta(seconds=30))
+    assert info.value is refused
+    assert time.monotonic() - started < 5.0

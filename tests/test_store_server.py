@@ -72,7 +72,9 @@ def test_serve_store_rejects_bad_arguments_by_name() -> None:
 
 
 def test_env_addresses_read_torchruns_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    for var in ("TORCHELASTIC_RESTART_COUNT",):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ValueError, match="needs MASTER_ADDR and MASTER_PORT"):
         parse_env_addr("env://")
@@ -96,9 +98,14 @@ def test_env_addresses_read_torchruns_variables(monkeypatch: pytest.MonkeyPatch)
     for query in ("env://?rank=0", "env://run/q0?rank=1"):
         with pytest.raises(ValueError, match="takes a prefix"):
             parse_env_addr(query)
-    # under torchrun, each restart of its workers meets at a prefix of its own
+    # under a one-node torchrun, each restart of its workers meets at a prefix
+    # of its own; across nodes the restart counts may differ: no suffix
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert parse_env_addr("env://run/q1").prefix == "run/q1/attempt_2"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert parse_env_addr("env://run/q1").prefix == "run/q1"
 
 
 @pytest.mark.asyncio

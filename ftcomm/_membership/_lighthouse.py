@@ -64,7 +64,7 @@ def is_lighthouse(address: str) -> bool:
     return address.startswith(SCHEMES)
 
 
-def _host_port(address: str) -> tuple[str, int]:
+def host_port(address: str) -> tuple[str, int]:
     """Raises: ValueError: not ``http(s)://host:port``."""
     parsed = urllib.parse.urlsplit(address)
     try:
@@ -89,7 +89,7 @@ class LighthouseEngine:
         store_host: str,
     ) -> None:
         self.address = address
-        self.host, self.port = _host_port(address)
+        self.host, self.port = host_port(address)
         self.job = job
         self.me = me
         self._interval = heartbeat_interval

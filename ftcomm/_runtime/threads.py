@@ -66,6 +66,12 @@ class _Pending:
             del self._items[token]
             self.cond.notify_all()
 
+    def long(self, token: int) -> None:
+        """Item ``token`` ends at no time anyone can wait for (parked)."""
+        with self.cond:
+            self._items[token] = float("inf")
+            self.cond.notify_all()
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -305,6 +311,9 @@ _RECHECK = 0.05
 _WARN_AFTER = 5.0
 """Parked this long: a warning (something keeps a native group alive)."""
 
+_COLLECT_AT = (1.0, 5.0)
+"""Seconds after parking at which the reaper collects garbage again."""
+
 
 class Handoff:
     """Native objects handed to the reaper in a cell: ``dispose(Handoff(pg,
@@ -412,12 +421,18 @@ class Reaper:
 
     def _run(self) -> None:
         parked: list[_Parked] = []  # Handoffs whose objects others still held
+        stopping = False
         while True:
             try:
                 item = self._queue.get(timeout=_RECHECK if parked else None)
             except queue.Empty:
                 item = None
             if item is _STOP:
+                # With objects parked, going on is the only safe way out: this
+                # thread's references gone, the last would be someone else's.
+                # (A daemon: it does not hold up the interpreter's exit.)
+                stopping, item = True, None
+            if stopping and not parked:
                 return
             if item is not None:
                 token, batch = item
@@ -426,6 +441,7 @@ class Reaper:
                 del batch
                 if held:
                     parked.append(_Parked(token, held, time.monotonic()))
+                    self._pending.long(token)  # no exit waits for it
                 else:
                     self._pending.remove(token)
             for p in [p for p in parked if p.settle()]:
@@ -461,13 +477,18 @@ def _drop(batch: list[Any]) -> list[list[object]]:
 class _Parked:
     """A batch's Handoff objects that others still held when it was dropped."""
 
-    __slots__ = ("held", "since", "token", "warned")
+    __slots__ = ("collections", "held", "since", "token", "warned")
 
     def __init__(self, token: int, held: list[list[object]], since: float) -> None:
         self.token, self.held, self.since, self.warned = token, held, since, False
+        self.collections = 0
 
     def settle(self) -> bool:
         """Drop what only the reaper holds now; True once nothing is left."""
+        parked_for = time.monotonic() - self.since
+        if self.collections < len(_COLLECT_AT) and parked_for >= _COLLECT_AT[self.collections]:
+            self.collections += 1
+            gc.collect()  # a cycle formed since may hold it: collected here, not elsewhere
         for owned in [o for o in self.held if not _held_elsewhere(o)]:
             self.held.remove(owned)
             owned.clear()

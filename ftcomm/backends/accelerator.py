@@ -55,9 +55,10 @@ from torch._C._distributed_c10d import (
 )
 from torch.distributed import ReduceOp
 
+from .._meet import meet
 from .._runtime.loop import get_runtime
 from .._runtime.native import Done, NativeOp
-from .._store import Stopped, connect_store, meet
+from .._store import Stopped, connect_store
 from .._validate import PremulSum, ReduceOpArg
 from ..errors import CommAborted, CommError, CommFailed
 from ._accel_device import (

@@ -56,6 +56,7 @@ from torch._C._distributed_c10d import (
 )
 from torch.distributed import ReduceOp
 
+from .._meet import StoppableStore, meet, reused_error, unmark
 from .._runtime.loop import get_runtime
 from .._runtime.native import (
     NativeOp,
@@ -68,7 +69,7 @@ from .._runtime.native import (
     write_outputs,
 )
 from .._runtime.threads import Handoff
-from .._store import StoppableStore, StoreAddr, connect_store, meet
+from .._store import StoreAddr, connect_store
 from .._validate import PremulSum, ReduceOpArg
 from ._base import NUMERIC_DTYPES, Backend, ConnectSpec
 from ._gloo_pairs import (
@@ -346,10 +347,20 @@ class GlooBackend(Backend):
         # its own timeout: through a view that ends those waits once nobody
         # waits for this connect, it gives its thread back at once. The
         # group keeps the view (plain from now on) as long as it lives.
-        native_store = store if cancel is None else StoppableStore(store, cancel)
-        pg = pg_gloo(native_store, spec.rank, spec.world_size, opts)
-        if isinstance(native_store, StoppableStore):
-            native_store.built()
+        # It also ends them when a peer was refused at this prefix (PrefixReused).
+        where, rank = str(spec.store), spec.rank
+        native_store = StoppableStore(
+            store,
+            cancel if cancel is not None else concurrent.futures.Future(),
+            lambda: reused_error(where, rank, "another rank was refused at this prefix"),
+        )
+        try:
+            pg = pg_gloo(native_store, spec.rank, spec.world_size, opts)
+        except BaseException:
+            if not native_store.wrote:  # given up before its first write: no group here
+                unmark(store, spec.rank)
+            raise
+        native_store.built()
         pairs = None
         if listener is not None:
             pairs = find_pairs(before, _listeners(store, spec.world_size), spec.rank)
@@ -365,7 +376,9 @@ class GlooBackend(Backend):
         are still finishing their last op.)"""
         pg, store = self._pg, self._store
         self._pg = self._store = None
-        objs = [obj for obj in (pg, store) if obj is not None]
+        # The reaper drops a cell's objects last first: the group before the store
+        # it was built through (a Python view it may still call as it ends).
+        objs = [obj for obj in (store, pg) if obj is not None]
         # In a cell: the group's last reference must go on the reaper, never
         # on the thread that hands it over (a completion callback's, on one
         # of the threads the group's destructor joins): see Handoff.

@@ -68,6 +68,6 @@ def raising(errored: Callable[[], Exception | None]) -> Iterator[None]:
             raise
         # A copy: errored() hands out one object, which a raise would change.
         # The chain goes on through torch's error to the op's (its native cause).
-        if exc.__cause__ is None:
+        if exc.__cause__ is None and error.__cause__ is not None:
             exc.__cause__ = error.__cause__
         raise error._located(error.rank, error.op, error.seq) from exc
