@@ -287,7 +287,9 @@ async def _run(opts: argparse.Namespace, engine: str) -> int:
             _signal(m, sig)
         _say(f"{sig.name}: passed on to every member (SIGKILL after {opts.grace:g} s)")
 
-    for sig in EXIT_STOPPED:
+    # A signal ignored as the launcher started stays ignored (nohup: SIGHUP).
+    handled = [sig for sig in EXIT_STOPPED if signal.getsignal(sig) is not signal.SIG_IGN]
+    for sig in handled:
         loop.add_signal_handler(sig, stop, sig)
     tasks = [
         asyncio.create_task(_supervise(m, opts, base, command, stopping, signals)) for m in members
@@ -308,7 +310,7 @@ async def _run(opts: argparse.Namespace, engine: str) -> int:
             for m in members:
                 _signal(m, signal.SIGTERM)
             await _ended_within(done, members, opts.grace)
-        for sig in EXIT_STOPPED:
+        for sig in handled:
             loop.remove_signal_handler(sig)
         for task in tasks:
             task.cancel()

@@ -51,6 +51,7 @@ def meet(
     stop: concurrent.futures.Future[Any] | None = None,
     *,
     where: str = "this store prefix",
+    mark: bool = True,
 ) -> None:
     """Wait in ``store`` until every rank of the group has come.
 
@@ -66,15 +67,19 @@ def meet(
     of counting again; an attempt that gives up takes the rank out only if
     the key is still its own.
 
-    A prefix serves one native group per rank: a rank that met the others
-    marks its own rank (``NATIVE_KEY``) before it builds the native group,
-    which writes and reads the prefix's keys. An attempt of a rank that is
-    marked is refused before it counts itself in, and says so in the store
-    (``REFUSED_KEY``): a rank of the same configuration waiting here sees it
-    within 0.5 s and is refused too. So every rank of a configuration after
-    a complete one is refused at once, while a rank whose earlier attempts
-    never built anything (given up, timed out, its worker killed) may come
-    again (``where``: the address, for the message).
+    A prefix serves one native group per rank: a rank marks itself
+    (``NATIVE_KEY``, :func:`mark_native`) before its native group first
+    writes at the prefix: here once it met the others (``mark``), or, for a
+    group built through a :class:`StoppableStore`, by that view just before
+    the group's first write. An attempt of a marked rank is refused before
+    it counts itself in; it takes out what still counts it (a stale count
+    must let no peer through) and says so in the store (``REFUSED_KEY``). A
+    rank of the same configuration looks for that as it comes, every 0.5 s
+    while it waits, at its deadline and before it marks itself, and is
+    refused too; the view ends its waits with it. So every rank of a
+    configuration after a complete one is refused, while a rank whose
+    earlier attempts wrote nothing (given up, timed out, its worker killed)
+    may come again (``where``: the address, for the message).
 
     Raises:
         PrefixReused: this rank built a native group at this prefix before,
@@ -86,7 +91,7 @@ def meet(
     count = MEET_COUNT.format(world=world_size)
     if store.check([NATIVE_KEY.format(rank=rank)]):
         store.set(REFUSED_KEY, str(rank))
-        _take_out(store, mine, count)  # its stale count lets no peer through
+        _take_out(store, mine, count, f"{os.getpid()}-{threading.get_ident()}")
         raise reused_error(where, rank, f"rank {rank} built a group at this prefix before")
     token = f"{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
     came = _come(store, mine, count, token)
@@ -127,7 +132,8 @@ def meet(
             raise Stopped
         if store.check([REFUSED_KEY]):  # all came, counted by a stale attempt among them
             raise reused_error(where, rank, "another rank was refused at this prefix")
-        store.set(NATIVE_KEY.format(rank=rank), str(world_size))
+        if mark:
+            mark_native(store, rank, token)
     except (Stopped, TimeoutError, PrefixReused):
         with contextlib.suppress(Exception):  # best effort: the store may be gone
             out = _OUT_PREFIX.decode() + token
@@ -136,23 +142,23 @@ def meet(
         raise
 
 
-def _take_out(store: Store, key: str, count: str) -> None:
+def _take_out(store: Store, key: str, count: str, by: str) -> None:
     """Take out whatever attempt of this rank counts it at ``key`` (a stale
-    one, of a configuration before): swapped to ``out-``, then uncounted."""
+    one, of a configuration before): swapped to ``out-...-by-<by>`` (a
+    value of this take-out's own: two cannot both think they did it),
+    then uncounted."""
     if not store.check([key]):
         return
     held: Any = store.get(key)  # bytes, passed back as they are
     if not held.startswith(_OUT_PREFIX):
-        out = _OUT_PREFIX.decode() + held.decode(errors="replace")
+        out = f"{_OUT_PREFIX.decode()}{held.decode(errors='replace')}-by-{by}"
         if store.compare_set(key, held, out) == out.encode():
             store.add(count, -1)
 
 
-def unmark(store: Store, rank: int) -> None:
-    """Take back this rank's mark: its native group wrote nothing at the
-    prefix after all (given up before its first write), so it may come again."""
-    with contextlib.suppress(Exception):  # best effort: the store may be gone
-        store.delete_key(NATIVE_KEY.format(rank=rank))
+def mark_native(store: Store, rank: int, token: str = "") -> None:
+    """Mark ``rank`` as having built (begun to write) a native group here."""
+    store.set(NATIVE_KEY.format(rank=rank), token or "1")
 
 
 def _come(store: Store, key: str, count: str, token: str) -> int:
@@ -221,8 +227,11 @@ class StoppableStore(Store):
 
     ``refused``: while stopping, a wait also looks at the prefix's
     ``REFUSED_KEY`` every 0.5 s and raises ``refused()`` once a rank was
-    refused there (its peers must not wait for it until their timeout).
-    :attr:`wrote`: whether the native group wrote anything through it yet.
+    refused there (its peers must not wait for it until their timeout); so
+    does the group's first write. ``before_write``: called once, just
+    before that first write (the rank marks itself: :func:`meet`), so a
+    group given up before it wrote anything leaves no mark.
+    :attr:`wrote`: whether the group wrote anything through it yet.
     """
 
     def __init__(
@@ -230,12 +239,26 @@ class StoppableStore(Store):
         store: Store,
         stop: concurrent.futures.Future[Any],
         refused: Callable[[], Exception] | None = None,
+        before_write: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         self._store: Any = store  # Any: torch's stubs lack timeout, append and multi_set
         self._stop: concurrent.futures.Future[Any] | None = stop
         self._refused = refused
+        self._before_write = before_write
         self.wrote = False
+
+    def _write(self) -> None:
+        """Before a write: stopped? refused? the first one marks the rank."""
+        self._go_on()
+        if self.wrote or self._stop is None:
+            self.wrote = True
+            return
+        if self._refused is not None and self._store.check([REFUSED_KEY]):
+            raise self._refused()
+        if self._before_write is not None:
+            self._before_write()
+        self.wrote = True
 
     def built(self) -> None:
         """The native group is built: from now on, calls go straight to the store."""
@@ -277,23 +300,19 @@ class StoppableStore(Store):
         return self._store.multi_get(keys)  # type: ignore[no-any-return]
 
     def set(self, key: str, value: Any) -> None:
-        self._go_on()
-        self.wrote = True
+        self._write()
         self._store.set(key, value)
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
-        self._go_on()
-        self.wrote = True
+        self._write()
         self._store.multi_set(keys, values)
 
     def add(self, key: str, value: int) -> int:
-        self._go_on()
-        self.wrote = True
+        self._write()
         return self._store.add(key, value)  # type: ignore[no-any-return]
 
     def append(self, key: str, value: Any) -> None:
-        self._go_on()
-        self.wrote = True
+        self._write()
         self._store.append(key, value)
 
     def check(self, keys: list[str]) -> bool:
@@ -301,13 +320,11 @@ class StoppableStore(Store):
         return self._store.check(keys)  # type: ignore[no-any-return]
 
     def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
-        self._go_on()
-        self.wrote = True
+        self._write()
         return self._store.compare_set(key, expected_value, desired_value)  # type: ignore[no-any-return]
 
     def delete_key(self, key: str) -> bool:
-        self._go_on()
-        self.wrote = True
+        self._write()
         return self._store.delete_key(key)  # type: ignore[no-any-return]
 
     def num_keys(self) -> int:

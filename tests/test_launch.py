@@ -148,6 +148,42 @@ def test_a_stop_reaches_every_member_and_leaves_none_behind(
             os.kill(pid, 0)
 
 
+def test_a_launcher_started_with_sighup_ignored_keeps_ignoring_it(tmp_path: Path) -> None:
+    """nohup: the terminal going away stops nothing."""
+    member = script(
+        tmp_path,
+        f"""
+        import os, signal
+        open(os.path.join({str(tmp_path)!r}, "m0.pid"), "w").write(str(os.getpid()))
+        while True:
+            signal.pause()
+        """,
+    )
+    nohup = (
+        "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", nohup, *RUN[1:], "--grace", "5", member],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        _wait_for_pids(tmp_path, ["m0"], proc)
+        proc.send_signal(signal.SIGHUP)  # ignored, as it was when the launcher started
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err
+    assert "SIGHUP" not in err
+    assert "m0 stopped: was killed by SIGTERM (0 restarts)" in err
+
+
 def test_a_second_ctrl_c_kills_at_once(tmp_path: Path) -> None:
     member = script(
         tmp_path,

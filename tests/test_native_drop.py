@@ -277,6 +277,34 @@ def test_a_handoff_held_long_is_parked_and_still_dropped_on_the_reaper(
     assert dropped_on == ["ftcomm-reaper"]
 
 
+def test_a_reaper_closed_with_objects_parked_goes_on_until_it_holds_the_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Closed (at exit) with objects parked, the reaper does not let go of
+    them (the last reference would be someone else's): it goes on, drops
+    them once only it holds them, then ends; closed with nothing parked,
+    it ends at once."""
+    monkeypatch.setattr(threads, "SOLE_WAIT", 0.05)
+    reaper = threads.Reaper(name="ftcomm-test-reaper")
+    dropped_on: list[str] = []
+    kept = _Tracked(dropped_on)
+    reaper.dispose(threads.Handoff(kept))
+    deadline = time.monotonic() + 5
+    while reaper.wait_unparked(0.0):  # until it parked them
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    reaper.close(0.2)
+    assert reaper._thread.is_alive()
+    assert dropped_on == []
+    del kept
+    reaper._thread.join(5.0)
+    assert not reaper._thread.is_alive()
+    assert dropped_on == ["ftcomm-test-reaper"]
+    idle = threads.Reaper(name="ftcomm-test-reaper-2")
+    idle.close(5.0)
+    assert not idle._thread.is_alive()
+
+
 def test_a_handoff_takes_its_objects_out() -> None:
     a, b = object(), object()
     cell = threads.Handoff(a, b)

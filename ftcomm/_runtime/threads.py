@@ -72,6 +72,11 @@ class _Pending:
             self._items[token] = float("inf")
             self.cond.notify_all()
 
+    def wait_no_long(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until no item is :meth:`long`."""
+        with self.cond:
+            return self.cond.wait_for(lambda: float("inf") not in self._items.values(), timeout)
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -419,21 +424,25 @@ class Reaper:
         """Block (at most ``cap`` s) until the batches that drop within ``cap`` s have."""
         return self._pending.wait_short(cap)
 
+    def wait_unparked(self, timeout: float) -> bool:
+        """Block (at most ``timeout`` s) until nothing is parked (held
+        elsewhere when handed over); False if something still is."""
+        return self._pending.wait_no_long(timeout)
+
     def _run(self) -> None:
         parked: list[_Parked] = []  # Handoffs whose objects others still held
         stopping = False
         while True:
             try:
-                item = self._queue.get(timeout=_RECHECK if parked else None)
+                item = self._queue.get(timeout=_RECHECK if parked or stopping else None)
             except queue.Empty:
                 item = None
             if item is _STOP:
-                # With objects parked, going on is the only safe way out: this
-                # thread's references gone, the last would be someone else's.
-                # (A daemon: it does not hold up the interpreter's exit.)
+                # It ends once nothing is parked or queued: with objects parked,
+                # going on is the only safe way out (this thread's references
+                # gone, the last would be someone else's). A daemon, it does
+                # not hold up the interpreter's exit.
                 stopping, item = True, None
-            if stopping and not parked:
-                return
             if item is not None:
                 token, batch = item
                 del item
@@ -447,6 +456,8 @@ class Reaper:
             for p in [p for p in parked if p.settle()]:
                 parked.remove(p)
                 self._pending.remove(p.token)
+            if stopping and not parked and self._queue.empty():
+                return
 
     def close(self, timeout: float = 1.0) -> None:
         self._queue.put(_STOP)
@@ -486,8 +497,9 @@ class _Parked:
     def settle(self) -> bool:
         """Drop what only the reaper holds now; True once nothing is left."""
         parked_for = time.monotonic() - self.since
-        if self.collections < len(_COLLECT_AT) and parked_for >= _COLLECT_AT[self.collections]:
-            self.collections += 1
+        due = sum(1 for at in _COLLECT_AT if parked_for >= at)
+        if due > self.collections:
+            self.collections = due  # once, however many were due
             gc.collect()  # a cycle formed since may hold it: collected here, not elsewhere
         for owned in [o for o in self.held if not _held_elsewhere(o)]:
             self.held.remove(owned)

@@ -56,7 +56,7 @@ from torch._C._distributed_c10d import (
 )
 from torch.distributed import ReduceOp
 
-from .._meet import StoppableStore, meet, reused_error, unmark
+from .._meet import StoppableStore, mark_native, meet, reused_error
 from .._runtime.loop import get_runtime
 from .._runtime.native import (
     NativeOp,
@@ -338,28 +338,26 @@ class GlooBackend(Backend):
         if spec.global_ranks is not None:
             opts.global_ranks_in_group = list(spec.global_ranks)
         opts.group_name = f"ftcomm:{spec.replica_id}:{spec.quorum_id}:{spec.store.prefix}"
-        meet(store, spec.rank, spec.world_size, deadline, progress, cancel, where=str(spec.store))
+        where, rank = str(spec.store), spec.rank
+        meet(store, rank, spec.world_size, deadline, progress, cancel, where=where, mark=False)
         if listener is not None:  # after the meet: a refused rank writes nothing here
-            store.set(LISTENER_KEY.format(rank=spec.rank), encode_addr(listener))
+            store.set(LISTENER_KEY.format(rank=rank), encode_addr(listener))
         progress.step = "native"
         before = socket_inodes()
         # The construction waits in the store for each peer's address until
         # its own timeout: through a view that ends those waits once nobody
-        # waits for this connect, it gives its thread back at once. The
-        # group keeps the view (plain from now on) as long as it lives.
-        # It also ends them when a peer was refused at this prefix (PrefixReused).
-        where, rank = str(spec.store), spec.rank
+        # waits for this connect (or a peer was refused at this prefix), it
+        # gives its thread back at once. The view marks the rank just before
+        # the group's first write (one native group per rank and prefix: a
+        # group given up before it wrote leaves none). The group keeps the
+        # view (plain from now on) as long as it lives.
         native_store = StoppableStore(
             store,
             cancel if cancel is not None else concurrent.futures.Future(),
             lambda: reused_error(where, rank, "another rank was refused at this prefix"),
+            lambda: mark_native(store, rank),
         )
-        try:
-            pg = pg_gloo(native_store, spec.rank, spec.world_size, opts)
-        except BaseException:
-            if not native_store.wrote:  # given up before its first write: no group here
-                unmark(store, spec.rank)
-            raise
+        pg = pg_gloo(native_store, rank, spec.world_size, opts)
         native_store.built()
         pairs = None
         if listener is not None:

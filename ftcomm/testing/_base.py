@@ -216,6 +216,8 @@ def _leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str
     rt.control.wait_idle(15.0)
     rt.callbacks.wait_idle(15.0)
     rt.reaper.wait_short(10.0)
+    if not rt.reaper.wait_unparked(5.0):
+        return "native objects handed to the reaper are still referenced elsewhere"
     if rt.workers.busy or rt.control.busy:
         return f"{rt.workers.busy + rt.control.busy} ftcomm worker call(s) still blocked"
     if _children() - children:
