@@ -287,8 +287,14 @@ async def _run(opts: argparse.Namespace, engine: str) -> int:
             _signal(m, sig)
         _say(f"{sig.name}: passed on to every member (SIGKILL after {opts.grace:g} s)")
 
-    # A signal ignored as the launcher started stays ignored (nohup: SIGHUP).
-    handled = [sig for sig in EXIT_STOPPED if signal.getsignal(sig) is not signal.SIG_IGN]
+    # SIGHUP ignored as the launcher started stays ignored (nohup). (Not
+    # SIGINT: a shell starts background jobs with it ignored, and Ctrl-C
+    # must still reach the members through the launcher.)
+    handled = [
+        sig
+        for sig in EXIT_STOPPED
+        if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN
+    ]
     for sig in handled:
         loop.add_signal_handler(sig, stop, sig)
     tasks = [

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -112,20 +113,14 @@ def test_a_stop_reaches_every_member_and_leaves_none_behind(
         f"""
         import os, signal, time
         me = os.environ["FTCOMM_MEMBER_ID"]
-        if me == "m1":
-            signal.signal({int(sig)}, signal.SIG_IGN)
+        # explicit, whatever this test run inherited (a background job ignores SIGINT)
+        signal.signal({int(sig)}, signal.SIG_IGN if me == "m1" else signal.SIG_DFL)
         open(os.path.join({str(tmp_path)!r}, me + ".pid"), "w").write(str(os.getpid()))
         while True:
             signal.pause()
         """,
     )
-    proc = subprocess.Popen(
-        [*RUN, "--nproc", "2", "--grace", "0.5", member],
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,  # its own group, as a terminal's foreground job
-    )
+    proc = _start([*RUN, "--nproc", "2", "--grace", "0.5", member])
     try:
         pids = _wait_for_pids(tmp_path, ["m0", "m1"], proc)
         sent = time.monotonic()
@@ -134,7 +129,7 @@ def test_a_stop_reaches_every_member_and_leaves_none_behind(
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.communicate()  # and its pipe closed
     assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}[sig], (
         err
     )
@@ -163,13 +158,7 @@ def test_a_launcher_started_with_sighup_ignored_keeps_ignoring_it(tmp_path: Path
         "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
         "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", nohup, *RUN[1:], "--grace", "5", member],
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    proc = _start([sys.executable, "-c", nohup, *RUN[1:], "--grace", "5", member])
     try:
         _wait_for_pids(tmp_path, ["m0"], proc)
         proc.send_signal(signal.SIGHUP)  # ignored, as it was when the launcher started
@@ -178,10 +167,55 @@ def test_a_launcher_started_with_sighup_ignored_keeps_ignoring_it(tmp_path: Path
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.communicate()  # and its pipe closed
     assert proc.returncode == 143, err
     assert "SIGHUP" not in err
     assert "m0 stopped: was killed by SIGTERM (0 restarts)" in err
+
+
+def test_ctrl_c_reaches_the_members_of_a_launcher_started_in_the_background(
+    tmp_path: Path,
+) -> None:
+    """A shell without job control starts a background job with SIGINT
+    ignored: the launcher still takes Ctrl-C and passes it on (its members
+    do not inherit the ignored SIGINT)."""
+    member = script(
+        tmp_path,
+        f"""
+        import os, signal
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        open(os.path.join({str(tmp_path)!r}, "m0.pid"), "w").write(str(os.getpid()))
+        try:
+            while True:
+                signal.pause()
+        except KeyboardInterrupt:
+            print("m0: KeyboardInterrupt", flush=True)
+            raise
+        """,
+    )
+    background = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", background, *RUN[1:], "--grace", "5", member],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        _wait_for_pids(tmp_path, ["m0"], proc)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()  # and its pipes closed
+    assert proc.returncode == 130, err
+    assert "m0: KeyboardInterrupt" in out  # its own handling ran
+    assert "m0 stopped: was killed by SIGINT (0 restarts)" in err
 
 
 def test_a_second_ctrl_c_kills_at_once(tmp_path: Path) -> None:
@@ -195,13 +229,7 @@ def test_a_second_ctrl_c_kills_at_once(tmp_path: Path) -> None:
             signal.pause()
         """,
     )
-    proc = subprocess.Popen(
-        [*RUN, "--grace", "60", member],
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    proc = _start([*RUN, "--grace", "60", member])
     try:
         _wait_for_pids(tmp_path, ["m0"], proc)
         proc.send_signal(signal.SIGINT)
@@ -211,17 +239,29 @@ def test_a_second_ctrl_c_kills_at_once(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.communicate()  # and its pipe closed
     assert proc.returncode == 130, err
     assert "m0 stopped: was killed by SIGKILL (0 restarts)" in err
 
 
-def _wait_for_line(proc: subprocess.Popen[str], text: str) -> None:
+def _wait_for_line(proc: subprocess.Popen[str], text: str, timeout: float = 30.0) -> None:
+    """Read the launcher's stderr until it says ``text`` (at most ``timeout`` s).
+    Raw reads: nothing is left in a buffer that select() does not see."""
     assert proc.stderr is not None
-    for line in proc.stderr:
-        if text in line:
-            return
-    raise AssertionError(f"the launcher never said {text!r}")
+    fd, said = proc.stderr.fileno(), b""
+    deadline = time.monotonic() + timeout
+    while text.encode() not in said:
+        ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+        chunk = os.read(fd, 65536) if ready else b""
+        assert chunk, f"the launcher never said {text!r}; it said: {said.decode()!r}"
+        said += chunk
+
+
+def _start(argv: list[str]) -> subprocess.Popen[str]:
+    """A launcher in a process group of its own, as a terminal's foreground job."""
+    return subprocess.Popen(
+        argv, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True
+    )
 
 
 def _wait_for_pids(where: Path, ids: list[str], proc: subprocess.Popen[str]) -> list[int]:
@@ -276,7 +316,7 @@ def test_launchers_on_two_hosts_share_one_engine(tmp_path: Path) -> None:
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
-                    proc.wait()
+                    proc.communicate()  # and its pipes closed
     assert outs == [[f"{socket.gethostname()}-m0", "2", "2"], ["b0", "2", "2"]]
 
 

@@ -378,11 +378,8 @@ async def _retry_after_a_killed_worker(port: int) -> None:
         await asyncio.gather(first.shutdown(), r0.shutdown(), r1.shutdown())
 
 
-def test_the_view_a_group_is_built_through_hears_of_a_refused_rank() -> None:
-    """A rank in its native construction waits in the store for its peers:
-    once one of them was refused at the prefix, the wait ends (within a
-    look, 0.5 s) with the refusal, not at the construction's timeout."""
-    store = MemoryStore()
+def _view(store: MemoryStore) -> tuple[StoppableStore, ftcomm.PrefixReused, list[str]]:
+    """A view over ``store`` that is never stopped: its refusal, and its marks."""
     refused = ftcomm.PrefixReused("refused", rank=1, op="configure")
     marks: list[str] = []
     view = StoppableStore(
@@ -391,6 +388,15 @@ def test_the_view_a_group_is_built_through_hears_of_a_refused_rank() -> None:
         lambda: refused,
         lambda: marks.append("marked"),
     )
+    return view, refused, marks
+
+
+def test_the_view_a_group_is_built_through_hears_of_a_refused_rank() -> None:
+    """A rank in its native construction waits in the store for its peers:
+    once one of them was refused at the prefix, the wait ends (within a
+    look, 0.5 s) with the refusal, not at the construction's timeout."""
+    store = MemoryStore()
+    view, refused, marks = _view(store)
     assert view.wrote is False
     view.set("1/addr", "x")
     view.set("1/more", "y")
@@ -407,14 +413,7 @@ def test_the_view_a_group_is_built_through_hears_of_a_refused_rank() -> None:
 def test_a_group_refused_before_its_first_write_marks_nothing() -> None:
     store = MemoryStore()
     store.set(REFUSED_KEY, "0")
-    refused = ftcomm.PrefixReused("refused", rank=1, op="configure")
-    marks: list[str] = []
-    view = StoppableStore(
-        store,  # type: ignore[arg-type]
-        concurrent.futures.Future(),
-        lambda: refused,
-        lambda: marks.append("marked"),
-    )
+    view, _, marks = _view(store)
     with pytest.raises(ftcomm.PrefixReused):
         view.set("1/addr", "x")
     assert marks == []
