@@ -4,6 +4,7 @@ user's recovery: a typed error out of ``backward()`` (``pg.raising()``) and DDP 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -130,6 +131,7 @@ def test_a_stop_reaches_every_member_and_leaves_none_behind(
         if proc.poll() is None:
             proc.kill()
             proc.communicate()  # and its pipe closed
+        _kill_members(tmp_path)  # a launcher killed leaves them (their own sessions)
     assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}[sig], (
         err
     )
@@ -168,6 +170,7 @@ def test_a_launcher_started_with_sighup_ignored_keeps_ignoring_it(tmp_path: Path
         if proc.poll() is None:
             proc.kill()
             proc.communicate()  # and its pipe closed
+        _kill_members(tmp_path)  # a launcher killed leaves them (their own sessions)
     assert proc.returncode == 143, err
     assert "SIGHUP" not in err
     assert "m0 stopped: was killed by SIGTERM (0 restarts)" in err
@@ -213,6 +216,7 @@ def test_ctrl_c_reaches_the_members_of_a_launcher_started_in_the_background(
         if proc.poll() is None:
             proc.kill()
             proc.communicate()  # and its pipes closed
+        _kill_members(tmp_path)  # a launcher killed leaves them (their own sessions)
     assert proc.returncode == 130, err
     assert "m0: KeyboardInterrupt" in out  # its own handling ran
     assert "m0 stopped: was killed by SIGINT (0 restarts)" in err
@@ -240,6 +244,7 @@ def test_a_second_ctrl_c_kills_at_once(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()  # and its pipe closed
+        _kill_members(tmp_path)  # a launcher killed leaves them (their own sessions)
     assert proc.returncode == 130, err
     assert "m0 stopped: was killed by SIGKILL (0 restarts)" in err
 
@@ -255,6 +260,13 @@ def _wait_for_line(proc: subprocess.Popen[str], text: str, timeout: float = 30.0
         chunk = os.read(fd, 65536) if ready else b""
         assert chunk, f"the launcher never said {text!r}; it said: {said.decode()!r}"
         said += chunk
+
+
+def _kill_members(where: Path) -> None:
+    """SIGKILL the members whose pid files are in ``where``, if still there."""
+    for pid_file in where.glob("*.pid"):
+        with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def _start(argv: list[str]) -> subprocess.Popen[str]:
