@@ -477,3 +477,18 @@ def test_a_lighthouse_engine_gets_the_address_that_routes_to_it() -> None:
     assert _route_to("http://127.0.0.1:29510") == "127.0.0.1"
     assert _route_to("http://[::1]:29510/") == "::1"
     assert _route_to("http://127.0.0.1:29510/") == "127.0.0.1"
+
+
+def test_the_launchers_own_failure_exits_3_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ftcomm import _launch
+
+    async def broken(*_: object) -> None:
+        raise RuntimeError("a supervisor's own bug")
+
+    monkeypatch.setattr(_launch, "_supervise", broken)
+    member = script(tmp_path, "raise SystemExit(0)\n")
+    assert _launch.main(["--nproc", "2", member]) == _launch.EXIT_INTERNAL
+    err = capsys.readouterr().err
+    assert "the launcher failed: RuntimeError: a supervisor's own bug" in err
