@@ -220,12 +220,13 @@ def _engine(given: str | None) -> Iterator[str]:
         yield server.address
 
 
-def _signal(m: Member, sig: signal.Signals) -> None:
-    """``sig`` to member ``m``'s process group (it and what it started), if it runs."""
-    proc = m.proc
-    if proc is not None and proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
+def _signal(members: list[Member], sig: signal.Signals) -> None:
+    """``sig`` to each running member's process group (it and what it started)."""
+    for m in members:
+        proc = m.proc
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
 
 
 def _say(text: str) -> None:
@@ -279,12 +280,10 @@ async def _run(opts: argparse.Namespace, engine: str) -> int:
         a second one SIGKILLs them."""
         signals.append(sig)
         if stopping.is_set():
-            for m in members:
-                _signal(m, signal.SIGKILL)
+            _signal(members, signal.SIGKILL)
             return
         stopping.set()
-        for m in members:
-            _signal(m, sig)
+        _signal(members, sig)
         _say(f"{sig.name}: passed on to every member (SIGKILL after {opts.grace:g} s)")
 
     # SIGHUP ignored as the launcher started stays ignored (nohup). (Not
@@ -313,8 +312,7 @@ async def _run(opts: argparse.Namespace, engine: str) -> int:
         asked.cancel()
         if any(m.proc is not None and m.proc.returncode is None for m in members):
             stopping.set()
-            for m in members:
-                _signal(m, signal.SIGTERM)
+            _signal(members, signal.SIGTERM)
             await _ended_within(done, members, opts.grace)
         for sig in handled:
             loop.remove_signal_handler(sig)
@@ -334,11 +332,10 @@ async def _run(opts: argparse.Namespace, engine: str) -> int:
 
 async def _ended_within(done: asyncio.Future[Any], members: list[Member], grace: float) -> None:
     """Wait ``grace`` seconds for every member to end; then SIGKILL the rest."""
-    with contextlib.suppress(TimeoutError, Exception):
+    with contextlib.suppress(Exception):  # the grace passed (TimeoutError), or worse
         await asyncio.wait_for(asyncio.shield(done), grace)
     if not done.done():
-        for m in members:
-            _signal(m, signal.SIGKILL)
+        _signal(members, signal.SIGKILL)
 
 
 async def _supervise(
@@ -366,7 +363,7 @@ async def _supervise(
             pid = None
         else:
             if stopping.is_set():  # the stop came as it started: what the others got
-                _signal(m, stop_signal[0] if stop_signal else signal.SIGTERM)
+                _signal([m], stop_signal[0] if stop_signal else signal.SIGTERM)
             code = await m.proc.wait()
             pid, m.proc = m.proc.pid, None
         m.codes.append(code)

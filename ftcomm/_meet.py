@@ -42,6 +42,11 @@ def reused_error(where: str, rank: int, why: str) -> PrefixReused:
     )
 
 
+def peer_refused(where: str, rank: int) -> PrefixReused:
+    """The error of a rank whose peer was refused at the prefix (``REFUSED_KEY``)."""
+    return reused_error(where, rank, "another rank was refused at this prefix")
+
+
 def meet(
     store: Store,
     rank: int,
@@ -89,11 +94,17 @@ def meet(
     """
     mine = MEET_KEY.format(world=world_size, rank=rank)
     count = MEET_COUNT.format(world=world_size)
+    who = f"{os.getpid()}-{threading.get_ident()}"
     if store.check([NATIVE_KEY.format(rank=rank)]):
         store.set(REFUSED_KEY, str(rank))
-        _take_out(store, mine, count, f"{os.getpid()}-{threading.get_ident()}")
+        _take_out(store, mine, count, who)
         raise reused_error(where, rank, f"rank {rank} built a group at this prefix before")
-    token = f"{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
+
+    def look() -> None:  # for a peer's refusal
+        if store.check([REFUSED_KEY]):
+            raise peer_refused(where, rank)
+
+    token = f"{who}-{time.monotonic_ns()}"
     came = _come(store, mine, count, token)
     progress.step = "meet"
     # Polls back off from 0.2 ms to 50 ms (longer for large worlds: every
@@ -102,24 +113,21 @@ def meet(
     delay = 0.0002
     looked_at = time.monotonic()
     try:
-        if store.check([REFUSED_KEY]):  # a peer was refused before this rank came
-            raise reused_error(where, rank, "another rank was refused at this prefix")
+        look()  # a peer may have been refused before this rank came
         while came < world_size:
             now = time.monotonic()
             if now >= deadline:
                 came = int(store.add(count, 0))  # one last look
                 if came >= world_size:
                     break
-                if store.check([REFUSED_KEY]):
-                    raise reused_error(where, rank, "another rank was refused at this prefix")
+                look()
                 progress.detail = _missing(store, world_size)
                 raise TimeoutError(f"{progress.detail} (this is rank {rank})")
             # names: for small worlds all along, for up to 64 near the end
             names = world_size <= 16 or (world_size <= 64 and deadline - now <= 0.6)
             if now - looked_at >= 0.5:
                 looked_at = now
-                if store.check([REFUSED_KEY]):
-                    raise reused_error(where, rank, "another rank was refused at this prefix")
+                look()
                 if names:
                     progress.detail = _missing(store, world_size)
             if not names:
@@ -130,8 +138,7 @@ def meet(
             came = int(store.add(count, 0))
         if _stopped(stop):  # all came (maybe at once), but nobody waits for this connect
             raise Stopped
-        if store.check([REFUSED_KEY]):  # all came, counted by a stale attempt among them
-            raise reused_error(where, rank, "another rank was refused at this prefix")
+        look()  # all came, maybe counted by a stale attempt among them
         if mark:
             mark_native(store, rank, token)
     except (Stopped, TimeoutError, PrefixReused):

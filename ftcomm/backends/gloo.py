@@ -35,6 +35,7 @@ Facts of torch 2.13 this backend is built around (DESIGN.md):
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import threading
@@ -56,7 +57,7 @@ from torch._C._distributed_c10d import (
 )
 from torch.distributed import ReduceOp
 
-from .._meet import StoppableStore, mark_native, meet, reused_error
+from .._meet import StoppableStore, mark_native, meet, peer_refused
 from .._runtime.loop import get_runtime
 from .._runtime.native import (
     NativeOp,
@@ -354,7 +355,7 @@ class GlooBackend(Backend):
         native_store = StoppableStore(
             store,
             cancel if cancel is not None else concurrent.futures.Future(),
-            lambda: reused_error(where, rank, "another rank was refused at this prefix"),
+            functools.partial(peer_refused, where, rank),
             lambda: mark_native(store, rank),
         )
         pg = pg_gloo(native_store, rank, spec.world_size, opts)
