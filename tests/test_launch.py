@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import ftcomm
 from ftcomm import c10d
+from ftcomm._launch import EXIT_STOPPED
 from ftcomm.testing import RankContext, run_world
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,32 +111,16 @@ def test_a_stop_reaches_every_member_and_leaves_none_behind(
     SIGTERM: each member gets that signal once, from the launcher (they are
     in groups of their own); one that ignores it is SIGKILLed after the
     grace; no restart; 130 (143)."""
-    member = script(
-        tmp_path,
-        f"""
-        import os, signal, time
-        me = os.environ["FTCOMM_MEMBER_ID"]
-        # explicit, whatever this test run inherited (a background job ignores SIGINT)
-        signal.signal({int(sig)}, signal.SIG_IGN if me == "m1" else signal.SIG_DFL)
-        open(os.path.join({str(tmp_path)!r}, me + ".pid"), "w").write(str(os.getpid()))
-        while True:
-            signal.pause()
-        """,
+    # explicit, whatever this test run inherited (a background job ignores SIGINT)
+    member = _pausing(
+        tmp_path, f"signal.signal({int(sig)}, signal.SIG_IGN if me == 'm1' else signal.SIG_DFL)"
     )
-    proc = _start([*RUN, "--nproc", "2", "--grace", "0.5", member])
-    try:
+    with _launched(tmp_path, "--nproc", "2", "--grace", "0.5", member) as proc:
         pids = _wait_for_pids(tmp_path, ["m0", "m1"], proc)
         sent = time.monotonic()
         os.killpg(proc.pid, sig)  # what a terminal does: the whole foreground group
         _, err = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()  # and its pipe closed
-        _kill_members(tmp_path)  # a launcher killed leaves them (their own sessions)
-    assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}[sig], (
-        err
-    )
+    assert proc.returncode == EXIT_STOPPED[sig], err
     assert time.monotonic() - sent < 10.0  # the grace (0.5 s), with room for a busy machine
     assert f"{sig.name}: passed on to every member" in err
     assert f"m0 stopped: was killed by {sig.name} (0 restarts)" in err
@@ -147,30 +133,12 @@ def test_a_stop_reaches_every_member_and_leaves_none_behind(
 
 def test_a_launcher_started_with_sighup_ignored_keeps_ignoring_it(tmp_path: Path) -> None:
     """nohup: the terminal going away stops nothing."""
-    member = script(
-        tmp_path,
-        f"""
-        import os, signal
-        open(os.path.join({str(tmp_path)!r}, "m0.pid"), "w").write(str(os.getpid()))
-        while True:
-            signal.pause()
-        """,
-    )
-    nohup = (
-        "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
-        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
-    )
-    proc = _start([sys.executable, "-c", nohup, *RUN[1:], "--grace", "5", member])
-    try:
+    member = _pausing(tmp_path)
+    with _launched(tmp_path, "--grace", "5", member, ignoring=signal.SIGHUP) as proc:
         _wait_for_pids(tmp_path, ["m0"], proc)
         proc.send_signal(signal.SIGHUP)  # ignored, as it was when the launcher started
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()  # and its pipe closed
-        _kill_members(tmp_path)  # a launcher killed leaves them (their own sessions)
     assert proc.returncode == 143, err
     assert "SIGHUP" not in err
     assert "m0 stopped: was killed by SIGTERM (0 restarts)" in err
@@ -182,69 +150,27 @@ def test_ctrl_c_reaches_the_members_of_a_launcher_started_in_the_background(
     """A shell without job control starts a background job with SIGINT
     ignored: the launcher still takes Ctrl-C and passes it on (its members
     do not inherit the ignored SIGINT)."""
-    member = script(
-        tmp_path,
-        f"""
-        import os, signal
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        open(os.path.join({str(tmp_path)!r}, "m0.pid"), "w").write(str(os.getpid()))
-        try:
-            while True:
-                signal.pause()
-        except KeyboardInterrupt:
-            print("m0: KeyboardInterrupt", flush=True)
-            raise
-        """,
+    member = _pausing(
+        tmp_path, "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler"
     )
-    background = (
-        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", background, *RUN[1:], "--grace", "5", member],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
+    launched = _launched(tmp_path, "--grace", "5", member, ignoring=signal.SIGINT, stdout=True)
+    with launched as proc:
         _wait_for_pids(tmp_path, ["m0"], proc)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()  # and its pipes closed
-        _kill_members(tmp_path)  # a launcher killed leaves them (their own sessions)
     assert proc.returncode == 130, err
     assert "m0: KeyboardInterrupt" in out  # its own handling ran
     assert "m0 stopped: was killed by SIGINT (0 restarts)" in err
 
 
 def test_a_second_ctrl_c_kills_at_once(tmp_path: Path) -> None:
-    member = script(
-        tmp_path,
-        f"""
-        import os, signal
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        open(os.path.join({str(tmp_path)!r}, "m0.pid"), "w").write(str(os.getpid()))
-        while True:
-            signal.pause()
-        """,
-    )
-    proc = _start([*RUN, "--grace", "60", member])
-    try:
+    member = _pausing(tmp_path, "signal.signal(signal.SIGINT, signal.SIG_IGN)")
+    with _launched(tmp_path, "--grace", "60", member) as proc:
         _wait_for_pids(tmp_path, ["m0"], proc)
         proc.send_signal(signal.SIGINT)
         _wait_for_line(proc, "SIGINT: passed on to every member")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=20)  # not the 60 s grace
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()  # and its pipe closed
-        _kill_members(tmp_path)  # a launcher killed leaves them (their own sessions)
     assert proc.returncode == 130, err
     assert "m0 stopped: was killed by SIGKILL (0 restarts)" in err
 
@@ -269,11 +195,55 @@ def _kill_members(where: Path) -> None:
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
-def _start(argv: list[str]) -> subprocess.Popen[str]:
-    """A launcher in a process group of its own, as a terminal's foreground job."""
-    return subprocess.Popen(
-        argv, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True
+def _pausing(where: Path, setup: str = "") -> str:
+    """A member's script: ``setup``, its pid in ``where``, then it waits for a
+    signal (and says so if that is a KeyboardInterrupt)."""
+    return script(
+        where,
+        f"""
+        import os, signal
+        me = os.environ["FTCOMM_MEMBER_ID"]
+        {setup}
+        open(os.path.join({str(where)!r}, me + ".pid"), "w").write(str(os.getpid()))
+        try:
+            while True:
+                signal.pause()
+        except KeyboardInterrupt:
+            print(me + ": KeyboardInterrupt", flush=True)
+            raise
+        """,
     )
+
+
+@contextlib.contextmanager
+def _launched(
+    where: Path, *args: str, ignoring: signal.Signals | None = None, stdout: bool = False
+) -> Iterator[subprocess.Popen[str]]:
+    """A launcher in a process group of its own, as a terminal's foreground
+    job, started with ``ignoring`` ignored (as by nohup, or a background job);
+    on the way out, it and the members whose pids are in ``where`` are gone."""
+    argv = [*RUN, *args]
+    if ignoring is not None:  # exec keeps an ignored signal ignored
+        wrapper = (
+            f"import os, signal, sys; signal.signal({int(ignoring)}, signal.SIG_IGN); "
+            "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+        )
+        argv = [sys.executable, "-c", wrapper, *argv[1:]]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE if stdout else None,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()  # and its pipes closed
+        _kill_members(where)  # a launcher killed leaves them (their own sessions)
 
 
 def _wait_for_pids(where: Path, ids: list[str], proc: subprocess.Popen[str]) -> list[int]:
