@@ -13,6 +13,12 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)-$(subst $(comma),-,$(EXTRAS))
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
+	# nftables, for the network faults of ftcomm.testing (docs/testing.md): as root
+	# with apt-get, where nft is missing; elsewhere nothing (those tests skip).
+	@if ! command -v nft >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get install -y -q nftables >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q nftables >/dev/null; } \
+			|| echo "nftables could not be installed: the network-fault tests will skip"; \
+	fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# Pin torch first: an unpinned torch pulls a multi-GB CUDA build.

@@ -21,7 +21,7 @@ STEPS = 6
 
 async def train(ctx: RankContext) -> list[tuple[int, float]]:
     """Data-parallel steps; after a failed collective, recover with the survivors."""
-    address = f"127.0.0.1:{ctx.port}/{ctx.world_id}"  # the world's store
+    address = f"{ctx.host}:{ctx.port}/{ctx.world_id}"  # the world's store
     members = ftcomm.Membership(address, "train", f"m{ctx.rank}", min_size=2, max_size=3)
     sums: list[tuple[int, float]] = []  # (generation, sum) per step
     async with members, ftcomm.Group(ctx.backend, timeout=5.0) as group:

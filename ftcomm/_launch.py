@@ -31,7 +31,7 @@ from typing import Any
 
 from ._membership._lighthouse import host_port as lighthouse_host_port
 from ._membership._lighthouse import is_lighthouse
-from ._membership.membership import check_name
+from ._membership._names import check_name
 from ._server import serve_store
 from ._store import parse_store_addr
 

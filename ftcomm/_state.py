@@ -278,6 +278,15 @@ class GroupCore:
         _announce(old)
         return teardown
 
+    def abort_if(self, config: Config, error: CommError) -> Teardown | None:
+        """``abort(error)`` where ``config`` is still the configuration ops
+        run on (READY, or ERRORED after it); else nothing (``None``): a
+        ``configure()`` begun since, or a shutdown, is left alone."""
+        with self.lock:
+            if self._config is not config or self._state not in (State.READY, State.ERRORED):
+                return None
+            return self._go("abort", error)
+
     def shutdown(self, error: CommError) -> Teardown:
         with self.lock:
             old = self._supersede("shutdown()")

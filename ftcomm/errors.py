@@ -211,20 +211,37 @@ class Evicted(MembershipError):
         member_id: this member's id.
         generation: the generation it was last part of.
         current: the generation formed without it.
+        cut_off: it was alive, but could not exchange data with the others
+            (a network fault): ``join()`` then waits until it reaches
+            them, longer each time this happens again.
     """
 
-    def __init__(self, message: str, *, member_id: str, generation: int, current: int) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        member_id: str,
+        generation: int,
+        current: int,
+        cut_off: bool = False,
+    ) -> None:
         self.member_id = member_id
         self.generation = generation
         self.current = current
+        self.cut_off = cut_off
         super().__init__(message)
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_evicted, (str(self), self.member_id, self.generation, self.current))
+        args = (str(self), self.member_id, self.generation, self.current, self.cut_off)
+        return (_evicted, args)
 
 
-def _evicted(message: str, member_id: str, generation: int, current: int) -> Evicted:
-    return Evicted(message, member_id=member_id, generation=generation, current=current)
+def _evicted(
+    message: str, member_id: str, generation: int, current: int, cut_off: bool = False
+) -> Evicted:
+    return Evicted(
+        message, member_id=member_id, generation=generation, current=current, cut_off=cut_off
+    )
 
 
 class MembershipTimeout(MembershipError, TimeoutError):

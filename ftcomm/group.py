@@ -278,6 +278,19 @@ class Group(Configuring, Issuing):
         teardown = self._core.abort(CommAborted("the group was aborted by abort()", rank=rank))
         return self._closing(teardown)
 
+    def _abort_config(self, config: object, why: str) -> bool:
+        """:meth:`abort` where ``config`` (a ``_core.config`` read earlier) is
+        still the configuration ops run on; whether it was. From any thread,
+        without blocking; a ``configure()`` begun since is left alone."""
+        if not isinstance(config, Config):
+            return False
+        error = CommAborted(f"the group was aborted: {why}", rank=config.backend.rank)
+        teardown = self._core.abort_if(config, error)
+        if teardown is None:
+            return False
+        self._closing(teardown)
+        return True
+
     def shutdown(self) -> Closing:
         """Tear the group down now; in-flight ops end with ``CommAborted``, and
         a ``configure()`` in progress on any thread is superseded.

@@ -6,8 +6,8 @@ The rule is ``_rule``; the store engine ``_store_engine``; heartbeats
 ``_watch``; the state copy ``_state_copy``; the public calls ``membership``.
 """
 
+from ._names import World as World
 from ._state_copy import sync_state as sync_state
 from .membership import Membership as Membership
-from .membership import World as World
 
 __all__ = ["Membership", "World", "sync_state"]

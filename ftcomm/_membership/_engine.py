@@ -8,6 +8,7 @@ long one looks at a ``stop`` event at every poll. Imports: ``_rule``'s records.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 from ._rule import Member, WorldRecord
@@ -81,6 +82,31 @@ class Engine(Protocol):
         whether to give the generation up (False where it was kept first:
         this member's configure then completes, and it keeps it too).
         Raises: MembershipError."""
+
+    def reach_check(
+        self, record: WorldRecord, stop: threading.Event, timeout: float
+    ) -> tuple[set[Member], set[Member]]:
+        """As ``record``'s group is configured: probe the paths between its
+        members (``timeout`` each) and, once every member reported, those
+        to leave out of the next generation for paths cut, the same for
+        every member (empty: none, not known, or ``stop`` was set first);
+        and the members this one reached. Raises: MembershipError."""
+
+    def admit(self, stop: threading.Event, deadline: float, timeout: float) -> None:
+        """Before a newcomer registers: wait until it reaches the members of
+        the latest generation. Raises: MembershipTimeout (by ``deadline``),
+        MembershipError, and ``Stopped`` when ``stop`` was set."""
+
+    def watch(
+        self, record: WorldRecord, on_broken: Callable[[str], None], reached: set[Member]
+    ) -> None:
+        """``record``'s group is configured: from now on call ``on_broken(why)``
+        once (from another thread) when a member of it is found dead or a
+        path between two of them cut (one that had worked: ``reached``, as
+        it was configured, or since). Raises: MembershipError."""
+
+    def unwatch(self) -> None:
+        """Watch no world (the next one is being formed)."""
 
     def group_addr(self, record: WorldRecord) -> str:
         """The store address (``host:port/prefix``) where ``record``'s group meets."""

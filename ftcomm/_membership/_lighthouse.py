@@ -40,6 +40,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -171,6 +172,24 @@ class LighthouseEngine:
 
     def alive(self, member: Member) -> bool:
         return True  # the lighthouse keeps who beats to itself
+
+    # -- paths: the lighthouse knows nothing of them -----------------------
+
+    def reach_check(
+        self, record: WorldRecord, stop: threading.Event, timeout: float
+    ) -> tuple[set[Member], set[Member]]:
+        return set(), set()
+
+    def admit(self, stop: threading.Event, deadline: float, timeout: float) -> None:
+        return None
+
+    def watch(
+        self, record: WorldRecord, on_broken: Callable[[str], None], reached: set[Member]
+    ) -> None:
+        return None
+
+    def unwatch(self) -> None:
+        return None
 
     # -- agreeing ---------------------------------------------------------
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -234,3 +234,63 @@ def missing(
     """(ready ids, ids of candidates not ready): for a timeout's message."""
     everyone = candidates(prev, roster, alive).members
     return [m.id for m in everyone if m in ready], [m.id for m in everyone if m not in ready]
+
+
+EXACT_CUT = 12
+"""Up to this many members left out, :func:`leave_out` finds the fewest
+exactly; beyond, it leaves out greedily (the member with the most broken
+pairs first)."""
+
+
+def leave_out(
+    members: Sequence[Member], reached: Mapping[Member, Collection[Member]]
+) -> tuple[Member, ...]:
+    """The fewest of ``members`` (rank order) to leave out so that every two
+    of the rest reached each other (``reached[m]``: whom ``m`` reached, by
+    its own report). A pair is broken where either end's report says it
+    did not reach the other; a member without a report (its check slow to
+    end) is judged by the others' reports alone, never by its silence. Of
+    several answers as small, the one found first by trying the later rank
+    of each broken pair first. ``()``: every pair works."""
+
+    def missed(a: Member, b: Member) -> bool:
+        return a in reached and b not in reached[a]
+
+    broken = [
+        (a, b)
+        for i, a in enumerate(members)
+        for b in members[i + 1 :]
+        if missed(a, b) or missed(b, a)
+    ]
+    if not broken:
+        return ()
+    for budget in range(1, min(EXACT_CUT, len(members)) + 1):
+        found = _cover(broken, budget)
+        if found is not None:
+            return tuple(m for m in members if m in found)
+    out: set[Member] = set()
+    left = list(broken)
+    while left:
+        count: dict[Member, int] = {}
+        for a, b in left:
+            count[a] = count.get(a, 0) + 1
+            count[b] = count.get(b, 0) + 1
+        worst = max(reversed(members), key=lambda m: count.get(m, 0))
+        out.add(worst)
+        left = [(a, b) for a, b in left if worst not in (a, b)]
+    return tuple(m for m in members if m in out)
+
+
+def _cover(broken: Sequence[tuple[Member, Member]], budget: int) -> set[Member] | None:
+    """At most ``budget`` members that take part in every broken pair; ``None``: none."""
+    if not broken:
+        return set()
+    if budget == 0:
+        return None
+    a, b = broken[0]
+    for pick in (b, a):
+        rest = [pair for pair in broken if pick not in pair]
+        found = _cover(rest, budget - 1)
+        if found is not None:
+            return found | {pick}
+    return None

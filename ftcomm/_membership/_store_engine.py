@@ -22,6 +22,16 @@ Keys, under ``ftcomm/members/<job>/`` (who writes each, and how):
 - ``quit/<g>``: ``id<TAB>token`` lines, members of generation ``g`` whose
   call was cancelled as it was formed or configured: from then on they are
   dead to the others (``append``).
+- ``at/<id>``: ``"<token> <host:port>"``, where that member's listener is
+  (``_reach``); that member, before it registers and as it renews (``set``).
+- ``reach/<g>``: one line per member of generation ``g`` that checked its
+  paths as the group was configured: whom it reached; each (``append``).
+- ``cut/<g>``: the members of generation ``g`` left out of the next one,
+  where the reports found paths cut (:func:`_rule.leave_out`); the first
+  member that read every report, once (``compare_set``). It counts only
+  where ``g`` was given up (its ``fate``).
+- ``sus/<g>``: ``prober<TAB>target`` lines, a probe of a configured world's
+  watcher found a path cut (``_watch``); that watcher (``append``).
 - ``fate/<g>``: the verdicts on generation ``g``, in the order they came
   (``append``): ``id<TAB>token``, a member that quit it (written before its
   quit line) or that a member configuring it saw dead, and ``kept``, from
@@ -48,12 +58,15 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from .._store import ConnectProgress, StoreAddr, connect_store, why_unreachable
 from ..errors import Evicted, MembershipError, MembershipTimeout
+from . import _paths
 from ._engine import Stopped
+from ._reach import Listener, listen_host
 from ._rule import (
     EMPTY,
     Member,
@@ -66,7 +79,7 @@ from ._rule import (
     parse_roster,
     ready_line,
 )
-from ._watch import LEFT, Superseded, Watcher, beat_key, quit_key, read
+from ._watch import LEFT, Superseded, Watcher, at_key, beat_key, quit_key, read
 
 log = logging.getLogger("ftcomm")
 
@@ -138,8 +151,10 @@ class StoreEngine:
         plain = StoreAddr(self.addr.host, self.addr.port, "")
         timeout = max(timeout, 0.01)
         try:
-            with socket.create_connection((plain.host, plain.port), timeout=min(timeout, 2.0)):
-                pass
+            with socket.create_connection(
+                (plain.host, plain.port), timeout=min(timeout, 2.0)
+            ) as probe:
+                local = str(probe.getsockname()[0])
         except OSError as exc:
             raise MembershipError(
                 f"the membership store at {plain.host_port} does not answer: {why_unreachable(exc)}"
@@ -167,6 +182,18 @@ class StoreEngine:
             raise MembershipError(
                 f"the membership store at {plain.host_port} does not answer: {exc}"
             ) from exc
+        host = listen_host(plain.host, local)
+        try:
+            self.watcher.listener = Listener(host)
+        except OSError as exc:
+            raise MembershipError(
+                f"member {self.me.id!r} cannot listen on {host!r} (FTCOMM_GLOO_HOST, or the "
+                f"address that reaches the store): {exc}"
+            ) from None
+        try:
+            self._store.set(at_key(self.me.id), f"{self.me.token} {self.watcher.listener.address}")
+        except (RuntimeError, OSError) as exc:
+            raise _failed(exc) from None
         self.watcher.start()
 
     def _claim(self, stop: threading.Event) -> None:
@@ -271,9 +298,15 @@ class StoreEngine:
         target: int | None = None
         enough_since: float | None = None
         delay = 0.0005
+        refusals = _paths.Absent(watcher, self._interval)  # a refusal is a death
         try:
             while True:
                 t = prev.generation + 1
+                barred = self._cut_of(prev)  # (a generation given up for paths cut)
+
+                def alive(m: Member, barred: set[Member] = barred) -> bool:
+                    return m not in barred and watcher.alive(m)
+
                 decided = read(self._store, f"world/{t}")
                 if decided is not None:
                     record = WorldRecord.decode(decided)
@@ -295,6 +328,18 @@ class StoreEngine:
                             prev, member_of, target, enough_since = record, t, None, None
                             continue
                         return record
+                    if member_of is not None and self.me in barred:
+                        raise Evicted(
+                            f"member {self.me.id!r} was left out of job {self.job!r}: in "
+                            f"generation {prev.generation} it could not exchange data with "
+                            f"the others (a network fault), and generation {t} was formed "
+                            f"without it ({', '.join(record.ids) or 'no one'}). join() again "
+                            "once it can reach them (it waits until it can)",
+                            member_id=self.me.id,
+                            generation=member_of,
+                            current=t,
+                            cut_off=True,
+                        )
                     if member_of is not None:
                         raise Evicted(
                             f"member {self.me.id!r} was dropped from job {self.job!r}: "
@@ -323,7 +368,8 @@ class StoreEngine:
                 if silent:
                     watcher.refresh(self._store, silent)
                 now = time.monotonic()
-                if enough_ready(prev, roster, ready, watcher.alive, min_size):
+                refusals.probe(self._store, self.me, prev, ready)
+                if enough_ready(prev, roster, ready, alive, min_size):
                     enough_since = now if enough_since is None else enough_since
                 else:
                     enough_since = None
@@ -331,7 +377,7 @@ class StoreEngine:
                     prev,
                     roster,
                     ready,
-                    watcher.alive,
+                    alive,
                     me=self.me,
                     window_passed=enough_since is not None and now - enough_since >= window,
                     min_size=min_size,
@@ -346,14 +392,14 @@ class StoreEngine:
                         t,
                         proposal.ids,
                         sorted(m.id for m in ready),
-                        sorted(m.id for m in {*prev.members, *roster} if not watcher.alive(m)),
+                        sorted(m.id for m in {*prev.members, *roster} if not alive(m)),
                         enough_since is not None and now - enough_since >= window,
                     )
                 if proposal is not None:
                     self._store.compare_set(f"world/{t}", "", proposal.encode())
                     continue  # read back whichever proposal won
                 if now >= deadline:
-                    here, absent = missing(prev, roster, ready, watcher.alive)
+                    here, absent = missing(prev, roster, ready, alive)
                     raise MembershipTimeout(
                         f"no generation {t} of job {self.job!r} was formed in time: "
                         f"{len(here)} ready ({', '.join(here) or 'none'}), need at least "
@@ -393,6 +439,81 @@ class StoreEngine:
             if isinstance(exc, MembershipError):
                 raise
             raise _failed(exc) from exc
+        finally:
+            refusals.close()
+
+    def _cut_of(self, record: WorldRecord) -> set[Member]:
+        """The members of ``record`` left out for paths cut, where it was
+        given up (``cut/<g>``, ``_paths``)."""
+        out = _paths.left_out(self._store, record)
+        if out and _given_up(read(self._store, fate_key(record.generation)), record):
+            return out
+        return set()
+
+    def reach_check(
+        self, record: WorldRecord, stop: threading.Event, timeout: float
+    ) -> tuple[set[Member], set[Member]]:
+        """As ``record``'s group is configured: every path of its world
+        checked; who is left out of the next generation, and whom this
+        member reached (``_paths.check``).
+
+        Raises:
+            MembershipError: the store failed.
+        """
+        assert self.watcher is not None
+        try:
+            return _paths.check(self._store, self.watcher, self.me, record, stop, timeout)
+        except (RuntimeError, OSError, ValueError) as exc:
+            raise _failed(exc) from exc
+
+    def admit(self, stop: threading.Event, deadline: float, timeout: float) -> None:
+        """Before a newcomer registers: wait until it reaches every member
+        of the latest generation that answers (``_paths.wait_reachable``).
+
+        Raises:
+            MembershipTimeout: some stay silent past ``deadline``.
+            MembershipError: the store failed.
+            Stopped: ``stop`` was set.
+        """
+        pause = 0.05
+        while True:
+            latest = self.latest()
+            left = max(deadline - time.monotonic(), 0.01)
+            try:
+                assert self.watcher is not None
+                silent = _paths.wait_reachable(
+                    self._store, self.watcher, self.me.id, latest, stop, min(timeout, left)
+                )
+            except (RuntimeError, OSError) as exc:
+                raise _failed(exc) from exc
+            if not silent:
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                raise _paths.no_way_in(self.me.id, self.job, silent, latest.generation)
+            if stop.wait(min(pause, deadline - now)):
+                raise Stopped
+            pause = min(pause * 2, 1.0)
+
+    def watch(
+        self, record: WorldRecord, on_broken: Callable[[str], None], reached: set[Member]
+    ) -> None:
+        """``record``'s group is configured: watch its world (``Watcher.watch``).
+
+        Raises:
+            MembershipError: the store failed.
+        """
+        assert self.watcher is not None
+        others = [m for m in record.members if m != self.me]
+        try:
+            where = _paths.addresses(self._store, others, self.me.id)
+        except (RuntimeError, OSError) as exc:
+            raise _failed(exc) from exc
+        self.watcher.watch(record.generation, record.members, where, on_broken, reached)
+
+    def unwatch(self) -> None:
+        if self.watcher is not None:
+            self.watcher.unwatch()
 
     def abandon(self, record: WorldRecord) -> None:
         """Tell ``record``'s other members this one will not configure it
@@ -460,6 +581,9 @@ class StoreEngine:
             renewed = Member.fresh(self.me.id)
             if watcher.renew(renewed):
                 self.me = renewed
+                if watcher.listener is not None:
+                    where = watcher.listener.address
+                    self._store.set(at_key(renewed.id), f"{renewed.token} {where}")
 
     def _generation(self) -> int:
         """The latest generation with a record (0 before the first)."""

@@ -20,6 +20,15 @@ while its own round is late by more than half the timeout (a stopped
 process, a starved thread, a store slow to answer) it calls no one dead,
 and after such a pause it starts every member's clock afresh, so that its
 own stall is never taken for everyone else's death.
+
+A member whose listener refuses a connect (``_reach``) is dead at once: its
+process is gone. Once its group is configured, a member's watcher also
+watches that world (:meth:`Watcher.watch`): each round it probes two of the
+world's other members in turn (so that every path from it is tried within
+``ceil((n - 1) / 2)`` rounds), and it calls ``on_broken`` once, from its
+thread, when a member of the world is dead or any member says a probe of
+its found a path cut that had worked in that world (``sus/<g>``, one
+``prober<TAB>target`` line each).
 """
 
 from __future__ import annotations
@@ -28,9 +37,11 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from typing import Any
 
+from ._reach import Listener, Probes, Reach
 from ._rule import Member, parse_roster
 
 log = logging.getLogger("ftcomm")
@@ -56,6 +67,31 @@ LEFT = "left"
 
 def quit_key(generation: int) -> str:
     return f"quit/{generation}"
+
+
+def suspect_key(generation: int) -> str:
+    return f"sus/{generation}"
+
+
+def at_key(member_id: str) -> str:
+    """``"<token> <host:port>"``: where that member's listener is (``_reach``)."""
+    return f"at/{member_id}"
+
+
+PROBES_PER_ROUND = 2
+"""Members of the watched world each watcher probes per round."""
+
+
+@dataclass(eq=False)
+class _Watched:
+    generation: int
+    members: tuple[Member, ...]
+    others: tuple[Member, ...]  # the ones it probes, in turn, from the next rank on
+    addresses: dict[Member, tuple[str, int]]
+    on_broken: Callable[[str], None]
+    turn: int = 0
+    fired: bool = False
+    answered: set[Member] = field(default_factory=set)  # probed OK in this world
 
 
 class Superseded(ConnectionError):
@@ -93,6 +129,10 @@ class Watcher:
         self._last_tick: float | None = None
         self._following: int | None = None  # the generation whose quitters are read
         self._quit: set[Member] = set()  # those that gave it up
+        self._refused: set[Member] = set()  # those whose listener refused: gone
+        self._watched: _Watched | None = None
+        self._probes: Probes[Member] = Probes()  # the watcher thread's
+        self.listener: Listener | None = None  # drained every round
         self._warned = False
         self.error: ConnectionError | None = None
         self._stop = threading.Event()
@@ -115,7 +155,7 @@ class Watcher:
         if not self._newest(member):
             return False  # a later incarnation registered: it only could once this one was gone
         with self._lock:
-            if member in self._quit:
+            if member in self._quit or member in self._refused:
                 return False
             entry = self._seen.get(member.id)
             roster = self._roster
@@ -166,6 +206,90 @@ class Watcher:
         with self._lock:
             if self._following == generation:
                 self._quit |= members
+
+    def refused_seen(self, member: Member) -> None:
+        """A connect to ``member``'s listener was refused: its process is
+        gone, and it is dead from now on (that incarnation)."""
+        with self._lock:
+            self._refused.add(member)
+
+    def watch(
+        self,
+        generation: int,
+        members: tuple[Member, ...],
+        addresses: dict[Member, tuple[str, int]],
+        on_broken: Callable[[str], None],
+        reached: Collection[Member] = (),
+    ) -> None:
+        """From the next round on, watch the world of ``members`` (its group
+        configured): ``on_broken(reason)`` once, from the watcher's thread,
+        when one of them is dead or a path between two of them is cut (of
+        those it reached: ``reached``, as the world was configured, and
+        every one a probe of the watch reaches)."""
+        mine = members.index(self.me) if self.me in members else -1
+        others = tuple(members[(mine + 1 + i) % len(members)] for i in range(len(members)))
+        with self._lock:
+            self._watched = _Watched(
+                generation,
+                members,
+                tuple(m for m in others if m != self.me and m in addresses),
+                dict(addresses),
+                on_broken,
+                answered=set(reached),
+            )
+
+    def unwatch(self) -> None:
+        """Watch no world (the next is being formed)."""
+        with self._lock:
+            self._watched = None
+
+    def _check_world(self) -> None:
+        """The watched world's round: its deaths, its cut paths (others'
+        reports, then this member's own probes)."""
+        with self._lock:
+            watched = self._watched
+        if watched is None or watched.fired:
+            return
+        reason = None
+        said = read(self._store, suspect_key(watched.generation))
+        if said:
+            prober, _, target = said.decode(errors="replace").splitlines()[0].partition("\t")
+            reason = f"{prober} could not reach {target}"
+        dead = next((m for m in watched.members if not self.alive(m)), None)
+        if reason is None and dead is not None:
+            reason = f"{dead.id} is dead (its heartbeat stopped, or its process is gone)"
+        for member, answer in self._probes.poll().items():
+            if answer is Reach.REFUSED:
+                self.refused_seen(member)
+                reason = reason or f"{member.id}'s process is gone (its listener refused)"
+            elif answer is Reach.OK:
+                watched.answered.add(member)
+            elif answer is Reach.SILENT and member in watched.answered:
+                # (only a path that worked: a port filtered from the start
+                # while the group's data flows must not abort every world)
+                line = f"{self.me.id}\t{member.id}\n"
+                self._store.append(suspect_key(watched.generation), line)
+                reason = reason or f"{self.me.id} could not reach {member.id}"
+        if reason is not None:
+            with self._lock:
+                if self._watched is not watched:
+                    return
+                watched.fired = True
+            self._probes.close()
+            try:
+                watched.on_broken(reason)
+            except Exception:
+                log.exception("ftcomm: membership %s: its world's abort failed", self.me.id)
+            return
+        started = 0
+        for _ in range(len(watched.others)):
+            if started == PROBES_PER_ROUND:
+                break
+            member = watched.others[watched.turn % len(watched.others)]
+            watched.turn += 1
+            if not self._probes.busy(member):
+                self._probes.start(member, watched.addresses[member], self.timeout)
+                started += 1
 
     # -- the round --------------------------------------------------------
 
@@ -240,6 +364,9 @@ class Watcher:
                 if old is None or old[0] != value or paused:
                     self._seen[member_id] = (value, now)
             self._roster = roster
+        if self.listener is not None:
+            self.listener.drain()
+        self._check_world()
 
     def refresh(self, store: Any, members: list[Member]) -> None:
         """Read ``members``' heartbeats now, through ``store`` (the caller's
@@ -290,4 +417,7 @@ class Watcher:
         if leave and self.error is None:
             with contextlib.suppress(Exception), self._beat_lock:  # the store may be gone
                 self._swap(f"{self.me.token} {LEFT}")
+        self._probes.close()
+        if self.listener is not None:
+            self.listener.close()
         self._store = None  # its connection closes with the last reference

@@ -16,11 +16,11 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -32,63 +32,23 @@ from ..group import Group
 from . import _state_copy
 from ._engine import Engine, Stopped
 from ._lighthouse import LighthouseEngine, is_lighthouse
+from ._names import ENV_NAMES, World, check_name, check_size
 from ._rule import NO_CAP, Member, WorldRecord
 from ._store_engine import StoreEngine
-
-ENV_NAMES = ("engine", "job", "member_id", "min_size", "max_size", "store_host")
-"""What :meth:`Membership.from_env` reads: ``FTCOMM_<NAME>``, set by ``ftcomm run``."""
 
 T = TypeVar("T")
 S = TypeVar("S")
 
+log = logging.getLogger("ftcomm")
 
-@dataclass(frozen=True, slots=True)
-class World:
-    """One generation of a job, as this member sees it.
-
-    Attributes:
-        generation: the generation's number (1 for the first); every member
-            of it has the same one, and the same ``members``.
-        rank: this member's rank in it (``0..size-1``).
-        size: how many members it has.
-        members: their ids, in rank order.
-        newcomers: the ids of those that were not in the previous
-            generation this member knew (all of them in its first; a
-            restarted member's new incarnation is one).
-        store_addr: where the generation's group met (``host:port/prefix``).
-    """
-
-    generation: int
-    rank: int
-    size: int
-    members: tuple[str, ...]
-    newcomers: tuple[str, ...]
-    store_addr: str
-
-
-def check_name(value: object, name: str) -> str:
-    """``value`` as a job's or member's name: a non-empty str without whitespace or '/'.
-
-    Raises:
-        TypeError: not a str.
-        ValueError: empty, or with whitespace or '/'.
-    """
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-    if not value or not value.strip():
-        raise ValueError(f"{name} must not be empty")
-    bad = [c for c in value if c.isspace() or c == "/" or not c.isprintable()]
-    if bad:
-        raise ValueError(f"{name} {value!r} must not contain whitespace or '/', got {bad[0]!r}")
-    return value
-
-
-def _check_size(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
+CUT_BACKOFF = 1.0
+"""Seconds a member left out for paths cut waits before it tries to come
+in again; twice as long each further time in a row, up to
+:data:`CUT_BACKOFF_MAX`, so that a flapping link does not stall the others
+at every generation."""
+CUT_BACKOFF_MAX = 30.0
+CUT_FORGET = 300.0
+"""A member not left out for this many seconds starts from one backoff again."""
 
 
 class Membership:
@@ -153,8 +113,8 @@ class Membership:
     ) -> None:
         self.job = check_name(job, "job")
         self.member_id = check_name(member_id, "member_id")
-        self.min_size = _check_size(min_size, "min_size")
-        self.max_size = None if max_size is None else _check_size(max_size, "max_size")
+        self.min_size = check_size(min_size, "min_size")
+        self.max_size = None if max_size is None else check_size(max_size, "max_size")
         if self.max_size is not None and self.min_size > self.max_size:
             raise ValueError(f"min_size ({min_size}) must not exceed max_size ({max_size})")
         self._window = to_seconds(join_window, "join_window")
@@ -196,6 +156,8 @@ class Membership:
         self._world: World | None = None
         self._group: Group | None = None
         self._checks = 0
+        self._cuts = 0  # times in a row it was left out for paths cut (_form)
+        self._last_cut = 0.0
 
     def __repr__(self) -> str:
         where = f"generation {self._world.generation}" if self._world else "no world"
@@ -342,7 +304,9 @@ class Membership:
         that generation's other members, which then form the next one.
 
         Raises:
-            MembershipTimeout: no such generation by the deadline.
+            MembershipTimeout: no such generation by the deadline, or this
+                member cannot reach the running world's members by then
+                (it waits until it can before it asks in).
             MembershipError: the engine went away, the membership was
                 closed meanwhile, or this member was given up for dead and
                 another process took its id.
@@ -372,7 +336,8 @@ class Membership:
         ``join()`` comes back.
 
         Raises:
-            Evicted: the others went on without this member: ``join()`` again.
+            Evicted: the others went on without this member (``cut_off``:
+                it could not exchange data with them): ``join()`` again.
             MembershipTimeout: fewer than ``min_size`` members by the deadline
                 (or the group could not be configured in time: call it again).
             MembershipError: the engine went away, or the membership was
@@ -460,9 +425,11 @@ class Membership:
         ``None``: a newcomer (``join()``), from the latest generation on."""
         known = set(self._record.members) if self._record is not None else set()
         engine, newcomer = self._engine, prev is None
+        engine.unwatch()
         try:
             while True:
                 if prev is None:  # (again, if the others went on without it)
+                    await self._come_in(deadline)
                     await self._call(lambda _: engine.register(), deadline=deadline)
                     prev = await self._call(lambda _: engine.latest(), deadline=deadline)
                 try:
@@ -476,7 +443,7 @@ class Membership:
                 assert rank is not None
                 addr = engine.group_addr(record)
                 try:
-                    await self._configure(group, record, addr, rank, deadline)
+                    reached = await self._configure(group, record, addr, rank, deadline)
                 except CommError as exc:
                     if time.monotonic() >= deadline:
                         # the next call starts past it
@@ -491,10 +458,15 @@ class Membership:
                     await self._blocking(functools.partial(engine.abandon, record))
                     raise
                 break
-        except Evicted:
+        except Evicted as exc:
             self._record = self._world = self._group = None
+            if exc.cut_off:
+                now = time.monotonic()
+                recent = now - self._last_cut < CUT_FORGET
+                self._cuts, self._last_cut = (self._cuts + 1 if recent else 1), now
             raise
         self._record, self._group, self._checks = record, group, 0
+        await self._watch(group, record, reached, deadline)
         self._world = World(
             generation=record.generation,
             rank=rank,
@@ -504,6 +476,47 @@ class Membership:
             store_addr=addr,
         )
         return self._world
+
+    async def _come_in(self, deadline: float) -> None:
+        """Before a newcomer registers: where it was left out for paths cut
+        lately, wait (twice as long each time in a row, from
+        :data:`CUT_BACKOFF`); then until it reaches the world's members.
+
+        Raises:
+            MembershipTimeout: it cannot reach them by ``deadline``.
+        """
+        if self._cuts and time.monotonic() - self._last_cut < CUT_FORGET:
+            pause = min(CUT_BACKOFF * 2 ** (self._cuts - 1), CUT_BACKOFF_MAX)
+            await asyncio.sleep(max(min(pause, deadline - time.monotonic()), 0.0))
+        engine, timeout = self._engine, self._hb_timeout
+        await self._call(lambda stop: engine.admit(stop, deadline, timeout), deadline=deadline)
+
+    async def _watch(
+        self, group: Group, record: WorldRecord, reached: set[Member], deadline: float
+    ) -> None:
+        """Have the engine watch the world just configured: a member found
+        dead, or a path found cut, aborts ``group``'s configuration for it
+        at once (from the engine's thread), so that an op in flight ends
+        now rather than at its deadline, and the members recover."""
+        config, job = group._core.config, self.job
+
+        def broken(why: str) -> None:
+            if group._abort_config(config, f"generation {record.generation} of job {job!r}: {why}"):
+                log.warning(
+                    "ftcomm: membership %s/%s aborted its group: generation %d: %s",
+                    job,
+                    self.member_id,
+                    record.generation,
+                    why,
+                )
+
+        engine = self._engine
+        try:
+            await self._call(
+                lambda _: engine.watch(record, broken, reached), deadline=deadline + 5.0
+            )
+        except MembershipError as exc:  # the next call reports the engine's loss
+            log.warning("ftcomm: membership %s/%s cannot watch: %s", job, self.member_id, exc)
 
     async def _agree(
         self, prev: WorldRecord, member_of: int | None, deadline: float
@@ -526,7 +539,7 @@ class Membership:
 
     async def _configure(
         self, group: Group, record: WorldRecord, addr: str, rank: int, deadline: float
-    ) -> None:
+    ) -> set[Member]:
         """``group.configure()`` for ``record``, kept only where its members
         agree it stands (the engine's verdicts): given up (the group
         aborted) when a member is seen dead as it runs, unless the world was
@@ -544,25 +557,48 @@ class Membership:
         size = len(record.members)
         left = max(deadline - time.monotonic(), 0.001)
         task = asyncio.ensure_future(group.configure(addr, rank, size, timeout=left))
+        # beside it, the check of its paths (a cut one would hold it to its deadline)
+        stop, timeout = threading.Event(), self._hb_timeout
+        check = asyncio.wrap_future(
+            get_runtime().control.spawn(
+                lambda stop: engine.reach_check(record, stop, timeout), stop, until=deadline + 5.0
+            )
+        )
         gone = ""
         try:
             try:
                 dead: Member | None = None
-                while dead is None and not task.done():
+                cut: list[Member] = []
+                while dead is None and not cut and not task.done():
                     dead = next((m for m in record.members if not engine.alive(m)), None)
-                    if dead is None:
-                        await asyncio.wait([task], timeout=self._hb_interval)
-                if dead is not None:  # given up, or kept first: it completes here too
-                    lost = dead
+                    if check.done() and check.exception() is None:
+                        cut = [m for m in record.members if m in check.result()[0]]
+                    if dead is None and not cut:
+                        waits: list[asyncio.Future[Any]] = [task]
+                        if not check.done():
+                            waits.append(check)
+                        await asyncio.wait(
+                            waits, timeout=self._hb_interval, return_when=asyncio.FIRST_COMPLETED
+                        )
+                if dead is not None or cut:  # given up, or kept first: it completes here too
+                    lost = dead if dead is not None else cut[0]
                     if await self._call(lambda _: engine.lost(record, lost), deadline=deadline):
-                        gone = f"{lost.id} died as it was configured"
+                        gone = (
+                            f"{lost.id} died as it was configured"
+                            if dead is not None
+                            else f"{', '.join(m.id for m in cut)} could not exchange data "
+                            "with the others (paths cut)"
+                        )
                         await group.abort()
                 await task
             finally:
+                stop.set()
                 if not task.done():
                     task.cancel()
                     with contextlib.suppress(BaseException):
                         await task
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(check)
             if not gone and not await self._call(lambda _: engine.keep(record), deadline=deadline):
                 gone = "a member gave it up as it was configured"
         except MembershipError:
@@ -579,6 +615,7 @@ class Membership:
                 rank=rank,
                 op="configure",
             )
+        return check.result()[1] if check.done() and check.exception() is None else set()
 
     def _check_group(self, group: object) -> Group:
         if not isinstance(group, Group):

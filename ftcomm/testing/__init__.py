@@ -2,7 +2,9 @@
 
 ``run_world(fn, n)`` runs ``await fn(ctx)`` on ``n`` spawned ranks on loopback
 and returns their values; a :class:`FaultPlan` kills, stops, hangs, delays or
-fails chosen ops of chosen ranks without touching the code under test.
+fails chosen ops of chosen ranks without touching the code under test, and
+with ``network=True`` (each rank a host of its own) cuts, drops or loses
+their packets.
 """
 
 from ._base import RankContext as RankContext
@@ -11,6 +13,7 @@ from ._base import WorldError as WorldError
 from ._faults import Fault as Fault
 from ._faults import FaultPlan as FaultPlan
 from ._faults import Kind as Kind
+from ._net import network_missing as network_missing
 from ._world import LOOPS as LOOPS
 from ._world import run_world as run_world
 
@@ -22,5 +25,6 @@ __all__ = [
     "RankContext",
     "RankFailure",
     "WorldError",
+    "network_missing",
     "run_world",
 ]

@@ -1,10 +1,12 @@
 """What every world shares, whichever way its ranks run (processes or threads).
 
 Owns: the rank's context (:class:`RankContext`) and failure record, the
-world's store (which a fault plan may break), the leak checks a rank's end
-is held to, and :class:`WorldError`. The process world (``_world.py``) and
-the thread world (``_thread_world.py``) both build on it; it imports
-neither. Imports: ``ftcomm.testing._faults``'s types only, and torch's store.
+world's store (which a fault plan may break; in a network world it listens
+in the hub namespace, and hands network faults to ``_net.Network``), the
+leak checks a rank's end is held to, and :class:`WorldError`. The process
+world (``_world.py``) and the thread world (``_thread_world.py``) both build
+on it; it imports neither. Imports: ``ftcomm.testing._faults``'s and
+``_net``'s types only, and torch's store.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from torch._C._distributed_c10d import TCPStore
 
 if TYPE_CHECKING:
     from ._faults import FaultPlan
+    from ._net import Network
+
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass
@@ -38,19 +43,32 @@ class RankContext:
     loop: str
     backend: str = "gloo"
     """The backend the test asked for: ``ftcomm.Group(ctx.backend)``."""
+    host: str = LOOPBACK
+    """Where the world's store listens: loopback, or in a world with
+    ``network=True`` the hub's address, which each rank reaches over its
+    own link (``f"{ctx.host}:{ctx.port}"``)."""
+    hosts: tuple[str, ...] = ()
+    """Each rank's own address in a world with ``network=True`` (its Gloo
+    listens there); empty otherwise. See :meth:`host_of`."""
     _store: Any = field(default=None, repr=False)
     _rebase: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def addr(self, name: str = "g0") -> str:
-        """A store address unique to this world: ``127.0.0.1:port/<world>/<name>``."""
-        return f"127.0.0.1:{self.port}/{self.world_id}/{name}"
+        """A store address unique to this world: ``host:port/<world>/<name>``."""
+        return f"{self.host}:{self.port}/{self.world_id}/{name}"
+
+    def host_of(self, rank: int) -> str:
+        """The address of ``rank``'s host (loopback unless ``network=True``)."""
+        return self.hosts[rank] if self.hosts else LOOPBACK
 
     @property
     def store(self) -> Any:
-        """A plain store client, for signalling between ranks in a test."""
+        """A plain store client, for signalling between ranks in a test
+        (made on first use; a network fault that cuts the store blocks it
+        for its 30 s timeout)."""
         if self._store is None:
             self._store = TCPStore(
-                "127.0.0.1",
+                self.host,
                 self.port,
                 is_master=False,
                 wait_for_workers=False,
@@ -274,18 +292,28 @@ def exception_line(exc: BaseException) -> str:
     return line
 
 
+def _serve(host: str) -> Any:
+    return TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+
 class _StoreServer:
     """The world's TCPStore, which a rank's fault plan may break.
 
     A thread answers the ranks' control pipes: on ``"break_store"`` it drops
     the server, so that no new store connection succeeds from then on (every
-    later ``configure()`` fails; connections already made keep working).
+    later ``configure()`` fails; connections already made keep working); on
+    ``("network", fault)`` it has ``network`` apply the fault. With a
+    ``network``, the server listens in its hub namespace.
     """
 
-    def __init__(self) -> None:
-        self._server: Any = TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-        )
+    def __init__(self, network: Network | None = None) -> None:
+        self._network = network
+        if network is None:
+            self.host = LOOPBACK
+            self._server: Any = _serve(LOOPBACK)
+        else:
+            self.host = network.hub_host
+            self._server = network.in_hub(lambda: _serve(network.hub_host))
         self.port: int = self._server.port
         self.fired: set[int] = set()  # ranks whose kill or stop fault has fired
         self._thread: threading.Thread | None = None
@@ -308,14 +336,27 @@ class _StoreServer:
                 except (EOFError, OSError):
                     del by_conn[conn]  # the rank is gone
                     continue
+                answer = "done"
                 if request == "break_store":
                     self.break_()
                 elif isinstance(request, tuple) and request[0] == "fired":
                     self.fired.add(by_conn[conn])
+                elif isinstance(request, tuple) and request[0] == "network":
+                    answer = self._fire(by_conn[conn], request[1])
                 try:
-                    conn.send("done")
+                    conn.send(answer)
                 except OSError:  # it died right after asking
                     del by_conn[conn]
+
+    def _fire(self, rank: int, fault: Any) -> str:
+        """Have the network apply ``fault``: ``"done"``, or why not (the
+        rank's op then fails with it; this thread goes on either way)."""
+        if self._network is None:
+            return "this world has no network (run_world(network=True))"
+        try:
+            return self._network.fire(rank, fault)
+        except Exception as exc:
+            return f"the harness failed to apply it: {exc!r}"
 
     def break_(self) -> None:
         """Stop taking connections (those already made keep working)."""

@@ -6,7 +6,9 @@ and the index of an op that rank issues (counted from 0 over all its
 which counts from 1 within one configuration: ``op=3`` in a rank's first
 configuration is ``seq=4``). A fault that fires logs a warning naming its
 op. The harness installs the rank's faults in its process before the code
-under test runs; the code under test is not edited.
+under test runs; the code under test is not edited. Network faults
+(partition, isolate, drop, loss) are carried out by the harness, asked
+through the rank's control pipe (their rules: ``_net.py``).
 Seeded plans (:meth:`FaultPlan.random`) replay exactly from their seed.
 """
 
@@ -62,22 +64,52 @@ class Kind(enum.StrEnum):
     CORRUPT_FRAME = "corrupt_frame"
     """Send the worker a malformed frame, then issue the op: the worker
     rejects it and exits, and the op fails with ``ProtocolError``."""
+    PARTITION = "partition"
+    """Drop every packet between the rank's host and the other ranks' hosts,
+    both ways, then issue the op; with ``store=False`` the store's too
+    (``store=True`` keeps it: a gray failure). Network faults need a world
+    with ``network=True`` and last until ``seconds`` have passed (0: until
+    the world ends)."""
+    ISOLATE = "isolate"
+    """The rank's host loses the network (every packet on its link, both
+    ways; its own loopback keeps working), then the op is issued."""
+    DROP = "drop"
+    """Drop the packets the rank sends to the other ranks (``direction="out"``)
+    or those it gets from them (``"in"``), then issue the op."""
+    LOSS = "loss"
+    """Drop a random share ``rate`` of the packets between the rank and the
+    other ranks, both ways, then issue the op."""
 
 
 WORKER_KINDS = frozenset(
     {Kind.WORKER_KILL, Kind.WORKER_STOP, Kind.WORKER_CLOSE, Kind.CORRUPT_FRAME}
 )
+NETWORK_KINDS = frozenset({Kind.PARTITION, Kind.ISOLATE, Kind.DROP, Kind.LOSS})
+DIRECTIONS = ("out", "in")
 
 
 @dataclass(frozen=True, slots=True)
 class Fault:
-    """One fault: ``kind`` at op ``op`` of ``rank``."""
+    """One fault: ``kind`` at op ``op`` of ``rank``.
+
+    ``seconds``: a delay's length, or how long a network fault lasts (0:
+    until the world ends); ``store``: whether a partition keeps the store;
+    ``direction``: which way a drop cuts; ``rate``: a loss's share.
+
+    Raises:
+        TypeError: ``kind`` is not a :class:`Kind`, or a network fault's
+            argument has the wrong type.
+        ValueError: a value out of range, or an argument its kind does not take.
+    """
 
     kind: Kind
     rank: int
     op: int
     seconds: float = 0.0
     message: str = "injected fault"
+    store: bool = True
+    direction: str = "out"
+    rate: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):
@@ -88,10 +120,47 @@ class Fault:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.kind is Kind.DELAY and not self.seconds > 0:
             raise ValueError(f"a delay needs seconds > 0, got {self.seconds!r}")
+        self._check_network()
+
+    def _check_network(self) -> None:
+        kind = self.kind
+        if self.store is not True and kind is not Kind.PARTITION:
+            raise ValueError(f"store= is for partition faults, not {kind.value}")
+        if self.direction != "out" and kind is not Kind.DROP:
+            raise ValueError(f"direction= is for drop faults, not {kind.value}")
+        if self.rate != 0.0 and kind is not Kind.LOSS:
+            raise ValueError(f"rate= is for loss faults, not {kind.value}")
+        if kind not in NETWORK_KINDS:
+            return
+        if not _is_number(self.seconds):
+            raise TypeError(f"seconds must be a number, got {type(self.seconds).__name__}")
+        if not 0 <= self.seconds < float("inf"):
+            raise ValueError(
+                f"seconds must be finite and >= 0 (0: never healed), got {self.seconds}"
+            )
+        if not isinstance(self.store, bool):
+            raise TypeError(f"store must be a bool, got {type(self.store).__name__}")
+        if not isinstance(self.direction, str):
+            raise TypeError(f"direction must be a str, got {type(self.direction).__name__}")
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"direction must be 'out' or 'in', got {self.direction!r}")
+        if kind is Kind.LOSS:
+            if not _is_number(self.rate):
+                raise TypeError(f"rate must be a number, got {type(self.rate).__name__}")
+            if not 0 < self.rate < 1:
+                raise ValueError(f"rate must be > 0 and < 1, got {self.rate}")
 
     def __str__(self) -> str:
         extra = f" {self.seconds:g}s" if self.kind is Kind.DELAY else ""
         extra += f" {self.message!r}" if self.kind is Kind.ERROR else ""
+        if self.kind is Kind.LOSS:
+            extra += f" rate {self.rate:g}"
+        if self.kind is Kind.DROP:
+            extra += f" {self.direction}"
+        if self.kind is Kind.PARTITION and not self.store:
+            extra += " store cut too"
+        if self.kind in NETWORK_KINDS:
+            extra += f" for {self.seconds:g}s" if self.seconds > 0 else " until the end"
         return f"{self.kind.value}(rank {self.rank}, op {self.op}{extra})"
 
     @classmethod
@@ -133,6 +202,59 @@ class Fault:
     @classmethod
     def corrupt_frame(cls, rank: int, op: int) -> Fault:
         return cls(Kind.CORRUPT_FRAME, rank, op)
+
+    @classmethod
+    def partition(cls, rank: int, op: int, seconds: float = 0.0, store: bool = True) -> Fault:
+        """Cut ``rank``'s host off from the other ranks' (both ways) at op
+        ``op``, for ``seconds`` (0: until the world ends); the store stays
+        reachable unless ``store=False``.
+
+        Raises:
+            TypeError: ``seconds`` is not a number, or ``store`` not a bool.
+            ValueError: ``rank`` or ``op`` < 0, ``seconds`` < 0 or not finite.
+        """
+        return cls(Kind.PARTITION, rank, op, seconds=seconds, store=store)
+
+    @classmethod
+    def isolate(cls, rank: int, op: int, seconds: float = 0.0) -> Fault:
+        """``rank``'s host loses the network at op ``op`` (all but its own
+        loopback), for ``seconds`` (0: until the world ends).
+
+        Raises:
+            TypeError: ``seconds`` is not a number.
+            ValueError: ``rank`` or ``op`` < 0, ``seconds`` < 0 or not finite.
+        """
+        return cls(Kind.ISOLATE, rank, op, seconds=seconds)
+
+    @classmethod
+    def drop(cls, rank: int, op: int, seconds: float = 0.0, direction: str = "out") -> Fault:
+        """Drop what ``rank`` sends to the other ranks (``direction="out"``)
+        or gets from them (``"in"``) from op ``op`` on, for ``seconds``
+        (0: until the world ends).
+
+        Raises:
+            TypeError: ``seconds`` is not a number, or ``direction`` not a str.
+            ValueError: ``rank`` or ``op`` < 0, ``seconds`` < 0 or not
+                finite, ``direction`` neither ``"out"`` nor ``"in"``.
+        """
+        return cls(Kind.DROP, rank, op, seconds=seconds, direction=direction)
+
+    @classmethod
+    def loss(cls, rank: int, op: int, rate: float, seconds: float = 0.0) -> Fault:
+        """Lose a random share ``rate`` of the packets between ``rank`` and
+        the other ranks (each way) from op ``op`` on, for ``seconds`` (0:
+        until the world ends).
+
+        Raises:
+            TypeError: ``rate`` or ``seconds`` is not a number.
+            ValueError: ``rank`` or ``op`` < 0, ``rate`` not strictly
+                between 0 and 1, ``seconds`` < 0 or not finite.
+        """
+        return cls(Kind.LOSS, rank, op, seconds=seconds, rate=rate)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -277,7 +399,8 @@ class _FailedOp:
 class Injector:
     """Applies one rank's faults to the ops its groups issue.
 
-    ``control``: a pipe to the harness, for faults it carries out (the store).
+    ``control``: a pipe to the harness, for faults it carries out (the
+    store, the network: ``_net.py``).
     """
 
     def __init__(self, faults: dict[int, Fault], control: Any = None) -> None:
@@ -313,14 +436,20 @@ class Injector:
         if fault.kind is Kind.BREAK_STORE:
             self._tell("break_store")
             return issue()
+        if fault.kind in NETWORK_KINDS:
+            reply = self._tell(("network", fault))
+            if reply != "done":  # the op fails as not issued, saying why
+                raise RuntimeError(f"ftcomm.testing could not apply {fault}: {reply}")
+            return issue()
         return _FailedOp(issue(), fault.message)
 
-    def _tell(self, message: object) -> None:
-        """Tell the harness, and wait until it has acted."""
+    def _tell(self, message: object) -> object:
+        """Tell the harness, and wait until it has acted; its answer."""
         if self.control is None:
             raise RuntimeError("this fault needs a world run by ftcomm.testing.run_world")
         self.control.send(message)
-        self.control.recv()
+        answer: object = self.control.recv()
+        return answer
 
 
 def _hurt_worker(kind: Kind, backend: object) -> None:

@@ -2,14 +2,18 @@
 
 Owns: :func:`run_world` (which hands ``mode="thread"`` to
 ``_thread_world.py``), the fork server ranks start from, a rank process's
-main, and the teardown that joins or kills every rank. Imports: ``_base``
-(what both kinds of world share), ``_thread_world``, ``_faults``.
+main, and the teardown that joins or kills every rank (and removes a
+network world's namespaces). Imports: ``_base`` (what both kinds of world
+share), ``_thread_world``, ``_faults``, ``_net``, and the name of Gloo's
+listening-address variable.
 
 A fresh TCPStore per world on loopback, a wall-clock bound on the whole world
 (a hang fails the test, not the suite), each rank's return value or exception
 with its traceback, a leak check inside every rank (fds, threads, blocked
 ftcomm workers, owner-loop stalls), an optional :class:`FaultPlan` applied
 inside the ranks, and every process joined or killed before it returns.
+With ``network=True`` each rank is a host of its own (a network namespace)
+and the store listens on a hub the ranks reach over their own links.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import traceback
 import uuid
 from typing import Any
 
+from ..backends.gloo import HOST_ENV
 from ._base import (
     RankContext,
     RankFailure,
@@ -44,7 +49,8 @@ from ._base import (
     exception_line,
     rank_coroutine,
 )
-from ._faults import FaultPlan, Kind, install
+from ._faults import NETWORK_KINDS, FaultPlan, Kind, install
+from ._net import Network, NetworkFailed, enter, network_missing
 from ._thread_world import run_thread_world
 
 _DOOMED_GRACE = 2.0
@@ -146,12 +152,21 @@ def _rank_main(
     control: Any,
     env: dict[str, str],
     stacks_path: str,
+    netns: str | None,
 ) -> None:
     # A rank forked from the fork server has the server's environment: take
     # the harness's (FTCOMM_LOOP, FTCOMM_DEBUG, the test's own variables).
     os.environ.clear()
     os.environ.update(env)
     try:
+        if netns is not None:
+            # Its own host, first, before ftcomm, Gloo or the code under test
+            # start a thread: those inherit this thread's namespace. (A rank
+            # forked from the fork server has no other thread; a spawned one
+            # may have a BLAS pool from an import, which makes no socket.)
+            # Gloo listens on the rank's own address there.
+            enter(netns)
+            os.environ[HOST_ENV] = ctx.host_of(ctx.rank)
         # the harness asks a rank that hangs where it is, before the kill;
         # only once ".armed" is there (the signals' default action is to end it)
         thread_dump = open(stacks_path + ".threads", "w")  # noqa: SIM115 - the process's life
@@ -216,6 +231,7 @@ def run_world(
     plan: FaultPlan | None = None,
     backend: str = "gloo",
     mode: str = "process",
+    network: bool | None = None,
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` ranks; return their values in rank order.
 
@@ -230,12 +246,31 @@ def run_world(
     costs milliseconds, but a rank cannot be killed or stopped and a leak is
     only checked in the process as a whole.
 
+    ``network=True`` (the default where ``plan`` holds a network fault:
+    partition, isolate, drop, loss) runs each rank on a host of its own: a
+    network namespace with its own address (``ctx.host_of(rank)``), linked
+    to a hub where the store listens (``ctx.host``). Every namespace goes
+    when the world ends. Needs Linux, root, iproute2 and nftables
+    (:func:`network_missing` says what is missing).
+
     Raises:
         WorldError: a rank raised, died unexpectedly, hung, or left something behind.
-        ValueError: an unknown ``loop`` or ``mode``, or kill/stop faults in thread mode.
+        ValueError: an unknown ``loop`` or ``mode``, kill/stop or network
+            faults in thread mode, or network faults with ``network=False``.
+        TypeError: ``network`` is neither a bool nor ``None``.
+        RuntimeError: a network world cannot run here, or its namespaces
+            could not be made (the command's own words).
     """
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
+    if network is not None and not isinstance(network, bool):
+        raise TypeError(f"network must be a bool or None, got {type(network).__name__}")
+    network_faults = plan is not None and bool(plan.ranks_that(*NETWORK_KINDS))
+    if network is False and network_faults:
+        raise ValueError("the plan has network faults: they need network=True (or left out)")
+    network = network_faults if network is None else network
+    if network and mode == "thread":
+        raise ValueError("network faults and network=True need run_world(mode='process')")
     if mode == "thread":
         return run_thread_world(fn, world_size, loop, args, plan, timeout, backend)
     if mode != "process":
@@ -248,65 +283,71 @@ def run_world(
     doomed = plan.ranks_that(Kind.KILL, Kind.STOP) if plan is not None else set()
     ctx_mp = _mp_context()
     started = time.monotonic()
+    if network:
+        missing = network_missing()
+        if missing is not None:
+            raise NetworkFailed(f"a world with network=True cannot run here: {missing}")
     stacks_dir = tempfile.mkdtemp(prefix="ftcomm-world-")  # a hung rank's stacks
-    try:
-        store = _StoreServer()
-    except BaseException:
-        shutil.rmtree(stacks_dir, ignore_errors=True)
-        raise
     world_id = uuid.uuid4().hex[:12]
     procs: list[Any] = []
     conns: list[Any] = []
     controls: list[Any] = []
-    env_before = {name: os.environ.get(name) for name in ("FTCOMM_LOOP", "FTCOMM_DEBUG")}
-    os.environ["FTCOMM_LOOP"] = loop
-    os.environ.setdefault("FTCOMM_DEBUG", "1")
+    net: Network | None = None
+    store: _StoreServer | None = None
+    # From here on, whatever happens (a rank that cannot start, an interrupt),
+    # every process is taken down and the network removed.
     try:
-        for rank in range(world_size):
-            parent, child = ctx_mp.Pipe(duplex=False)
-            control, rank_control = ctx_mp.Pipe()
-            conns.append(parent)
-            controls.append(control)
-            ctx = RankContext(rank, world_size, store.port, world_id, loop, backend)
-            proc = ctx_mp.Process(
-                target=_rank_main,
-                args=(
-                    fn,
-                    ctx,
-                    args,
-                    plan,
-                    child,
-                    rank_control,
-                    dict(os.environ),
-                    os.path.join(stacks_dir, f"rank{rank}.stacks"),
-                ),
-                name=f"rank{rank}",
-            )
-            try:
-                proc.start()
-            finally:
-                child.close()
-                rank_control.close()
-            procs.append(proc)
-        store.serve(controls)
-    except BaseException:  # a rank could not start: take down those that did
-        _tear_down(procs, conns, controls, store, stacks_dir)
-        raise
-    finally:
-        for name, before in env_before.items():
-            if before is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = before
-    results: list[Any] = [None] * world_size
-    failures: list[str] = []
-    deadline = time.monotonic() + timeout
-    # The ranks a plan may kill or stop come last: by then every other rank
-    # is done, and one that has not reported within a short grace is stopped
-    # or hung by design -- if its fault has fired.
-    order = [r for r in range(world_size) if r not in doomed] + sorted(doomed)
-    dumps: dict[int, str] | None = None
-    try:
+        net = Network(world_size) if network else None
+        store = _StoreServer(net)
+        env_before = {name: os.environ.get(name) for name in ("FTCOMM_LOOP", "FTCOMM_DEBUG")}
+        os.environ["FTCOMM_LOOP"] = loop
+        os.environ.setdefault("FTCOMM_DEBUG", "1")
+        try:
+            for rank in range(world_size):
+                parent, child = ctx_mp.Pipe(duplex=False)
+                control, rank_control = ctx_mp.Pipe()
+                conns.append(parent)
+                controls.append(control)
+                hosts = net.hosts if net is not None else ()
+                ctx = RankContext(
+                    rank, world_size, store.port, world_id, loop, backend, store.host, hosts
+                )
+                proc = ctx_mp.Process(
+                    target=_rank_main,
+                    args=(
+                        fn,
+                        ctx,
+                        args,
+                        plan,
+                        child,
+                        rank_control,
+                        dict(os.environ),
+                        os.path.join(stacks_dir, f"rank{rank}.stacks"),
+                        net.namespaces[rank] if net is not None else None,
+                    ),
+                    name=f"rank{rank}",
+                )
+                try:
+                    proc.start()
+                finally:
+                    child.close()
+                    rank_control.close()
+                procs.append(proc)
+            store.serve(controls)
+        finally:
+            for name, before in env_before.items():
+                if before is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = before
+        results: list[Any] = [None] * world_size
+        failures: list[str] = []
+        deadline = time.monotonic() + timeout
+        # The ranks a plan may kill or stop come last: by then every other rank
+        # is done, and one that has not reported within a short grace is stopped
+        # or hung by design -- if its fault has fired.
+        order = [r for r in range(world_size) if r not in doomed] + sorted(doomed)
+        dumps: dict[int, str] | None = None
         for rank in order:
             proc, conn = procs[rank], conns[rank]
             wait = max(0.0, deadline - time.monotonic())
@@ -365,7 +406,7 @@ def run_world(
             else:
                 failures.append(f"rank {rank} died with exit code {proc.exitcode}")
     finally:
-        _tear_down(procs, conns, controls, store, stacks_dir)
+        _tear_down(procs, conns, controls, store, stacks_dir, net)
     if failures:
         raise _world_error(failures, plan)
     return results
@@ -417,16 +458,26 @@ def _cut(text: str) -> str:
 
 
 def _tear_down(
-    procs: list[Any], conns: list[Any], controls: list[Any], store: _StoreServer, stacks_dir: str
+    procs: list[Any],
+    conns: list[Any],
+    controls: list[Any],
+    store: _StoreServer | None,
+    stacks_dir: str,
+    net: Network | None,
 ) -> None:
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(5)
-        proc.close()
-    for conn in conns:
-        conn.close()
-    store.close()  # every rank is gone: its control pipes are at EOF
-    for conn in controls:
-        conn.close()
-    shutil.rmtree(stacks_dir, ignore_errors=True)
+    try:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+            proc.close()
+        for conn in conns:
+            conn.close()
+        if store is not None:
+            store.close()  # every rank is gone: its control pipes are at EOF
+        for conn in controls:
+            conn.close()
+        shutil.rmtree(stacks_dir, ignore_errors=True)
+    finally:
+        if net is not None:  # last: the ranks and the store were its users
+            net.close()

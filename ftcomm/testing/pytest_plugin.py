@@ -82,14 +82,17 @@ class World:
         plan: FaultPlan | None = None,
         timeout: float = 60.0,
         mode: str = "process",
+        network: bool | None = None,
     ) -> list[Any]:
         """``run_world(fn, world_size)`` with this test's loop and plan.
 
         ``fn`` must be a module-level ``async def fn(ctx: RankContext, *args)``;
-        ``mode="thread"`` runs the ranks as threads (see ``run_world``).
+        ``mode="thread"`` runs the ranks as threads, ``network=True`` each
+        on a host of its own (see ``run_world``).
 
         Raises:
             WorldError: a rank raised, died unexpectedly or the world hung.
+            ValueError, TypeError, RuntimeError: as ``run_world``.
         """
         plan = self.plan if plan is None else plan
         self._node.stash.setdefault(_PLANS, []).append(plan)
@@ -102,6 +105,7 @@ class World:
             timeout=timeout,
             backend=self.backend,
             mode=mode,
+            network=network,
         )
 
 
