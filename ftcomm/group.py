@@ -21,6 +21,7 @@ import collections.abc
 import concurrent.futures
 import functools
 import threading
+import time
 from collections.abc import Callable, Generator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -288,7 +289,8 @@ class Group(Configuring, Issuing):
         teardown = self._core.abort_if(config, error)
         if teardown is None:
             return False
-        self._closing(teardown)
+        # the ops' ends (and their callbacks) on a control thread, not the caller's
+        get_runtime().run_control(lambda: self._closing(teardown), until=time.monotonic() + 5.0)
         return True
 
     def shutdown(self) -> Closing:

@@ -6,6 +6,7 @@ waiting out its heartbeat, and a hung one aborts the ops in flight."""
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import socket
 import threading
@@ -240,8 +241,10 @@ def test_the_check_ends_at_once_when_told_to_stop(store: Any, full: tuple[str, i
     stop.set()
     record = WorldRecord(generation=1, members=(me, other))
     watcher = Watcher(client, me, interval=0.1, timeout=1.0)
-    assert _paths.check(client, watcher, me, record, stop, 0.2) == (set(), set())
-    assert client.get(_paths.reach_key(1)) == _paths.report_line(me, []).encode()
+    started = time.monotonic()
+    assert _paths.check(client, watcher, me, record, stop, 5.0) == (set(), set())
+    assert time.monotonic() - started < 2.0  # not the probe's 5 s
+    assert not client.check([_paths.reach_key(1)])  # no report from a check stopped
 
 
 def test_evicted_keeps_cut_off_through_pickle() -> None:
@@ -349,3 +352,104 @@ def test_the_watch_fires_once_for_a_dead_member_of_its_world(store: Any) -> None
     watcher.watch(8, (me,), {}, fired.append)
     watcher.tick()
     assert len(fired) == 1  # nothing dead in the world watched now
+
+
+def test_a_probe_that_cannot_start_is_silent_not_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_more(*args: Any, **kwargs: Any) -> socket.socket:
+        raise OSError(24, "Too many open files")
+
+    probes: Probes[str] = Probes()
+    monkeypatch.setattr(socket, "socket", no_more)
+    probes.start("x", ("127.0.0.1", 9), 1.0)
+    monkeypatch.undo()
+    assert probes.busy("x")
+    assert probes.poll() == {"x": Reach.SILENT}
+    assert not probes.busy("x")
+
+
+def test_a_probe_of_the_world_before_answers_nothing_in_the_next(store: Any) -> None:
+    """A probe started while world 6 (with m1) was watched ends after world 7
+    (without it) is watched: its refusal must not abort world 7."""
+    me, gone = M[0], M[1]
+    client = _client(store)
+    client.set(f"hb/{me.id}", f"{me.token} 0")
+    closed = Listener("127.0.0.1")
+    address = ("127.0.0.1", closed.port)
+    closed.close()
+    watcher = Watcher(client, me, interval=0.05, timeout=0.3)
+    fired: list[str] = []
+    watcher.watch(6, (me, gone), {gone: address}, fired.append)
+    watcher._check_world()  # starts the probe of m1 (no answer read yet)
+    assert watcher._probes.busy(gone)
+    watcher.watch(7, (me, M[2]), {}, fired.append)
+    watcher._check_world()
+    watcher._check_world()
+    assert fired == []
+
+
+def test_members_that_did_not_read_every_report_give_no_verdict(store: Any) -> None:
+    """m2 never reports (slow, or gone): m0 and m1, which reach each other,
+    decide nothing from a part of the reports (m2 would be left out for its
+    silence alone) and return no one."""
+    members = M[:3]
+    record = WorldRecord(generation=9, members=tuple(members))
+    clients = [_client(store) for _ in members[:2]]
+    listeners = [Listener("127.0.0.1") for _ in members]
+    try:
+        for member, listener in zip(members, listeners, strict=True):
+            clients[0].set(at_key(member.id), f"{member.token} {listener.address}")
+        found: dict[Member, set[Member]] = {}
+
+        def run(i: int) -> None:
+            watcher = Watcher(clients[i], members[i], interval=0.1, timeout=0.3)
+            found[members[i]] = _paths.check(
+                clients[i], watcher, members[i], record, threading.Event(), 0.3
+            )[0]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        assert found == {members[0]: set(), members[1]: set()}
+        assert not clients[0].check([_paths.cut_key(9)])
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+@pytest.mark.asyncio
+async def test_a_cut_that_would_leave_too_few_bars_no_one(store: Any) -> None:
+    """Generation 5 of two (min_size 2) was given up with m1 cut: barring it
+    would leave one, and no generation could ever form again; both are in
+    the next one (whose own check says whether the path works now)."""
+    async with (
+        ftcomm.Membership(store.address, "job", "m0", min_size=2) as a,
+        ftcomm.Membership(store.address, "job", "m1", min_size=2) as b,
+    ):
+        ea, eb = a._engine, b._engine
+        prev = WorldRecord(generation=5, members=(ea.me, eb.me))
+        client = _client(store)
+        client.set("ftcomm/members/job/cut/5", eb.me.line())
+        client.set("ftcomm/members/job/fate/5", eb.me.line())
+
+        def agree(engine: Any, member_of: int) -> WorldRecord:
+            return engine.agree(  # type: ignore[no-any-return]
+                prev,
+                threading.Event(),
+                member_of=member_of,
+                min_size=2,
+                max_size=2,
+                window=5.0,
+                deadline=time.monotonic() + 10,
+            )
+
+        loop = asyncio.get_running_loop()
+        worlds = await asyncio.gather(
+            loop.run_in_executor(None, agree, ea, 5), loop.run_in_executor(None, agree, eb, 5)
+        )
+        assert worlds[0] == worlds[1]
+        assert worlds[0].generation == 6
+        assert set(worlds[0].members) == {ea.me, eb.me}

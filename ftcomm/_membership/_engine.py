@@ -108,6 +108,14 @@ class Engine(Protocol):
     def unwatch(self) -> None:
         """Watch no world (the next one is being formed)."""
 
+    def given_up(self, record: WorldRecord) -> bool:
+        """Whether a member gave ``record`` up as it was configured (quit it,
+        saw a member dead, found paths cut), as last read: never blocks."""
+
+    def read_fate(self, record: WorldRecord | None) -> None:
+        """Read ``record``'s verdicts in the background from now on (for
+        :meth:`given_up`; ``None``: stop)."""
+
     def group_addr(self, record: WorldRecord) -> str:
         """The store address (``host:port/prefix``) where ``record``'s group meets."""
 

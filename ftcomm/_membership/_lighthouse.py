@@ -191,6 +191,12 @@ class LighthouseEngine:
     def unwatch(self) -> None:
         return None
 
+    def given_up(self, record: WorldRecord) -> bool:
+        return False  # no verdicts here
+
+    def read_fate(self, record: WorldRecord | None) -> None:
+        return None
+
     # -- agreeing ---------------------------------------------------------
 
     def latest(self) -> WorldRecord:

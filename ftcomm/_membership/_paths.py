@@ -95,28 +95,34 @@ def check(
     the configure ended first), and whom this member reached."""
     g = record.generation
     others = [m for m in record.members if m != me]
-    answers = probe_all(addresses(store, others, me.id), timeout)
+    answers = probe_all(addresses(store, others, me.id), timeout, stop)
     for member, answer in answers.items():
         if answer is Reach.REFUSED:
             watcher.refused_seen(member)
     reached = {m for m in others if answers.get(m) is Reach.OK}
+    if stop.is_set():
+        return set(), reached
     store.append(reach_key(g), report_line(me, [m for m in others if m in reached]))
+    # Only a member that read every report decides (so that no verdict
+    # rests on a part of them); the others wait for its verdict.
     until = time.monotonic() + timeout + max(timeout, 1.0)
-    found: dict[Member, set[Member]] = {}
     pause = 0.01
     while not stop.is_set():
         found = reports(read(store, reach_key(g)), record)
-        if len(found) == len(record.members) or time.monotonic() >= until:
-            break
+        if len(found) == len(record.members):
+            out = leave_out(record.members, found)
+            if not out:
+                return set(), reached
+            held = store.compare_set(cut_key(g), "", "".join(m.line() for m in out))
+            return set(parse_roster(held)) & set(record.members), reached
+        decided = read(store, cut_key(g))
+        if decided:
+            return set(parse_roster(decided)) & set(record.members), reached
+        if time.monotonic() >= until:
+            break  # a member never reported (dead, or gone on): no verdict
         stop.wait(pause)
         pause = min(pause * 2, 0.1)
-    if stop.is_set():
-        return set(), reached
-    out = leave_out(record.members, found)
-    if not out:
-        return set(), reached
-    held = store.compare_set(cut_key(g), "", "".join(m.line() for m in out))
-    return set(parse_roster(held)) & set(record.members), reached
+    return set(), reached
 
 
 def wait_reachable(
@@ -131,9 +137,7 @@ def wait_reachable(
     the ids of those alive that stayed silent (one gone refuses, or its
     heartbeat stopped: no reason to wait for it)."""
     found = addresses(store, [m for m in latest.members if m.id != me_id], me_id)
-    if stop.is_set():
-        return []
-    answers = probe_all(found, timeout)
+    answers = probe_all(found, timeout, stop)
     return sorted(m.id for m, a in answers.items() if a is Reach.SILENT and watcher.alive(m))
 
 

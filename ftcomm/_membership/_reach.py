@@ -17,7 +17,9 @@ without blocking, each ending in one of three answers:
 
 A stopped (SIGSTOP) process still answers: its kernel completes the
 handshake. A probe closes its connection with a reset (``SO_LINGER`` 0),
-so that no ``TIME_WAIT`` piles up on either side.
+so that no ``TIME_WAIT`` piles up on either side. One lost SYN costs TCP
+a second (its first retransmission), so a probe's time is longer than
+that (:data:`PROBE_TIMEOUT`), and one silent probe alone never decides.
 Imports: nothing of ftcomm.
 """
 
@@ -30,6 +32,7 @@ import os
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Hashable, Mapping
 from typing import Generic, TypeVar
@@ -41,6 +44,14 @@ HOST_ENV = "FTCOMM_GLOO_HOST"
 uses it too, so that a probe takes the path the group's data takes."""
 
 _LINGER_RESET = struct.pack("ii", 1, 0)
+
+PROBE_TIMEOUT = 1.5
+"""Seconds a probe waits for its handshake at least (one SYN retransmitted
+at 1 s, and its answer); longer where the heartbeat timeout is."""
+
+CHECK_TIMEOUT = 2.5
+"""Seconds a configure's check waits for each handshake at least (two
+SYNs, and their answers): its verdict leaves members out."""
 
 
 class Reach(enum.Enum):
@@ -73,7 +84,7 @@ class Listener:
         try:
             self._sock.setblocking(False)
             self._sock.bind((host, 0))
-            self._sock.listen(128)
+            self._sock.listen(socket.SOMAXCONN)  # a configure's check: n - 1 at once
         except OSError:
             self._sock.close()
             raise
@@ -119,12 +130,13 @@ class Probes(Generic[K]):
 
     def __init__(self) -> None:
         self._flight: dict[K, tuple[socket.socket, float]] = {}
+        self._failed: set[K] = set()  # could not even start: SILENT at the next poll
 
     def __len__(self) -> int:
-        return len(self._flight)
+        return len(self._flight) + len(self._failed)
 
     def busy(self, key: K) -> bool:
-        return key in self._flight
+        return key in self._flight or key in self._failed
 
     def start(self, key: K, address: tuple[str, int], timeout: float) -> None:
         """Begin a connect to ``address`` that counts as ``SILENT`` after
@@ -133,23 +145,33 @@ class Probes(Generic[K]):
             return
         host, port = address
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
-        sock.connect_ex((host, port))  # (an error at once is read again by poll())
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # out of descriptors: no answer, as a path cut would give
+            self._failed.add(key)
+            return
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+            sock.connect_ex((host, port))  # (an error at once is read again by poll())
+        except OSError:  # a name that does not resolve, ...
+            sock.close()
+            self._failed.add(key)
+            return
         self._flight[key] = (sock, time.monotonic() + timeout)
 
     def poll(self, wait: float = 0.0) -> dict[K, Reach]:
         """The probes that ended, waiting up to ``wait`` seconds for one."""
+        ended: dict[K, Reach] = dict.fromkeys(self._failed, Reach.SILENT)
+        self._failed.clear()
         if not self._flight:
-            return {}
+            return ended
         socks = {sock.fileno(): key for key, (sock, _) in self._flight.items()}
         with contextlib.suppress(InterruptedError):
             poller = select.poll()
             for fd in socks:
                 poller.register(fd, select.POLLOUT | select.POLLERR | select.POLLHUP)
-            poller.poll(max(wait, 0.0) * 1000)
-        ended: dict[K, Reach] = {}
+            poller.poll(0 if ended else max(wait, 0.0) * 1000)
         now = time.monotonic()
         for key, (sock, until) in list(self._flight.items()):
             answer = _answer(sock)
@@ -166,6 +188,7 @@ class Probes(Generic[K]):
         for sock, _ in self._flight.values():
             sock.close()
         self._flight.clear()
+        self._failed.clear()
 
 
 def _answer(sock: socket.socket) -> Reach | None:
@@ -182,15 +205,17 @@ def _answer(sock: socket.socket) -> Reach | None:
     return Reach.OK
 
 
-def probe_all(addresses: Mapping[K, tuple[str, int]], timeout: float) -> dict[K, Reach]:
+def probe_all(
+    addresses: Mapping[K, tuple[str, int]], timeout: float, stop: threading.Event | None = None
+) -> dict[K, Reach]:
     """Probe every address at once; the answers when all ended (at most
-    ``timeout`` seconds)."""
+    ``timeout`` seconds), or those in by the time ``stop`` was set."""
     probes: Probes[K] = Probes()
     answers: dict[K, Reach] = {}
     try:
         for key, address in addresses.items():
             probes.start(key, address, timeout)
-        while len(probes):
+        while len(probes) and not (stop is not None and stop.is_set()):
             answers.update(probes.poll(0.05))
     finally:
         probes.close()

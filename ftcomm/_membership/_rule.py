@@ -236,10 +236,11 @@ def missing(
     return [m.id for m in everyone if m in ready], [m.id for m in everyone if m not in ready]
 
 
-EXACT_CUT = 12
+EXACT_CUT = 4
 """Up to this many members left out, :func:`leave_out` finds the fewest
-exactly; beyond, it leaves out greedily (the member with the most broken
-pairs first)."""
+exactly (``2**4`` branches at most); beyond, it leaves out greedily (the
+member with the most broken pairs first): a world split in halves costs
+milliseconds, not seconds, at 64 members."""
 
 
 def leave_out(

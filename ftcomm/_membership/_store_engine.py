@@ -79,7 +79,7 @@ from ._rule import (
     parse_roster,
     ready_line,
 )
-from ._watch import LEFT, Superseded, Watcher, at_key, beat_key, quit_key, read
+from ._watch import LEFT, Superseded, Watcher, at_key, beat_key, fate_key, quit_key, read
 
 log = logging.getLogger("ftcomm")
 
@@ -91,10 +91,6 @@ between two calls keep members within one call of each other)."""
 
 KEPT = "kept"
 """The verdict on a generation (``fate/<g>``) that its configure succeeded."""
-
-
-def fate_key(generation: int) -> str:
-    return f"fate/{generation}"
 
 
 def _given_up(verdicts: bytes | None, record: WorldRecord) -> bool:
@@ -303,6 +299,8 @@ class StoreEngine:
             while True:
                 t = prev.generation + 1
                 barred = self._cut_of(prev)  # (a generation given up for paths cut)
+                if len(set(prev.members) - barred) < min_size:
+                    barred = set()  # the rest could never form one: all try again
 
                 def alive(m: Member, barred: set[Member] = barred) -> bool:
                     return m not in barred and watcher.alive(m)
@@ -546,6 +544,16 @@ class StoreEngine:
             MembershipError: the store failed.
         """
         return not self._verdict(record, member.line())
+
+    def given_up(self, record: WorldRecord) -> bool:
+        """Whether a verdict gave ``record`` up, as the watcher last read
+        them (``read_fate``): no store round trip."""
+        watcher = self.watcher
+        return watcher is not None and _given_up(watcher.fate(record.generation), record)
+
+    def read_fate(self, record: WorldRecord | None) -> None:
+        if self.watcher is not None:
+            self.watcher.read_fate(record.generation if record is not None else None)
 
     def _verdict(self, record: WorldRecord, line: str) -> bool:
         """Add ``line`` to ``record``'s verdicts: whether it stands."""

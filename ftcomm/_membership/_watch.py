@@ -41,7 +41,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._reach import Listener, Probes, Reach
+from ._reach import PROBE_TIMEOUT, Listener, Probes, Reach
 from ._rule import Member, parse_roster
 
 log = logging.getLogger("ftcomm")
@@ -73,6 +73,10 @@ def suspect_key(generation: int) -> str:
     return f"sus/{generation}"
 
 
+def fate_key(generation: int) -> str:
+    return f"fate/{generation}"
+
+
 def at_key(member_id: str) -> str:
     """``"<token> <host:port>"``: where that member's listener is (``_reach``)."""
     return f"at/{member_id}"
@@ -80,6 +84,8 @@ def at_key(member_id: str) -> str:
 
 PROBES_PER_ROUND = 2
 """Members of the watched world each watcher probes per round."""
+SILENT_IN_A_ROW = 2
+"""Probes of one path silent in a row before it is reported cut."""
 
 
 @dataclass(eq=False)
@@ -92,6 +98,7 @@ class _Watched:
     turn: int = 0
     fired: bool = False
     answered: set[Member] = field(default_factory=set)  # probed OK in this world
+    silent: dict[Member, int] = field(default_factory=dict)  # silent probes in a row
 
 
 class Superseded(ConnectionError):
@@ -132,6 +139,9 @@ class Watcher:
         self._refused: set[Member] = set()  # those whose listener refused: gone
         self._watched: _Watched | None = None
         self._probes: Probes[Member] = Probes()  # the watcher thread's
+        self._probed: _Watched | None = None  # the world those probes are of
+        self._fate_of: int | None = None  # the generation being configured
+        self._fate: bytes | None = None  # its verdicts (fate/<g>), as last read
         self.listener: Listener | None = None  # drained every round
         self._warned = False
         self.error: ConnectionError | None = None
@@ -243,11 +253,27 @@ class Watcher:
         with self._lock:
             self._watched = None
 
+    def read_fate(self, generation: int | None) -> None:
+        """From the next round on, read ``generation``'s verdicts (``None``:
+        none), for a member configuring it: one member's giving it up then
+        ends every member's configure, not only its own."""
+        with self._lock:
+            if self._fate_of != generation:
+                self._fate_of, self._fate = generation, None
+
+    def fate(self, generation: int) -> bytes | None:
+        """``generation``'s verdicts as last read (see :meth:`read_fate`)."""
+        with self._lock:
+            return self._fate if self._fate_of == generation else None
+
     def _check_world(self) -> None:
         """The watched world's round: its deaths, its cut paths (others'
         reports, then this member's own probes)."""
         with self._lock:
             watched = self._watched
+        if watched is not self._probed:  # probes of another world answer nothing here
+            self._probes.close()
+            self._probed = watched
         if watched is None or watched.fired:
             return
         reason = None
@@ -259,17 +285,23 @@ class Watcher:
         if reason is None and dead is not None:
             reason = f"{dead.id} is dead (its heartbeat stopped, or its process is gone)"
         for member, answer in self._probes.poll().items():
+            if member not in watched.members:
+                continue
             if answer is Reach.REFUSED:
                 self.refused_seen(member)
                 reason = reason or f"{member.id}'s process is gone (its listener refused)"
             elif answer is Reach.OK:
                 watched.answered.add(member)
-            elif answer is Reach.SILENT and member in watched.answered:
-                # (only a path that worked: a port filtered from the start
-                # while the group's data flows must not abort every world)
-                line = f"{self.me.id}\t{member.id}\n"
-                self._store.append(suspect_key(watched.generation), line)
-                reason = reason or f"{self.me.id} could not reach {member.id}"
+                watched.silent.pop(member, None)
+            elif member in watched.answered:
+                # Only a path that worked (a port filtered from the start
+                # while the group's data flows must not abort every world),
+                # and only twice silent in a row (a lost SYN is not a cut).
+                watched.silent[member] = watched.silent.get(member, 0) + 1
+                if watched.silent[member] >= SILENT_IN_A_ROW:
+                    line = f"{self.me.id}\t{member.id}\n"
+                    self._store.append(suspect_key(watched.generation), line)
+                    reason = reason or f"{self.me.id} could not reach {member.id}"
         if reason is not None:
             with self._lock:
                 if self._watched is not watched:
@@ -281,15 +313,18 @@ class Watcher:
             except Exception:
                 log.exception("ftcomm: membership %s: its world's abort failed", self.me.id)
             return
-        started = 0
+        started, timeout = 0, max(self.timeout, PROBE_TIMEOUT)
         for _ in range(len(watched.others)):
             if started == PROBES_PER_ROUND:
                 break
             member = watched.others[watched.turn % len(watched.others)]
             watched.turn += 1
             if not self._probes.busy(member):
-                self._probes.start(member, watched.addresses[member], self.timeout)
+                self._probes.start(member, watched.addresses[member], timeout)
                 started += 1
+        for member in list(watched.silent):  # a silent path is probed again at once
+            if not self._probes.busy(member):
+                self._probes.start(member, watched.addresses[member], timeout)
 
     # -- the round --------------------------------------------------------
 
@@ -339,8 +374,9 @@ class Watcher:
         # a multi_get waits for a missing key: none is, as each member on
         # the roster claimed its key before it registered, and keys stay
         values: list[bytes] = self._store.multi_get([beat_key(i) for i in ids]) if ids else []
-        following = self._following
+        following, fate_of = self._following, self._fate_of
         quit_text = read(self._store, quit_key(following)) if following is not None else None
+        fate_text = read(self._store, fate_key(fate_of)) if fate_of is not None else None
         now = self._clock()
         with self._lock:
             gap = now - self._last_tick if self._last_tick is not None else 0.0
@@ -358,6 +394,8 @@ class Watcher:
             self._last_tick = now
             if following == self._following and quit_text is not None:
                 self._quit |= set(parse_roster(quit_text))  # it only grows
+            if fate_of == self._fate_of and fate_text is not None:
+                self._fate = fate_text  # it only grows (appended)
             for member_id, value in zip(ids, values, strict=True):
                 old = self._seen.get(member_id)
                 # moved, or we were not looking (then no one's silence counts)

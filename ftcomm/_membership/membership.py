@@ -27,12 +27,13 @@ from typing import Any, TypeVar
 from .._runtime.deadline import Timeout, resolve, to_seconds
 from .._runtime.loop import get_runtime
 from .._store import parse_store_addr
-from ..errors import CommAborted, CommError, Evicted, MembershipError, MembershipTimeout
+from ..errors import CommError, Evicted, MembershipError, MembershipTimeout
 from ..group import Group
-from . import _state_copy
+from . import _keep, _state_copy
 from ._engine import Engine, Stopped
 from ._lighthouse import LighthouseEngine, is_lighthouse
 from ._names import ENV_NAMES, World, check_name, check_size
+from ._reach import PROBE_TIMEOUT
 from ._rule import NO_CAP, Member, WorldRecord
 from ._store_engine import StoreEngine
 
@@ -434,16 +435,17 @@ class Membership:
                     prev = await self._call(lambda _: engine.latest(), deadline=deadline)
                 try:
                     record = await self._agree(prev, member_of, deadline)
-                except Evicted:
+                except Evicted as exc:
                     if not newcomer:
                         raise
+                    self._count_cut(exc)
                     prev = None  # its first world went on without it: come in again
                     continue
                 rank = record.rank_of(engine.me)
                 assert rank is not None
                 addr = engine.group_addr(record)
                 try:
-                    reached = await self._configure(group, record, addr, rank, deadline)
+                    await self._configure(group, record, addr, rank, deadline)
                 except CommError as exc:
                     if time.monotonic() >= deadline:
                         # the next call starts past it
@@ -460,13 +462,9 @@ class Membership:
                 break
         except Evicted as exc:
             self._record = self._world = self._group = None
-            if exc.cut_off:
-                now = time.monotonic()
-                recent = now - self._last_cut < CUT_FORGET
-                self._cuts, self._last_cut = (self._cuts + 1 if recent else 1), now
+            self._count_cut(exc)
             raise
         self._record, self._group, self._checks = record, group, 0
-        await self._watch(group, record, reached, deadline)
         self._world = World(
             generation=record.generation,
             rank=rank,
@@ -477,46 +475,49 @@ class Membership:
         )
         return self._world
 
+    def _count_cut(self, exc: Evicted) -> None:
+        """After an eviction: how many times in a row it was for paths cut."""
+        if not exc.cut_off:
+            self._cuts = 0
+            return
+        now = time.monotonic()
+        recent = now - self._last_cut < CUT_FORGET
+        self._cuts, self._last_cut = (self._cuts + 1 if recent else 1), now
+
     async def _come_in(self, deadline: float) -> None:
         """Before a newcomer registers: where it was left out for paths cut
         lately, wait (twice as long each time in a row, from
-        :data:`CUT_BACKOFF`); then until it reaches the world's members.
+        :data:`CUT_BACKOFF`, and never more than half the time left); then
+        until it reaches the world's members.
 
         Raises:
             MembershipTimeout: it cannot reach them by ``deadline``.
         """
         if self._cuts and time.monotonic() - self._last_cut < CUT_FORGET:
             pause = min(CUT_BACKOFF * 2 ** (self._cuts - 1), CUT_BACKOFF_MAX)
-            await asyncio.sleep(max(min(pause, deadline - time.monotonic()), 0.0))
-        engine, timeout = self._engine, self._hb_timeout
+            await asyncio.sleep(max(min(pause, (deadline - time.monotonic()) / 2), 0.0))
+        engine, timeout = self._engine, max(self._hb_timeout, PROBE_TIMEOUT)
         await self._call(lambda stop: engine.admit(stop, deadline, timeout), deadline=deadline)
 
-    async def _watch(
-        self, group: Group, record: WorldRecord, reached: set[Member], deadline: float
-    ) -> None:
-        """Have the engine watch the world just configured: a member found
-        dead, or a path found cut, aborts ``group``'s configuration for it
-        at once (from the engine's thread), so that an op in flight ends
-        now rather than at its deadline, and the members recover."""
-        config, job = group._core.config, self.job
+    def _on_broken(self, group: Group, record: WorldRecord) -> Callable[[str], None]:
+        """What the engine calls (on its thread) when the world just
+        configured breaks: a member found dead, or a path found cut. It
+        aborts ``group``'s configuration for that world (only while it is
+        the current one), so that an op in flight ends now rather than at
+        its deadline, and the members recover."""
+        config, job, me = group._core.config, self.job, self.member_id
 
         def broken(why: str) -> None:
             if group._abort_config(config, f"generation {record.generation} of job {job!r}: {why}"):
                 log.warning(
                     "ftcomm: membership %s/%s aborted its group: generation %d: %s",
                     job,
-                    self.member_id,
+                    me,
                     record.generation,
                     why,
                 )
 
-        engine = self._engine
-        try:
-            await self._call(
-                lambda _: engine.watch(record, broken, reached), deadline=deadline + 5.0
-            )
-        except MembershipError as exc:  # the next call reports the engine's loss
-            log.warning("ftcomm: membership %s/%s cannot watch: %s", job, self.member_id, exc)
+        return broken
 
     async def _agree(
         self, prev: WorldRecord, member_of: int | None, deadline: float
@@ -539,83 +540,15 @@ class Membership:
 
     async def _configure(
         self, group: Group, record: WorldRecord, addr: str, rank: int, deadline: float
-    ) -> set[Member]:
+    ) -> None:
         """``group.configure()`` for ``record``, kept only where its members
-        agree it stands (the engine's verdicts): given up (the group
-        aborted) when a member is seen dead as it runs, unless the world was
-        kept first (this configure then completes too), or when, once it
-        succeeded, the world was given up first (a member whose call was
-        cancelled mid-configure may have left a native construction behind
-        that completed this one's).
+        agree it stands (``_keep.configure``).
 
         Raises:
             CommError: the configure failed, timed out, or was given up.
-            MembershipError: the engine failed as it was asked (the group
-                is aborted, and this member quits the generation).
+            MembershipError: the engine failed as it was asked.
         """
-        engine = self._engine
-        size = len(record.members)
-        left = max(deadline - time.monotonic(), 0.001)
-        task = asyncio.ensure_future(group.configure(addr, rank, size, timeout=left))
-        # beside it, the check of its paths (a cut one would hold it to its deadline)
-        stop, timeout = threading.Event(), self._hb_timeout
-        check = asyncio.wrap_future(
-            get_runtime().control.spawn(
-                lambda stop: engine.reach_check(record, stop, timeout), stop, until=deadline + 5.0
-            )
-        )
-        gone = ""
-        try:
-            try:
-                dead: Member | None = None
-                cut: list[Member] = []
-                while dead is None and not cut and not task.done():
-                    dead = next((m for m in record.members if not engine.alive(m)), None)
-                    if check.done() and check.exception() is None:
-                        cut = [m for m in record.members if m in check.result()[0]]
-                    if dead is None and not cut:
-                        waits: list[asyncio.Future[Any]] = [task]
-                        if not check.done():
-                            waits.append(check)
-                        await asyncio.wait(
-                            waits, timeout=self._hb_interval, return_when=asyncio.FIRST_COMPLETED
-                        )
-                if dead is not None or cut:  # given up, or kept first: it completes here too
-                    lost = dead if dead is not None else cut[0]
-                    if await self._call(lambda _: engine.lost(record, lost), deadline=deadline):
-                        gone = (
-                            f"{lost.id} died as it was configured"
-                            if dead is not None
-                            else f"{', '.join(m.id for m in cut)} could not exchange data "
-                            "with the others (paths cut)"
-                        )
-                        await group.abort()
-                await task
-            finally:
-                stop.set()
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(check)
-            if not gone and not await self._call(lambda _: engine.keep(record), deadline=deadline):
-                gone = "a member gave it up as it was configured"
-        except MembershipError:
-            await group.abort()
-            await self._blocking(functools.partial(engine.abandon, record))
-            raise
-        except asyncio.CancelledError:
-            await group.abort()  # (_form quits the generation)
-            raise
-        if gone:
-            await group.abort()
-            raise CommAborted(
-                f"generation {record.generation} of job {self.job!r} was given up: {gone}",
-                rank=rank,
-                op="configure",
-            )
-        return check.result()[1] if check.done() and check.exception() is None else set()
+        await _keep.configure(self, group, record, addr, rank, deadline)
 
     def _check_group(self, group: object) -> Group:
         if not isinstance(group, Group):

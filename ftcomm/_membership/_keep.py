@@ -1,0 +1,159 @@
+"""The step from an agreed generation to a group its members keep.
+
+Owns: :func:`configure`, a :class:`~ftcomm.Membership`'s configure of its
+group for one generation, with what runs beside it (the check of the
+world's paths, the watch for a member dead or a verdict that gave the
+world up), and the verdict that keeps it (then the engine watches the
+world). A part of ``Membership`` (it reads its settings and calls through
+its control threads), not a module to use alone.
+Imports: ``ftcomm.group``, ``ftcomm.errors``, the runtime, and the
+package's ``_reach``/``_rule``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from .._runtime.loop import get_runtime
+from ..errors import CommAborted, MembershipError
+from ..group import Group
+from ._reach import CHECK_TIMEOUT
+from ._rule import Member, WorldRecord
+
+if TYPE_CHECKING:
+    from .membership import Membership
+
+log = logging.getLogger("ftcomm")
+
+
+async def configure(
+    members: Membership, group: Group, record: WorldRecord, addr: str, rank: int, deadline: float
+) -> None:
+    """``group.configure()`` for ``record``, beside the check of its
+    world's paths (``engine.reach_check``), kept only where its members
+    agree it stands (the engine's verdicts). Given up (the group
+    aborted) when a member is seen dead as it runs, when another member
+    gave it up (its verdicts are read meanwhile: one member's giving up
+    must not leave the others waiting out their deadline), or when the
+    check leaves members out, once the configure succeeded too (Gloo
+    may build rank 0's connections while a path between two others is
+    cut); unless the world was kept first (this configure then
+    completes too). Once it succeeded, given up where the world was
+    given up first (a member whose call was cancelled mid-configure may
+    have left a native construction behind that completed this one's).
+    Kept: the engine watches the world from then on (``_on_broken``).
+
+    Raises:
+        CommError: the configure failed, timed out, or was given up.
+        MembershipError: the engine failed as it was asked (the group
+            is aborted, and this member quits the generation).
+    """
+    engine = members._engine
+    size = len(record.members)
+    left = max(deadline - time.monotonic(), 0.001)
+    engine.read_fate(record)
+    task = asyncio.ensure_future(group.configure(addr, rank, size, timeout=left))
+    stop, timeout = threading.Event(), max(members._hb_timeout, CHECK_TIMEOUT)
+    check = asyncio.wrap_future(
+        get_runtime().control.spawn(
+            lambda stop: engine.reach_check(record, stop, timeout), stop, until=deadline + 5.0
+        )
+    )
+    gone = ""
+    try:
+        try:
+            dead: Member | None = None
+            cut: list[Member] = []
+            given_up = False
+            while True:  # (a configure that succeeded waits for its check's verdict)
+                dead = next((m for m in record.members if not engine.alive(m)), None)
+                given_up = engine.given_up(record)
+                if check.done() and check.exception() is None:
+                    cut = [m for m in record.members if m in check.result()[0]]
+                if dead or cut or given_up or _failed(task) or (task.done() and check.done()):
+                    break
+                if time.monotonic() >= deadline:
+                    break
+                waits = [f for f in (task, check) if not f.done()]
+                await asyncio.wait(
+                    waits, timeout=members._hb_interval, return_when=asyncio.FIRST_COMPLETED
+                )
+            if dead is not None or cut:  # given up, or kept first: it completes here too
+                lost = dead if dead is not None else cut[0]
+                if await members._call(lambda _: engine.lost(record, lost), deadline=deadline):
+                    gone = (
+                        f"{lost.id} died as it was configured"
+                        if dead is not None
+                        else f"{', '.join(m.id for m in cut)} could not exchange data "
+                        "with the others (paths cut)"
+                    )
+            elif given_up:
+                gone = "another member gave it up as it was configured"
+            if gone:
+                await group.abort()  # (its error is the verdict's, below)
+            else:
+                await task
+        finally:
+            stop.set()
+            engine.read_fate(None)
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            await _settle(check)
+        if not gone:
+            broken = members._on_broken(group, record)
+            reached = check.result()[1] if not _failed(check) else set()
+
+            def keep(_: threading.Event) -> bool:
+                if not engine.keep(record):
+                    return False
+                try:
+                    engine.watch(record, broken, reached)
+                except MembershipError as exc:  # the next call reports the engine's loss
+                    log.warning("ftcomm: membership %s cannot watch: %s", members.member_id, exc)
+                return True
+
+            if not await members._call(keep, deadline=deadline):
+                gone = "a member gave it up as it was configured"
+    except MembershipError:
+        await group.abort()
+        await members._blocking(functools.partial(engine.abandon, record))
+        raise
+    except asyncio.CancelledError:
+        await group.abort()  # (_form quits the generation)
+        raise
+    if gone:
+        await group.abort()
+        raise CommAborted(
+            f"generation {record.generation} of job {members.job!r} was given up: {gone}",
+            rank=rank,
+            op="configure",
+        )
+
+
+def _failed(future: asyncio.Future[Any]) -> bool:
+    """Whether ``future`` ended, and not with a result."""
+    return future.done() and (future.cancelled() or future.exception() is not None)
+
+
+async def _settle(check: asyncio.Future[Any]) -> None:
+    """Wait for ``check`` (told to stop) to end, whatever it ends with, so
+    that its thread never outlives the call; a cancel that comes meanwhile
+    is raised once it has ended, not lost."""
+    cancelled = False
+    while not check.done():
+        try:
+            await asyncio.shield(check)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:
+            break
+    if cancelled:
+        raise asyncio.CancelledError
