@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 comma := ,
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: install test unit lint typecheck demo bench soak gpu-check clean
+.PHONY: install test unit lint typecheck demo bench chaos scale soak gpu-check clean
 
 install: $(STAMP)
 
@@ -48,6 +48,18 @@ demo: install
 
 bench: install
 	$(PY) -m ftcomm bench
+
+# The chaos soak: ftcomm at 3, 4 and 8 members and torchft's Manager at 3 and
+# 4, each CHAOS_SECONDS without faults, then as long with a fault every 5 or
+# 10 s (about 11-12 minutes at 60 s on 2 cores; CHAOS_SECONDS=20 for a look).
+CHAOS_SECONDS ?= 60
+chaos: install
+	$(PY) -m ftcomm bench --chaos --chaos-seconds $(CHAOS_SECONDS)
+
+# Join and kill-to-good-step times and the store's load per heartbeat round,
+# at 3, 8, 16 and 32 members (3-6 minutes on 2 cores).
+scale: install
+	$(PY) -m ftcomm bench --scale
 
 # The abort drills at full size (tests/test_abort_drill.py): 2000 seeded
 # in-process trials, 200 subprocess ones, 50 copy-back kills (about an hour

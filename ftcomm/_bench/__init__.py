@@ -27,6 +27,13 @@ The modules, each importing only those listed below it:
   and torchft's ``PGTransport``, to one member behind and to two, three
   processes of their own; ``links``: the same to one and to two behind over
   rate-limited links, each member in a network namespace of its own;
+- ``chaos`` (``--chaos``): members train while a fault strikes every few
+  seconds, goodput against the same run without faults, for ftcomm and for
+  torchft's Manager; ``chaos_members``: their processes; ``chaos_report``:
+  its table and JSON; ``scale``
+  (``--scale``): join and recovery times and the store's load per heartbeat
+  round as the world grows; ``fleet``: the processes of both, replaced as
+  they are killed;
 - ``latency``, ``fusion``, ``subproc``, ``torchft_rows``: the families of
   cases, the functions that open each case's runner on a rank;
 - ``groups``: the runners on ftcomm's groups that the families share;
@@ -47,7 +54,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._server import serve_store
-from . import fsdp, links, state_copy
+from . import chaos, chaos_report, fsdp, links, scale, state_copy
 from .cases import CASES, workloads
 from .membership import TRIALS, format_membership, measure, membership_json
 from .recovery import _recovery, format_recovery
@@ -82,6 +89,46 @@ def _rate(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a rate >= 0, got {text}")
     return value
+
+
+def _duration(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in chaos.KINDS]
+    if not kinds or unknown:
+        raise argparse.ArgumentTypeError(
+            f"must be kinds from {', '.join(chaos.KINDS)}, comma-separated, got {text!r}"
+        )
+    return kinds
+
+
+def _members(text: str) -> int:
+    value = int(text)
+    if not 2 <= value <= chaos.MAX_MEMBERS:
+        raise argparse.ArgumentTypeError(
+            f"must be 2 to {chaos.MAX_MEMBERS} (a fault needs a survivor), got {value}"
+        )
+    return value
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be world sizes, comma-separated, got {text!r}"
+        ) from None
+    if not sizes or any(not 2 <= n <= scale.MAX_SIZE for n in sizes):
+        raise argparse.ArgumentTypeError(
+            f"each size must be 2 to {scale.MAX_SIZE} (a kill needs a survivor), got {text!r}"
+        )
+    return sizes
 
 
 def _non_negative(text: str) -> int:
@@ -182,6 +229,61 @@ def parser() -> argparse.ArgumentParser:
         help="each link's rate in the state copy over links of their own: 3 members in network "
         f"namespaces, one and two behind (needs root and iproute2; {links.GBIT:g}; 0: skip)",
     )
+    soak = p.add_argument_group(
+        "chaos and scale (each runs instead of the tables above; both: one after the other)"
+    )
+    soak.add_argument(
+        "--chaos",
+        action="store_true",
+        help="the chaos soak: members train (ftcomm.Membership on the store, Gloo, a "
+        f"{chaos.STATE_MIB} MiB model) while a fault strikes every few seconds, and the same "
+        "without faults: goodput, recovery gaps, generations, the same parameters on all at "
+        "the end; beside torchft's Manager where it is installed",
+    )
+    soak.add_argument(
+        "--chaos-seconds",
+        type=_duration,
+        default=None,
+        help=f"each phase's window, with faults and without ({chaos.SECONDS:g})",
+    )
+    soak.add_argument(
+        "--chaos-interval",
+        type=_duration,
+        default=None,
+        help="seconds between two faults (given, or --chaos-members or --chaos-kinds: one "
+        "row with them instead of the default rows; else 10)",
+    )
+    soak.add_argument(
+        "--chaos-members",
+        type=_members,
+        default=None,
+        help="members of the one row (3)",
+    )
+    soak.add_argument(
+        "--chaos-kinds",
+        type=_kinds,
+        default=None,
+        help=f"faults of the one row, taken in turn, comma-separated: {', '.join(chaos.KINDS)} "
+        "(kill)",
+    )
+    soak.add_argument(
+        "--chaos-seed",
+        type=int,
+        default=None,
+        help="the seed of the RNG that picks each fault's victim (0)",
+    )
+    soak.add_argument(
+        "--scale",
+        action="store_true",
+        help="join time, kill-to-next-good-step time and the store's load per heartbeat "
+        f"round at {', '.join(map(str, scale.SIZES))} members (processes)",
+    )
+    soak.add_argument(
+        "--scale-sizes",
+        type=_sizes,
+        default=None,
+        help=f"the world sizes of --scale, comma-separated ({','.join(map(str, scale.SIZES))})",
+    )
     p.add_argument(
         "--json",
         metavar="FILE|-",
@@ -226,6 +328,110 @@ def _unplottable(path: str) -> str | None:
     return None
 
 
+_CHAOS_OPTIONS = ("chaos_seconds", "chaos_interval", "chaos_members", "chaos_kinds", "chaos_seed")
+
+
+def _soak_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the --chaos and --scale options (before a run)."""
+    problems = [
+        f"--{name.replace('_', '-')} needs --chaos"
+        for name in _CHAOS_OPTIONS
+        if getattr(args, name) is not None and not args.chaos
+    ]
+    if args.scale_sizes is not None and not args.scale:
+        problems.append("--scale-sizes needs --scale")
+    if args.plot is not None and (args.chaos or args.scale):
+        problems.append("--plot draws the latency tables, which --chaos and --scale replace")
+    if args.chaos:
+        why = chaos.kinds_missing(args.chaos_kinds or ())
+        if why is not None:
+            problems.append(why)
+        seconds = args.chaos_seconds or chaos.SECONDS
+        rows = chaos.rows_for(args.chaos_members, args.chaos_interval, args.chaos_kinds, True)
+        if any(row.interval >= seconds for row in rows):
+            interval = max(row.interval for row in rows)
+            problems.append(
+                f"--chaos-interval ({interval:g} s) must be shorter than --chaos-seconds "
+                f"({seconds:g} s): no fault would strike"
+            )
+    return problems
+
+
+def _say(line: str) -> None:
+    print(f"ftcomm bench: {line}", file=sys.stderr, flush=True)
+
+
+def _soak(args: argparse.Namespace, loop: str, json_path: str | None) -> int:
+    """``--chaos`` and ``--scale``: their tables (or the JSON). Returns the exit code."""
+    from .. import __version__
+    from .report import machine
+
+    tables = json_path != "-"
+    failures: list[str] = []
+    torchft_skip = "--no-torchft" if args.no_torchft else _torchft_missing()
+    doc: dict[str, Any] = {
+        "bench": "ftcomm",
+        "ftcomm": __version__,
+        "torch": _torch_version(),
+        "python": sys.version.split()[0],
+        "machine": machine(),
+        "loop": loop,
+        "chaos": None,
+        "scale": None,
+    }
+    started = time.monotonic()
+    if args.chaos:
+        seconds, seed = args.chaos_seconds or chaos.SECONDS, args.chaos_seed or 0
+        rows = chaos.rows_for(
+            args.chaos_members, args.chaos_interval, args.chaos_kinds, torchft_skip is None
+        )
+        notes = [] if torchft_skip is None else [f"torchft's rows skipped: {torchft_skip}"]
+        measured = chaos.measure(rows, seconds, seed, loop, progress=_say)
+        for row in measured:
+            if row.failed is not None:
+                failures.append(f"chaos: {row.spec.label}: {row.failed.splitlines()[0]}")
+                _say(f"chaos: {row.spec.label} FAILED: {row.failed}")
+            for name, phase in (("without faults", row.clean), ("with faults", row.chaos)):
+                if phase is not None and phase.trace:
+                    _say(f"chaos: {row.spec.label}, {name}: a stall or an eviction:\n{phase.trace}")
+        notes.append(f"took {time.monotonic() - started:.0f} s")
+        doc["chaos"] = chaos_report.chaos_json(measured, seconds, seed, notes)
+        if tables:
+            print(chaos_report.format_chaos(measured, seconds, seed, notes), flush=True)
+    if args.scale:
+        begun = time.monotonic()
+        sized = scale.measure(args.scale_sizes or scale.SIZES, loop, progress=_say)
+        for srow in sized:
+            if srow.failed is not None:
+                failures.append(f"scale: {srow.failed.splitlines()[0]}")
+                _say(f"scale: {srow.size} members FAILED: {srow.failed}")
+        scale_notes = [f"took {time.monotonic() - begun:.0f} s"]
+        doc["scale"] = scale.scale_json(sized, scale_notes)
+        if tables:
+            print(scale.format_scale(sized, scale_notes), flush=True)
+    doc["failures"] = failures
+    if json_path is None:
+        return 1 if failures else 0
+    text = json.dumps(doc, indent=2)
+    if json_path == "-":
+        print(text, flush=True)
+        return 1 if failures else 0
+    try:
+        with open(json_path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    except OSError as exc:
+        _say(f"cannot write the JSON: {exc}")
+        return 1
+    print(f"json: {json_path}", flush=True)
+    return 1 if failures else 0
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the bench; print the table (or the JSON). Returns the exit code."""
     args = parser().parse_args(argv)
@@ -235,6 +441,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     json_path: str | None = args.json
     plot_path: str | None = args.plot
+    soak_problems = _soak_problems(args)
+    if soak_problems or args.chaos or args.scale:
+        unwritable = None if json_path in (None, "-") else _unwritable(json_path)
+        if unwritable is not None:
+            soak_problems.append(unwritable)
+        for problem in soak_problems:
+            print(f"ftcomm bench: {problem}", file=sys.stderr)
+        if soak_problems:
+            return 2
+        try:
+            return _soak(args, loop, json_path)
+        except KeyboardInterrupt:
+            return 130
     missing = None if plot_path is None else matplotlib_missing()
     problems = [
         why

@@ -16,10 +16,12 @@ the processes that use it.
 The two ends of a figure are taken in two processes on one machine:
 ``time.monotonic()`` is ``CLOCK_MONOTONIC`` on Linux, one clock for every
 process of the host, so the survivors send their time of the first good
-allreduce and this process subtracts the time it sent the signal. A kill
-is found by the member's heartbeat going silent for ``heartbeat_timeout``
-(the join window is longer, so that it is the heartbeat that finds it); a
-hang by the survivors' op deadline; "beyond" is the figure less that.
+allreduce and this process subtracts the time it sent the signal.
+"Beyond" is the figure less what used to find the failure: the heartbeat
+timeout for a kill (the join window is longer, so that it is not the
+window), the op deadline for a hang. ftcomm finds both sooner: a killed
+member's listener refuses at once, and a hung member's silent heartbeat
+aborts the ops waiting on it (docs/membership.md): a negative beyond.
 """
 
 from __future__ import annotations
@@ -458,7 +460,7 @@ class Row:
 
     @property
     def detection(self) -> float:
-        """What finds the failure: the heartbeat timeout (kill), the op deadline (hang)."""
+        """What "beyond" is counted from: the heartbeat timeout (kill), the op deadline (hang)."""
         return HEARTBEAT_TIMEOUT if self.fault == "kill" else OP_DEADLINE
 
     @property
@@ -538,10 +540,11 @@ def format_membership(rows: Sequence[Row], notes: Sequence[str]) -> str:
     lines.append(
         "(from the signal, sent by the bench, to the survivors' first good allreduce in the "
         "next generation, the later survivor's (torchft: its first committed step); beyond: "
-        "less what finds the failure, the heartbeat timeout for a SIGKILL, the op deadline for "
-        "a SIGSTOP. torchft asks its lighthouse for a quorum every "
-        "step: a member stopped outside an allreduce is found by its heartbeat, before the "
-        "deadline, hence a negative beyond)"
+        "less the heartbeat timeout for a SIGKILL and the op deadline for a SIGSTOP. A "
+        "negative beyond: found sooner. ftcomm: a killed member's listener refuses at once, "
+        "and a hung one's silent heartbeat aborts the ops waiting on it; torchft asks its "
+        "lighthouse for a quorum every step: a member stopped outside an allreduce is found "
+        "by its heartbeat)"
     )
     lines.extend(f"note: {note}" for note in notes)
     return "\n".join(lines)
