@@ -108,6 +108,10 @@ class Engine(Protocol):
     def unwatch(self) -> None:
         """Watch no world (the next one is being formed)."""
 
+    def recovering(self, record: WorldRecord) -> None:
+        """This member leaves ``record``'s world to recover it: tell the
+        others watching it (best effort)."""
+
     def given_up(self, record: WorldRecord) -> bool:
         """Whether a member gave ``record`` up as it was configured (quit it,
         saw a member dead, found paths cut), as last read: never blocks."""

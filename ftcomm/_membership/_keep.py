@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .._runtime.loop import get_runtime
-from ..errors import CommAborted, MembershipError
+from ..errors import CommAborted, CommError, MembershipError
 from ..group import Group
 from ._reach import CHECK_TIMEOUT
 from ._rule import Member, WorldRecord
@@ -98,7 +98,16 @@ async def configure(
             if gone:
                 await group.abort()  # (its error is the verdict's, below)
             else:
-                await task
+                try:
+                    await task
+                except CommError:
+                    # failed by itself (its store connect, its deadline, the
+                    # native connect): this member will not use the world,
+                    # and the others' configure would wait for it, so it
+                    # gives the world up (kept first, that changes nothing)
+                    me = engine.me
+                    await members._call(lambda _: engine.lost(record, me), deadline=deadline)
+                    raise
         finally:
             stop.set()
             engine.read_fate(None)

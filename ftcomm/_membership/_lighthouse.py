@@ -191,6 +191,9 @@ class LighthouseEngine:
     def unwatch(self) -> None:
         return None
 
+    def recovering(self, record: WorldRecord) -> None:
+        return None
+
     def given_up(self, record: WorldRecord) -> bool:
         return False  # no verdicts here
 

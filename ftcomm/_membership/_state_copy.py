@@ -464,6 +464,33 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+async def _oldest_or_a_failure(oldest: Any, works: list[Any]) -> None:
+    """Wait until ``oldest`` ends, or any of ``works`` fails.
+
+    Gloo never fails a receive whose message its sender's death (or a
+    peer's abort, which shuts its sockets down) cut short: it waits for its
+    deadline, the copy's. The ops after it, on the same connection, fail at
+    once; but one awaited only after the oldest is seen only then. Its
+    failure breaks the group (ftcomm ends every op in flight with it, the
+    torn one included, within a second), so it is looked at as it comes."""
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[None] = loop.create_future()
+
+    def look(work: Any) -> None:
+        if ended.done():
+            return
+        if work is oldest or work.cancelled() or work.exception() is not None:
+            ended.set_result(None)
+
+    for work in works:
+        work.add_done_callback(look)
+    try:
+        await ended
+    finally:
+        for work in works:
+            work.remove_done_callback(look)
+
+
 async def fill(t: torch.Tensor, deadline: float) -> None:
     """Touch every page of a new tensor before bytes land in it (off the
     loop if it is large): a page first touched by the backend's reader costs
@@ -525,6 +552,9 @@ async def _stream(
         chunk.ops += 1
 
     async def retire() -> None:
+        work = in_flight[0][0]
+        if len(in_flight) > 1 and not work.done():
+            await _oldest_or_a_failure(work, [w for w, _, _ in in_flight])
         work, chunk, received = in_flight.popleft()
         await work
         chunk.ops -= 1

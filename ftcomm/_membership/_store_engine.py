@@ -30,8 +30,10 @@ Keys, under ``ftcomm/members/<job>/`` (who writes each, and how):
   where the reports found paths cut (:func:`_rule.leave_out`); the first
   member that read every report, once (``compare_set``). It counts only
   where ``g`` was given up (its ``fate``).
-- ``sus/<g>``: ``prober<TAB>target`` lines, a probe of a configured world's
-  watcher found a path cut (``_watch``); that watcher (``append``).
+- ``sus/<g>``: ``id<TAB>what`` lines, why generation ``g``'s world is
+  broken: a probe of a member's watcher found a path cut (``_watch``), or
+  a member left it to form the next generation; that member (``append``).
+  Every member watching ``g`` aborts its group on the first line.
 - ``fate/<g>``: the verdicts on generation ``g``, in the order they came
   (``append``): ``id<TAB>token``, a member that quit it (written before its
   quit line) or that a member configuring it saw dead, and ``kept``, from
@@ -79,7 +81,17 @@ from ._rule import (
     parse_roster,
     ready_line,
 )
-from ._watch import LEFT, Superseded, Watcher, at_key, beat_key, fate_key, quit_key, read
+from ._watch import (
+    LEFT,
+    Superseded,
+    Watcher,
+    at_key,
+    beat_key,
+    fate_key,
+    quit_key,
+    read,
+    suspect_key,
+)
 
 log = logging.getLogger("ftcomm")
 
@@ -102,6 +114,16 @@ def _given_up(verdicts: bytes | None, record: WorldRecord) -> bool:
         if any(m in record.members for m in parse_roster(line)):
             return True
     return False
+
+
+POLL_CAP = 0.005
+"""Seconds between an agreeing member's looks at the store, at most, per
+four member ids on the roster (up to 50 ms): every member polls at once, and
+one store thread answers them all."""
+
+
+def _poll_cap(members: int) -> float:
+    return min(POLL_CAP * max(1.0, members / 4), 0.05)
 
 
 OP_TIMEOUT = 30.0
@@ -406,7 +428,7 @@ class StoreEngine:
                 self._raise_if_broken()
                 if stop.wait(min(delay, max(deadline - now, 0.0))):
                     raise Stopped
-                delay = min(delay * 2, 0.005)
+                delay = min(delay * 2, _poll_cap(len({m.id for m in roster})))
         except Stopped:
             if target is not None:
                 with contextlib.suppress(Exception):
@@ -512,6 +534,15 @@ class StoreEngine:
     def unwatch(self) -> None:
         if self.watcher is not None:
             self.watcher.unwatch()
+
+    def recovering(self, record: WorldRecord) -> None:
+        """This member leaves ``record``'s world to recover it: every member
+        still watching it aborts its group (an op of theirs may never end
+        by itself: Gloo does not fail a receive cut short by a peer's
+        abort). Best effort: the recover reports a store that failed."""
+        with contextlib.suppress(Exception):
+            line = f"{self.me.id}\tleft it to form the next generation\n"
+            self._store.append(suspect_key(record.generation), line)
 
     def abandon(self, record: WorldRecord) -> None:
         """Tell ``record``'s other members this one will not configure it

@@ -27,8 +27,8 @@ watches that world (:meth:`Watcher.watch`): each round it probes two of the
 world's other members in turn (so that every path from it is tried within
 ``ceil((n - 1) / 2)`` rounds), and it calls ``on_broken`` once, from its
 thread, when a member of the world is dead or any member says a probe of
-its found a path cut that had worked in that world (``sus/<g>``, one
-``prober<TAB>target`` line each).
+its found a path cut that had worked in that world, or left it to recover
+(``sus/<g>``, one ``id<TAB>what`` line each).
 """
 
 from __future__ import annotations
@@ -279,8 +279,8 @@ class Watcher:
         reason = None
         said = read(self._store, suspect_key(watched.generation))
         if said:
-            prober, _, target = said.decode(errors="replace").splitlines()[0].partition("\t")
-            reason = f"{prober} could not reach {target}"
+            who, _, what = said.decode(errors="replace").splitlines()[0].partition("\t")
+            reason = f"{who} {what}"
         dead = next((m for m in watched.members if not self.alive(m)), None)
         if reason is None and dead is not None:
             reason = f"{dead.id} is dead (its heartbeat stopped, or its process is gone)"
@@ -299,7 +299,7 @@ class Watcher:
                 # and only twice silent in a row (a lost SYN is not a cut).
                 watched.silent[member] = watched.silent.get(member, 0) + 1
                 if watched.silent[member] >= SILENT_IN_A_ROW:
-                    line = f"{self.me.id}\t{member.id}\n"
+                    line = f"{self.me.id}\tcould not reach {member.id}\n"
                     self._store.append(suspect_key(watched.generation), line)
                     reason = reason or f"{self.me.id} could not reach {member.id}"
         if reason is not None:

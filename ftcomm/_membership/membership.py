@@ -351,7 +351,9 @@ class Membership:
                 raise RuntimeError(f"member {self.member_id!r} is in no world: join() first")
             deadline = time.monotonic() + resolve(timeout, self._timeout)
             group = self._check_group(group)
-            record = self._record
+            record, engine = self._record, self._engine
+            engine.unwatch()  # (its own line must not abort its own group)
+            await self._call(lambda _: engine.recovering(record), deadline=deadline)
             return await self._form(group, record, record.generation, deadline)
 
     async def pending(self, *, timeout: Timeout | None = None) -> bool:
