@@ -282,8 +282,9 @@ STUCK = 10.0  # the stuck op's deadline
 STUCK_WINDOW = 4.0
 
 
-async def _one_op_never_ends(ctx: RankContext) -> tuple[Any, ...]:
-    members = ftcomm.Membership(
+def _of_three(ctx: RankContext, timeout: float) -> ftcomm.Membership:
+    """This rank's member of a job of two to three, a long join window."""
+    return ftcomm.Membership(
         f"{ctx.host}:{ctx.port}/{ctx.world_id}",
         "job",
         f"m{ctx.rank}",
@@ -291,8 +292,12 @@ async def _one_op_never_ends(ctx: RankContext) -> tuple[Any, ...]:
         max_size=3,
         join_window=STUCK_WINDOW,
         heartbeat_timeout=1.0,
-        timeout=20,
+        timeout=timeout,
     )
+
+
+async def _one_op_never_ends(ctx: RankContext) -> tuple[Any, ...]:
+    members = _of_three(ctx, 20)
     async with members, ftcomm.Group("gloo", timeout=30) as group:
         await members.join(group)
         await group.allreduce(torch.ones(1), timeout=STUCK)  # op 0
@@ -338,16 +343,7 @@ CHUNKS = 4  # tensors of 32 MiB: one chunk each, all in flight at once
 
 
 async def _sender_dies_in_copy(ctx: RankContext) -> tuple[Any, ...]:
-    members = ftcomm.Membership(
-        f"{ctx.host}:{ctx.port}/{ctx.world_id}",
-        "job",
-        f"m{ctx.rank}",
-        min_size=2,
-        max_size=3,
-        join_window=STUCK_WINDOW,
-        heartbeat_timeout=1.0,
-        timeout=30,
-    )
+    members = _of_three(ctx, 30)
     async with members, ftcomm.Group("gloo", timeout=30) as group:
         await members.join(group)
         # rank 0 alone is ahead: it sends to the two behind (a chain, the
