@@ -20,6 +20,7 @@ import asyncio
 import collections.abc
 import concurrent.futures
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -41,6 +42,8 @@ from .errors import CommAborted, CommError
 
 if TYPE_CHECKING:
     from .backends.subprocess import Launcher
+
+log = logging.getLogger("ftcomm")
 
 
 class Closing(TaskDriven, collections.abc.Coroutine[Any, Any, None]):
@@ -289,8 +292,12 @@ class Group(Configuring, Issuing):
         teardown = self._core.abort_if(config, error)
         if teardown is None:
             return False
-        # the ops' ends (and their callbacks) on a control thread, not the caller's
-        get_runtime().run_control(lambda: self._closing(teardown), until=time.monotonic() + 5.0)
+        # the ops' ends (and their callbacks) on a thread of their own, not the
+        # caller's, and never queued behind other control calls
+        done = get_runtime().control.spawn(
+            lambda _: self._closing(teardown), threading.Event(), until=time.monotonic() + 5.0
+        )
+        done.add_done_callback(_log_failure)
         return True
 
     def shutdown(self) -> Closing:
@@ -388,3 +395,9 @@ class Group(Configuring, Issuing):
         """How many ops of the current configuration have not ended yet."""
         cfg = self._core.config
         return cfg.table.active() if cfg is not None else 0
+
+
+def _log_failure(future: concurrent.futures.Future[Any]) -> None:
+    """A done-callback: log what a background step raised (nobody awaits it)."""
+    if not future.cancelled() and future.exception() is not None:
+        log.error("ftcomm: an abort's teardown failed: %r", future.exception())

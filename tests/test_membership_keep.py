@@ -7,6 +7,7 @@ never lost while the check ends, and the world is watched once kept."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,10 +35,12 @@ class Engine:
         self.check_ignores_stop = False
         self.check_ended = threading.Event()
         self.gave_up_at: float | None = None  # given_up() is True from then on
+        self.dead_at: float | None = None  # OTHER is dead from then on
+        self.kept_first = False  # lost() finds the world kept already
         self.calls: list[str] = []
 
     def alive(self, member: Member) -> bool:
-        return True
+        return member != OTHER or self.dead_at is None or time.monotonic() < self.dead_at
 
     def given_up(self, record: WorldRecord) -> bool:
         return self.gave_up_at is not None and time.monotonic() >= self.gave_up_at
@@ -59,7 +62,10 @@ class Engine:
 
     def lost(self, record: WorldRecord, member: Member) -> bool:
         self.calls.append(f"lost {member.id}")
-        return True
+        return not self.kept_first
+
+    def recovering(self, record: WorldRecord) -> None:
+        self.calls.append("recovering")
 
     def keep(self, record: WorldRecord) -> bool:
         self.calls.append("keep")
@@ -145,3 +151,38 @@ async def test_a_cancel_while_the_check_ends_is_raised_not_lost(store: Any) -> N
                 )
         assert engine.check_ended.is_set()  # waited for, then the cancel went on
     assert "keep" not in engine.calls
+
+
+async def test_a_member_whose_configure_cannot_complete_in_a_world_kept_first_gives_up(
+    store: Any,
+) -> None:
+    """The others kept the world; then its peer died before this member's
+    connection to it was built: its configure gives up within a bound (and
+    tells those watching the world), not at its 20 s deadline."""
+    engine = Engine()
+    engine.check_takes, engine.kept_first = 60.0, True
+    engine.dead_at = time.monotonic() + 0.3
+    record = WorldRecord(1, (ME, OTHER))
+    started = time.monotonic()
+    async with ftcomm.Group("gloo", timeout=30) as group:
+        with pytest.raises(ftcomm.CommAborted, match="kept by the others"):
+            await _keep.configure(
+                _members(engine), group, record, f"{store.address}/g", 0, started + 20
+            )
+    assert time.monotonic() - started < 10.0
+    assert engine.calls[-3:] == ["lost m1", "recovering", "read_fate None"]
+
+
+async def test_a_configure_that_failed_in_a_world_kept_first_tells_its_watchers() -> None:
+    engine = Engine()
+    engine.kept_first = True
+    record = WorldRecord(1, (ME,))
+    with socket.socket() as closed:  # a store address that refuses
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    async with ftcomm.Group("gloo", timeout=1) as group:
+        with pytest.raises(ftcomm.CommError):
+            await _keep.configure(
+                _members(engine), group, record, f"127.0.0.1:{port}/g", 0, time.monotonic() + 1.5
+            )
+    assert engine.calls[-3:] == ["lost m0", "recovering", "read_fate None"]

@@ -84,7 +84,8 @@ async def configure(
                 await asyncio.wait(
                     waits, timeout=members._hb_interval, return_when=asyncio.FIRST_COMPLETED
                 )
-            if dead is not None or cut:  # given up, or kept first: it completes here too
+            kept_first = False
+            if dead is not None or cut:
                 lost = dead if dead is not None else cut[0]
                 if await members._call(lambda _: engine.lost(record, lost), deadline=deadline):
                     gone = (
@@ -93,21 +94,41 @@ async def configure(
                         else f"{', '.join(m.id for m in cut)} could not exchange data "
                         "with the others (paths cut)"
                     )
+                else:
+                    kept_first = True  # the others configured it: this one may complete too
             elif given_up:
                 gone = "another member gave it up as it was configured"
             if gone:
                 await group.abort()  # (its error is the verdict's, below)
             else:
-                try:
-                    await task
-                except CommError:
-                    # failed by itself (its store connect, its deadline, the
-                    # native connect): this member will not use the world,
-                    # and the others' configure would wait for it, so it
-                    # gives the world up (kept first, that changes nothing)
-                    me = engine.me
-                    await members._call(lambda _: engine.lost(record, me), deadline=deadline)
-                    raise
+                if kept_first:
+                    # ... or may not (it needed the dead member, or the cut
+                    # path): bounded, not the whole deadline
+                    bound = max(members._hb_timeout, CHECK_TIMEOUT)
+                    await asyncio.wait([task], timeout=bound)
+                    if not task.done():
+                        gone = "it was kept by the others, and this member's configure of it "
+                        gone += f"did not complete within {bound:g} s of that"
+                        await group.abort()
+                if not gone:
+                    try:
+                        await task
+                    except CommError:
+                        # failed by itself (its store connect, its deadline,
+                        # the native connect): this member will not use the
+                        # world, and the others' configure would wait for it,
+                        # so it gives the world up; kept first, it tells
+                        # those watching it instead
+                        me = engine.me
+                        if not await members._call(
+                            lambda _: engine.lost(record, me), deadline=deadline
+                        ):
+                            await members._call(
+                                lambda _: engine.recovering(record), deadline=deadline
+                            )
+                        raise
+                elif kept_first:  # the others are in it: tell them it broke
+                    await members._call(lambda _: engine.recovering(record), deadline=deadline)
         finally:
             stop.set()
             engine.read_fate(None)
@@ -119,6 +140,13 @@ async def configure(
         if not gone:
             broken = members._on_broken(group, record)
             reached = check.result()[1] if not _failed(check) else set()
+            if check.done() and not check.cancelled() and check.exception() is not None:
+                log.warning(
+                    "ftcomm: membership %s: the check of generation %d's paths failed: %s",
+                    members.member_id,
+                    record.generation,
+                    check.exception(),
+                )
 
             def keep(_: threading.Event) -> bool:
                 if not engine.keep(record):

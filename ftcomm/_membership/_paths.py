@@ -16,7 +16,8 @@ probes every other's listener and reports whom it reached; once every
 report is in, :func:`_rule.leave_out` (a pair counts only where both
 ends reached each other) names the fewest members to leave out, the
 first member to get there writes that once, and every member reads the
-one written. A configure that succeeds first makes the check moot.
+one written. A configure that succeeded waits for the verdict before it
+keeps the world (``_keep``).
 """
 
 from __future__ import annotations
