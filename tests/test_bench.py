@@ -496,8 +496,12 @@ def test_the_chaos_and_scale_options_are_checked_before_anything_runs(
         monkeypatch.setattr(_bench, name, must_not_run)
     assert "--chaos-seconds needs --chaos" in _refused(["--chaos-seconds", "5"], capsys)
     assert "--scale-sizes needs --scale" in _refused(["--scale-sizes", "3"], capsys)
-    err = _refused(["--chaos", "--chaos-kinds", "kill,partition"], capsys)
-    assert "--chaos-kinds partition: network faults are not available yet" in err
+    from ftcomm.testing import _net
+
+    with monkeypatch.context() as m:  # where network faults cannot run, it says why
+        m.setattr(_net, "network_missing", lambda: "network faults need root (namespaces)")
+        err = _refused(["--chaos", "--chaos-kinds", "kill,partition"], capsys)
+    assert "--chaos-kinds partition: network faults need root (namespaces)" in err
     err = _refused(["--chaos", "--chaos-interval", "10", "--chaos-seconds", "5"], capsys)
     assert "--chaos-interval (10 s) must be shorter than --chaos-seconds (5 s)" in err
     err = _refused(["--chaos", "--chaos-seconds", "8"], capsys)  # the default rows' 10 s
@@ -540,9 +544,12 @@ def test_the_chaos_rows_are_the_defaults_or_one_row_of_the_options_given() -> No
         ("ftcomm", 5, ("stop",), 10.0),
         ("torchft", 5, ("stop",), 10.0),
     ]
+    # no torchft row with a network kind: its replicas are not put on hosts
+    net = chaos.rows_for(3, 10.0, ("kill", "partition"), torchft=True)
+    assert [(r.system, r.network) for r in net] == [("ftcomm", True)]
     nothing: Any = None
-    with pytest.raises(chaos.FaultUnavailable, match="not available yet"):
-        chaos.KINDS["isolate"].strike(nothing, nothing)  # the network faults' hook
+    with pytest.raises(chaos.FaultUnavailable, match="strikes only in a phase"):
+        chaos.KINDS["isolate"].strike(nothing, nothing)  # (run_phase's hosts strike it)
 
 
 def _phase(committed: int, gaps: list[float | None], **kw: Any) -> chaos.Phase:
@@ -634,6 +641,35 @@ def test_a_chaos_soak_of_two_members_kills_one_and_ends_with_the_same_parameters
     text = chaos_report.format_chaos([row], 2.0, 0, [])
     assert re.search(r"^ftcomm\s+2 kill\s+1s\s+\d+\s+\d+\s+1\.000\s", text, re.M), text
     assert chaos_report.chaos_json([row], 2.0, 0, [])["rows"][0]["identical"] is True
+
+
+@pytest.mark.timeout(90)
+def test_a_chaos_soak_with_a_partition_evicts_the_member_cut_off_and_takes_it_back() -> None:
+    """Three members, each on a host of its own; after 6 s m<k>'s host is cut
+    off the others' (the store still answers it) until the window ends at
+    12 s: the others go on without it (Evicted, cut_off), it joins again once
+    healed, and all end bit-identical; every namespace is gone after."""
+    from ftcomm.testing._world import _mp_context
+
+    why = chaos.network_missing("partition")
+    if why is not None:
+        pytest.skip(why)
+    spec = chaos.RowSpec("ftcomm", 3, ("partition",), 6.0, heal=6.0)
+    settings = chaos.settings_for(spec, "asyncio")
+    phase = chaos.run_phase(_mp_context(), spec, settings, 12.0, 0, faults=True)
+    assert [f.kind for f in phase.faults] == ["partition"]
+    assert phase.faults[0].gap is not None  # the survivors stepped in a later generation
+    assert phase.cut_off >= 1, phase.trace
+    assert phase.evictions == phase.cut_off, phase.trace  # alive all along: cut off, not dead
+    assert (phase.members_at_end, phase.committed > 0) == (3, True)
+    tag = f"ftcw{os.getpid()}x"
+    assert [n for n in os.listdir("/run/netns") if n.startswith(tag)] == []
+    row = chaos.Row(spec, clean=phase, chaos=phase)
+    text = chaos_report.format_chaos([row], 12.0, 0, [])
+    assert re.search(r"^ftcomm\s+3 partition\s+6s\s+\d+\s+\d+\s+1\.000\s", text, re.M), text
+    assert f"lifted after 6 s, nothing killed ({phase.cut_off} of its evictions cut off)" in text
+    doc = chaos_report.chaos_json([row], 12.0, 0, [])["rows"][0]
+    assert (doc["heal_s"], doc["faults"]["evictions_cut_off"]) == (6.0, phase.cut_off)
 
 
 class _Store:

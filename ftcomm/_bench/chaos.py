@@ -3,16 +3,16 @@ strikes every few seconds; the figure is the work done, next to the same
 workload without faults.
 
 Owns: the rows (:data:`ROWS`, :class:`RowSpec`), the fault kinds
-(:data:`KINDS`: what each does to its victim, and the hook for the network
-faults still to come, :func:`network_missing`), one phase of a row (a
-store or lighthouse, N member processes, a window of ``seconds``; with
-faults or not), and what is made of it (goodput, recovery gaps,
-generations, the check that every member ends with the same parameters;
-the table and JSON are ``chaos_report``'s).
-Imports: chaos_members (the processes), fleet (their table), membership
-(an engine's host process) and runner (``HOST``) of this package;
-ftcomm's store server; ftcomm.testing's fork server; torchft only through
-importlib, in the processes that use it.
+(:data:`KINDS`: what each does to its victim; the network faults', on
+fleet's :class:`Hosts`, and :func:`network_missing`), one phase of a row (a store
+or lighthouse, N member processes, a window of ``seconds``; with faults or
+not), and what is made of it (goodput, recovery gaps, generations, the
+check that every member ends with the same parameters; the table and JSON
+are ``chaos_report``'s).
+Imports: chaos_members (the processes), fleet (their table and hosts),
+membership (an engine's host process) and runner (``HOST``) of this
+package; ftcomm's store server; ftcomm.testing's fork server and network
+(``_net``); torchft only through importlib, in the processes that use it.
 
 A phase: the members start (each a process from the fork server) and join;
 once every member is in one generation of the full size, the bench says
@@ -23,6 +23,14 @@ and starts a replacement under the same member id at once; ``stop``
 SIGSTOPs it, and one op deadline later (when the survivors' allreduce has
 given up on it, and its heartbeat has long been silent: what a supervisor
 watching its heartbeat would do) SIGKILLs it and starts a replacement.
+With a network kind in the row, every member lives on a host of its own
+(ftcomm.testing's :class:`~ftcomm.testing._net.Network`: member ``m<k>``
+in namespace ``k``, a replacement too; the store on the hub), and
+``partition`` drops every packet between the victim's host and the other
+members' (the store still answers it: a gray failure), ``isolate`` every
+packet of its host (the store's too); either is lifted ``heal`` seconds
+later (the row's; by default half the interval). Nothing is killed: the
+victim, left out, comes back by itself (``Evicted``, ``join()`` again).
 When the window ends, faults stop, the bench waits for a full world again
 and tells every member to stop: they stop at one step, and each sends the
 SHA-256 of its parameters and momentum. Committed steps are the job's
@@ -48,8 +56,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..testing._net import Network, NetworkFailed
 from .chaos_members import Settings, ftcomm_member, torchft_replica
-from .fleet import Fleet, FleetFailed, Incarnation, Target, dump
+from .fleet import Fleet, FleetFailed, Hosts, Incarnation, Target, dump
 from .membership import _host
 from .runner import HOST
 
@@ -82,7 +91,8 @@ class ChaosFailed(Exception):
 
 
 class FaultUnavailable(ChaosFailed):
-    """A fault kind that cannot strike here (the network faults, for now)."""
+    """A fault kind that cannot strike here (a network fault outside a
+    phase whose members live on hosts of their own)."""
 
 
 # -- the fault kinds ------------------------------------------------------------------
@@ -90,23 +100,24 @@ NETWORK_KINDS = ("partition", "isolate")
 
 
 def network_missing(kind: str) -> str | None:
-    """Why network fault ``kind`` cannot strike here, or ``None``.
+    """Why network fault ``kind`` (``partition``: cut a member's host off
+    the others', not the store; ``isolate``: off everything) cannot strike
+    here, or ``None``: ftcomm.testing's reason (Linux, root, ``ip``,
+    ``nft``, namespaces that work)."""
+    from ..testing._net import network_missing as missing
 
-    The hook for the network faults: ``partition`` (cut a member's links to
-    the others, not to the store) and ``isolate`` (cut all of them). They
-    need each member in a network namespace of its own, which ftcomm.testing
-    does not give yet; once it does, this returns ``None`` where it works,
-    :func:`_network` strikes (and its finish heals or replaces), and
-    :func:`_target` starts members inside their namespaces.
-    """
-    return (
-        f"--chaos-kinds {kind}: network faults are not available yet (they need members in "
-        "network namespaces of their own, from ftcomm.testing)"
-    )
+    why = missing()
+    return None if why is None else f"--chaos-kinds {kind}: {why}"
 
 
 def _network(kind: str, fleet: Fleet, victim: Incarnation) -> None:
-    raise FaultUnavailable(network_missing(kind) or f"{kind}: no strike for it yet")
+    raise FaultUnavailable(
+        f"{kind} strikes only in a phase whose members live on hosts of their own (run_phase's)"
+    )
+
+
+def _cut(kind: str) -> Callable[[Fleet, Incarnation], None]:
+    return lambda fleet, victim: fleet.cut(victim, kind)
 
 
 def _restart(fleet: Fleet, victim: Incarnation) -> None:
@@ -159,6 +170,13 @@ class RowSpec:
     kinds: tuple[str, ...]
     interval: float
     target: float | None = None
+    heal: float | None = None
+    """Seconds a network fault lasts (``None``: half the interval)."""
+
+    @property
+    def network(self) -> bool:
+        """Its members live on hosts of their own (it has a network kind)."""
+        return any(kind in NETWORK_KINDS for kind in self.kinds)
 
     @property
     def label(self) -> str:
@@ -180,13 +198,14 @@ def rows_for(
 ) -> tuple[RowSpec, ...]:
     """The default rows, or, where any of ``members``, ``interval`` and
     ``kinds`` is given, one row of ftcomm with them (the others' defaults:
-    3 members, SIGKILL, every 10 s) and torchft's on the same workload."""
+    3 members, SIGKILL, every 10 s) and torchft's on the same workload
+    (not with a network kind: its replicas are not put on hosts)."""
     if members is None and interval is None and kinds is None:
         rows = ROWS
     else:
         spec = RowSpec("ftcomm", members or 3, kinds or ("kill",), interval or 10.0)
         rows = (spec, RowSpec("torchft", spec.members, spec.kinds, spec.interval))
-    return tuple(row for row in rows if torchft or row.system != "torchft")
+    return tuple(row for row in rows if row.system == "ftcomm" or (torchft and not row.network))
 
 
 @dataclass(frozen=True)
@@ -212,6 +231,9 @@ class Phase:
     evictions: int = 0
     """Times a member was taken for dead while alive: the others went on
     without it, and it joined again (``Evicted``)."""
+    cut_off: int = 0
+    """Of those, the times it was alive but cut off from the others
+    (``Evicted.cut_off``: a network fault)."""
     timeouts: list[str] = field(default_factory=list)
     """What each ``join()``/``recover()`` that ran out of time said (it was called again)."""
     stalled: float = 0.0
@@ -247,10 +269,12 @@ class Row:
 
 # -- a phase --------------------------------------------------------------------------
 @contextlib.contextmanager
-def _store() -> Iterator[str]:
+def _store(net: Network | None = None) -> Iterator[str]:
+    """The store, on loopback, or on ``net``'s hub (made by a thread there)."""
     from .._server import serve_store
 
-    with serve_store(HOST) as server:
+    hub = HOST if net is None else net.hub_host
+    with serve_store(HOST) if net is None else net.in_hub(lambda: serve_store(hub)) as server:
         yield server.address
 
 
@@ -328,7 +352,7 @@ class _Log:
         self.firsts: dict[int, list[tuple[float, float | None]]] = {}
         self.generations: set[int] = set()
         self.went: list[int] = []
-        self.evictions = 0
+        self.evictions = self.cut_off = 0
         self.timeouts: list[str] = []
         self.events: list[tuple[float, str, str]] = []  # (time, who, what): the timeline
         self.stacks = ""  # every member's, written once, at the first stall
@@ -362,6 +386,7 @@ class _Log:
             self.went.append(int(message[1]))
         elif kind == "evicted":
             self.evictions += 1
+            self.cut_off += bool(message[2])
         elif kind == "timeout":
             self.timeouts.append(str(message[2]))
 
@@ -425,11 +450,14 @@ def _until_full(fleet: Fleet, members: int, log: _Log, deadline: float, folder: 
         _watch(fleet, log, folder)
 
 
-def _target(system: str, address: str, job: str, settings: Settings) -> Callable[[str], Target]:
-    fn = ftcomm_member if system == "ftcomm" else torchft_replica
-
+def _target(
+    system: str, address: str, job: str, settings: Settings, hosts: Hosts | None
+) -> Callable[[str], Target]:
     def target(member: str) -> Target:
-        return fn, (address, job, member, settings)
+        if system != "ftcomm":
+            return torchft_replica, (address, job, member, settings)
+        host = None if hosts is None else hosts.of(member)
+        return ftcomm_member, (address, job, member, settings, host)
 
     return target
 
@@ -445,13 +473,45 @@ def run_phase(
 ) -> Phase:
     """Run one phase of ``spec``: ``seconds`` of training, with its faults or without.
 
+    With a network kind, each member lives on a host of its own (with
+    faults or not: the same network for both phases' figures); every
+    namespace (and the rules in it) is gone when it returns or raises.
+
     Raises:
         ChaosFailed: a member failed or exited unasked, a world did not form
             in time, a fault kind cannot strike, or the members ended with
             different parameters or steps.
     """
+    if spec.network and spec.system != "ftcomm":
+        raise ChaosFailed(f"{spec.system}: network kinds are for ftcomm rows only")
+    if not spec.network:
+        return _run_phase(ctx, spec, settings, seconds, seed, faults, None, KINDS)
+    try:
+        net = Network(spec.members)
+    except NetworkFailed as exc:
+        raise ChaosFailed(f"the members' hosts could not be made: {exc}") from None
+    try:  # the namespaces go last: once the processes and the store are gone
+        heal = spec.interval / 2 if spec.heal is None else spec.heal
+        cuts = {n: Kind(n, _cut(n), Fleet.heal, lambda _: heal) for n in NETWORK_KINDS}
+        kinds = {**KINDS, **cuts}
+        return _run_phase(ctx, spec, settings, seconds, seed, faults, Hosts(net), kinds)
+    finally:
+        net.close()
+
+
+def _run_phase(
+    ctx: Any,
+    spec: RowSpec,
+    settings: Settings,
+    seconds: float,
+    seed: int,
+    faults: bool,
+    hosts: Hosts | None,
+    kinds: Mapping[str, Kind],
+) -> Phase:
+    net = None if hosts is None else hosts.net
     if spec.system == "ftcomm":
-        serve: AbstractContextManager[str] = _store()
+        serve: AbstractContextManager[str] = _store(net)
     else:
         serve = _hosted(
             ctx,
@@ -465,20 +525,26 @@ def run_phase(
     with serve as address, contextlib.ExitStack() as cleanup:
         if folder:
             cleanup.callback(shutil.rmtree, folder, ignore_errors=True)
-        fleet = Fleet(ctx, _target(spec.system, address, job, settings))
+
+        def record() -> str:  # (read from the hub, where the store is)
+            if spec.system != "ftcomm":
+                return ""
+            read = functools.partial(_store_record, address, job)
+            return read() if net is None else net.in_hub(read)
+
+        fleet = Fleet(ctx, _target(spec.system, address, job, settings, hosts), hosts)
         try:
-            phase = _drive(fleet, spec, settings, seconds, random.Random(seed), faults, log)
+            rng = random.Random(seed)
+            phase = _drive(fleet, spec, settings, seconds, rng, faults, log, kinds)
             if phase.timeouts or phase.evictions or log.stacks:  # a stall, or a live member
-                record = _store_record(address, job) if spec.system == "ftcomm" else ""
-                phase.trace = f"{log.timeline(started, last=400)}\n{record}\n{log.stacks}"
+                phase.trace = f"{log.timeline(started, last=400)}\n{record()}\n{log.stacks}"
             return phase
         except (FleetFailed, ChaosFailed) as exc:
-            record = _store_record(address, job) if spec.system == "ftcomm" else ""
             stacks = log.stacks or (dump(fleet.live(), folder) if folder else "")
             raise ChaosFailed(
                 f"{exc}\n(the phase's last events, seconds from its start:)\n"
                 + log.timeline(started)
-                + f"\n{record}\n{stacks}"
+                + f"\n{record()}\n{stacks}"
             ) from None
         finally:
             fleet.close()
@@ -492,6 +558,7 @@ def _drive(
     rng: random.Random,
     faults: bool,
     log: _Log,
+    kinds: Mapping[str, Kind],
 ) -> Phase:
     for i in range(spec.members):
         fleet.start(f"m{i}")
@@ -518,8 +585,13 @@ def _drive(
         if now >= next_fault and next_fault < t_end:
             for inc, message in fleet.receive(0):  # what was said before it
                 log.on(inc, message)
-            kind = KINDS[spec.kinds[len(struck) % len(spec.kinds)]]
-            eligible = [i for i in fleet.live() if i.generation is not None and not i.signalled]
+            kind = kinds[spec.kinds[len(struck) % len(spec.kinds)]]
+            held = {victim for _, _, victim in holds}  # (a fault at a time on a member)
+            eligible = [
+                i
+                for i in fleet.live()
+                if i.generation is not None and not i.signalled and i not in held
+            ]
             if eligible:
                 victim = eligible[rng.randrange(len(eligible))]
                 at = time.monotonic()
@@ -558,6 +630,7 @@ def _drive(
         generations=len({g for g in log.generations if g > first_generation}),
         stalled=log.stalled(t0, t_end),
         evictions=log.evictions,
+        cut_off=log.cut_off,
         timeouts=log.timeouts,
         faults=[
             Fault(f.at, f.kind, f.member, f.generation, log.gap(f.generation, at))

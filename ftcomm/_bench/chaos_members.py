@@ -17,8 +17,9 @@ What a process sends the bench over its pipe (every time is
   torchft: a new quorum id, or a new count of participants), at ``step``;
 - ``("first", generation, t, before)``: its first good step in that
   generation, and when its good step before it ended (``None``: it had none);
-- ``("evicted", t)``: the others went on without it (it was taken for
-  dead): it joins again;
+- ``("evicted", t, cut_off)``: the others went on without it (it was
+  taken for dead; ``cut_off``: it was alive but could not reach them, a
+  network fault): it joins again;
 - ``("timeout", t, text)``: its ``join()``/``recover()`` ran out of time
   (a stall: it calls it again);
 - ``("tick", step, generation)``: every second of steps (it is not stuck);
@@ -185,11 +186,23 @@ def ftcomm_member(
     job: str,
     member: str,
     settings: Settings,
+    host: tuple[str, str] | None,
     env: dict[str, str],
     conn: Connection,
 ) -> None:
-    """A member's process: train until the bench says stop, then say how it ended."""
+    """A member's process: train until the bench says stop, then say how it ended.
+
+    ``host``: the network namespace it lives in and its address there
+    (``None``: the bench's own network), entered before any thread starts
+    (those inherit it); Gloo listens on that address.
+    """
     _enter(env, settings)
+    if host is not None:
+        from ..backends.gloo import HOST_ENV
+        from ..testing._net import enter
+
+        enter(host[0])
+        os.environ[HOST_ENV] = host[1]
     logging.getLogger("ftcomm").addFilter(_OnPurpose())
     try:
         coro = _ftcomm_train(address, job, member, settings, conn)
@@ -231,8 +244,8 @@ async def _ftcomm_train(
             while True:
                 try:
                     world = await (members.join(group) if join else members.recover(group))
-                except ftcomm.Evicted:  # the others went on without it: come back
-                    conn.send(("evicted", time.monotonic()))
+                except ftcomm.Evicted as exc:  # the others went on without it: come back
+                    conn.send(("evicted", time.monotonic(), exc.cut_off))
                     join = True
                     continue
                 except ftcomm.MembershipTimeout as exc:  # again, from where it got to

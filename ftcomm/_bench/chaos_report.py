@@ -3,7 +3,8 @@
 Owns: :func:`format_chaos` (one line a row: goodput next to its target,
 the recovery gaps, the time stalled, faults, generations, evictions, and
 whether every member ended with the same parameters; then each stall's
-message) and :func:`chaos_json` (the same figures, every fault's with it).
+message, and how a row with network faults ran) and :func:`chaos_json`
+(the same figures, every fault's with it).
 Imports: chaos (the rows and their settings) and report (``percentile``)
 of this package.
 """
@@ -35,8 +36,9 @@ def _verdict(row: Row) -> str:
 
 
 def format_chaos(rows: Sequence[Row], seconds: float, seed: int, notes: Sequence[str]) -> str:
+    where = "on hosts of their own" if all(row.spec.network for row in rows) else "on loopback"
     lines = [
-        f"chaos soak: {STATE_MIB} MiB of fp32 parameters (and momentum), members on loopback "
+        f"chaos soak: {STATE_MIB} MiB of fp32 parameters (and momentum), members {where} "
         f"(each a process); {seconds:g} s without faults, then {seconds:g} s with them; seed "
         f"{seed}; heartbeat timeout {HEARTBEAT_TIMEOUT:g} s, op deadline {OP_DEADLINE:g} s, "
         f"join window {JOIN_WINDOW:g} s",
@@ -73,6 +75,16 @@ def format_chaos(rows: Sequence[Row], seconds: float, seed: int, notes: Sequence
         "every member ended with bit-identical parameters and momentum, at one step)"
     )
     for row in rows:
+        if row.spec.network:
+            heal = row.spec.interval / 2 if row.spec.heal is None else row.spec.heal
+            cut = f"{row.chaos.cut_off} of its evictions cut off" if row.chaos else "not run"
+            lines.append(
+                f"network: {row.spec.label}: each member on a host of its own (a network "
+                f"namespace; the store on a hub), in both phases; partition drops the packets "
+                f"between the victim's host and the others' (not the store's), isolate all of "
+                f"its host's; lifted after {heal:g} s, nothing killed ({cut})"
+            )
+    for row in rows:
         for name, phase in (("without faults", row.clean), ("with faults", row.chaos)):
             for text in phase.timeouts if phase is not None else ():
                 first = text.splitlines()[0] if text else ""
@@ -92,6 +104,7 @@ def _phase_json(phase: Phase | None) -> dict[str, Any] | None:
         "generations": phase.generations,
         "stalled_s": round(phase.stalled, 3),
         "evictions": phase.evictions,
+        "evictions_cut_off": phase.cut_off,
         "membership_timeouts": list(phase.timeouts),
         "final_step": phase.final_step,
         "members_at_end": phase.members_at_end,
@@ -125,6 +138,9 @@ def chaos_json(
                 "members": spec.members,
                 "kinds": list(spec.kinds),
                 "interval_s": spec.interval,
+                "heal_s": (spec.interval / 2 if spec.heal is None else spec.heal)
+                if spec.network
+                else None,
                 "clean": _phase_json(row.clean),
                 "faults": _phase_json(row.chaos),
                 "goodput": None if goodput is None else round(goodput, 4),

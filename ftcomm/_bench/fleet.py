@@ -3,10 +3,12 @@
 Owns: :class:`Fleet` (each member id's processes, the current one and those
 before it, each with a pipe to this process; started from the caller's
 multiprocessing context, ftcomm.testing's fork server; signalled, replaced,
-reaped), :class:`Incarnation` (one of them, and what the bench knows of it:
-the generation it said it is in, whether the bench stopped or killed it),
-and the stacks a member writes when asked (:func:`install_dumps`,
-:func:`dump`). Imports: nothing of ftcomm.
+reaped; cut off the network and healed, where they live on :class:`Hosts`),
+:class:`Incarnation` (one of them, and what the bench knows of it: the
+generation it said it is in, whether the bench stopped or killed it), and
+the stacks a member writes when asked (:func:`install_dumps`,
+:func:`dump`). Imports: ftcomm.testing's network (``_net``: a
+:class:`~ftcomm.testing._net.Network` made by the caller) and fault types.
 
 A process that the bench did not signal and that exits before it said it
 was done, or that sends ``("error", traceback)``, fails the run
@@ -18,6 +20,7 @@ asyncio task's stack (:func:`install_dumps`, in the member).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing.connection
 import os
 import signal
@@ -27,6 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, cast
+
+from ..testing import _faults
+from ..testing._net import Network, NetworkFailed
 
 Target = tuple[Callable[..., None], tuple[object, ...]]
 """A process's function and its first arguments (the environment and the
@@ -76,6 +82,26 @@ class Incarnation:
             self.conn.send(message)
 
 
+class Hosts:
+    """A host of its own for each member: ``m<k>``, and every process that
+    takes its id, lives in ``net``'s namespace ``k``. Holds the network
+    faults in force, one per member at most."""
+
+    def __init__(self, net: Network) -> None:
+        self.net = net
+        self._ops = itertools.count()  # (each fault's nftables table is its own)
+        self.cut: dict[str, _faults.Fault] = {}
+
+    def of(self, member: str) -> tuple[str, str]:
+        """``member``'s namespace and its address there."""
+        slot = int(member[1:])
+        return self.net.namespaces[slot], self.net.hosts[slot]
+
+    def fault(self, kind: str, member: str) -> _faults.Fault:
+        """A network fault ``kind`` on ``member``'s host (a partition keeps the store)."""
+        return _faults.Fault(_faults.Kind(kind), int(member[1:]), next(self._ops))
+
+
 @dataclass
 class Fleet:
     """Every process of one run; :meth:`close` kills (a stopped one too) and reaps them all."""
@@ -83,6 +109,8 @@ class Fleet:
     ctx: Any
     target: Callable[[str], Target]
     """The function and arguments of member ``member``'s next process."""
+    hosts: Hosts | None = None
+    """Where the members live on hosts of their own (``None``: the network of this process)."""
     all: list[Incarnation] = field(default_factory=list)
     current: dict[str, Incarnation] = field(default_factory=dict)
 
@@ -126,6 +154,35 @@ class Fleet:
         inc.stopped = True
         inc.signalled = True
         os.kill(inc.pid, signal.SIGSTOP)
+
+    def cut(self, inc: Incarnation, kind: str) -> None:
+        """Cut ``inc``'s host off the network, until :meth:`heal`: ``kind``
+        ``"partition"`` drops every packet to and from the other members'
+        hosts (not the store's), ``"isolate"`` every packet.
+
+        Raises:
+            FleetFailed: the members have no hosts, or the rules failed.
+        """
+        if self.hosts is None:
+            raise FleetFailed(f"{kind}: the members have no hosts of their own")
+        fault = self.hosts.fault(kind, inc.member)
+        said = self.hosts.net.fire(fault.rank, fault)
+        if said != "done":
+            raise FleetFailed(f"{kind} of {inc.name} could not strike: {said}")
+        self.hosts.cut[inc.member] = fault
+
+    def heal(self, inc: Incarnation) -> None:
+        """Lift the network fault on ``inc``'s host (:meth:`cut`'s).
+
+        Raises:
+            FleetFailed: its rules could not be removed.
+        """
+        fault = self.hosts.cut.pop(inc.member) if self.hosts is not None else None
+        if fault is not None and self.hosts is not None:
+            try:
+                self.hosts.net.heal(fault.rank, fault)
+            except NetworkFailed as exc:
+                raise FleetFailed(f"{fault.kind.value} of {inc.name} not healed: {exc}") from None
 
     def receive(self, timeout: float) -> list[tuple[Incarnation, tuple[Any, ...]]]:
         """The messages that arrive within ``timeout`` seconds (those already

@@ -5,8 +5,9 @@ world's network (:class:`Network`: a hub namespace with a bridge and the
 store's address, and one namespace per rank joined to it by a veth pair;
 made by the harness, and removed whatever happened), entering a namespace
 (:func:`enter`: setns(2) on the calling thread), the nftables rules of each
-network fault (:func:`rules`), their application and the timers that heal
-them. Needs Linux, root, iproute2 (``ip``) and nftables (``nft``).
+network fault (:func:`rules`), their application, the timers that heal
+them, and healing one at once (:meth:`Network.heal`, for the chaos bench).
+Needs Linux, root, iproute2 (``ip``) and nftables (``nft``).
 Imports: ``_faults``'s types.
 
 The layout (``T`` is ``ftcw<pid>x<n>``, unique per world of this machine)::
@@ -336,6 +337,18 @@ class Network:
                 timer.start()
                 self._timers.append(timer)
         return "done"
+
+    def heal(self, rank: int, fault: Fault) -> None:
+        """Lift ``fault`` from ``rank``'s link now (one :meth:`fire` applied,
+        for good or not yet healed); nothing once the network is closed.
+
+        Raises:
+            NetworkFailed: its table could not be deleted (the command's own words).
+        """
+        with self._lock:
+            if not self._closed:
+                argv = ["nft", "delete", "table", "netdev", table_name(fault)]
+                _run(["ip", "netns", "exec", self.namespaces[rank], *argv])
 
     def _heal(self, rank: int, fault: Fault) -> None:
         with self._lock:
