@@ -57,7 +57,7 @@ import torch
 
 from .fleet import install_dumps, stacks_file
 from .membership import _fail, _OnPurpose, _take_env
-from .runner import _LOOP_ENV, HOST
+from .runner import _LOOP_ENV, HOST, run_on
 
 TICK = 1.0
 """Seconds between two ``tick`` messages of a member that steps."""
@@ -205,13 +205,7 @@ def ftcomm_member(
         os.environ[HOST_ENV] = host[1]
     logging.getLogger("ftcomm").addFilter(_OnPurpose())
     try:
-        coro = _ftcomm_train(address, job, member, settings, conn)
-        if settings.loop == "uvloop":
-            import uvloop
-
-            uvloop.run(coro)
-        else:
-            asyncio.run(coro)
+        run_on(settings.loop, _ftcomm_train(address, job, member, settings, conn))
     except BaseException:
         _fail(conn)
 

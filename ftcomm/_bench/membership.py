@@ -48,7 +48,7 @@ from typing import Any, cast
 import torch
 
 from .report import percentile
-from .runner import _LOOP_ENV, HOST
+from .runner import _LOOP_ENV, HOST, run_on
 
 MEMBERS = 3
 """Members of a trial's first generation; one of them is signalled."""
@@ -196,13 +196,7 @@ def _member(
     os.environ.setdefault("RUST_LOG", "error")  # a lighthouse engine's torchft, quiet
     logging.getLogger("ftcomm").addFilter(_OnPurpose())
     try:
-        coro = _member_steps(address, job, member_id, conn)
-        if loop == "uvloop":
-            import uvloop
-
-            uvloop.run(coro)
-        else:
-            asyncio.run(coro)
+        run_on(loop, _member_steps(address, job, member_id, conn))
         conn.send(("done",))
     except BaseException:
         _fail(conn)

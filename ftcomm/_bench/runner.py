@@ -23,11 +23,11 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
@@ -116,6 +116,20 @@ class Runner:
 
     async def close(self) -> None:
         """Release the implementation's group (every rank, after the last barrier)."""
+
+
+T = TypeVar("T")
+
+
+def run_on(loop: str, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to its end on a new event loop of kind ``loop`` (a
+    bench process's: ``"uvloop"`` or ``"asyncio"``)."""
+    if loop == "uvloop":
+        import uvloop
+
+        result: T = uvloop.run(coro)
+        return result
+    return asyncio.run(coro)
 
 
 def _pick(ops: Mapping[str, Any], op: str, impl: str) -> Any:
@@ -315,13 +329,7 @@ def _child(rank: int, port: int, plan: Plan, conn: Connection) -> None:
             wait_for_workers=False,
             timeout=_STORE_TIMEOUT,
         )
-        coro = _measure(rank, port, plan, store)
-        if plan.loop == "uvloop":
-            import uvloop
-
-            report = uvloop.run(coro)
-        else:
-            report = asyncio.run(coro)
+        report = run_on(plan.loop, _measure(rank, port, plan, store))
         conn.send(report if rank == 0 else Report(failures=report.failures))
         conn.close()
     except BaseException:

@@ -52,7 +52,7 @@ from .chaos import _store
 from .fleet import Fleet, FleetFailed, Incarnation, Target, dump, install_dumps, stacks_file
 from .membership import _fail, _OnPurpose, _take_env
 from .report import percentile
-from .runner import _LOOP_ENV
+from .runner import _LOOP_ENV, run_on
 
 SIZES = (3, 8, 16, 32)
 """World sizes (``--scale-sizes``)."""
@@ -199,13 +199,7 @@ def scale_member(
         conn.send(("ready",))
         if conn.recv()[0] != "go":
             return
-        coro = _member(address, job, member, settings, conn)
-        if settings.loop == "uvloop":
-            import uvloop
-
-            uvloop.run(coro)
-        else:
-            asyncio.run(coro)
+        run_on(settings.loop, _member(address, job, member, settings, conn))
     except BaseException:
         _fail(conn)
 
