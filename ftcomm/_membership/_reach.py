@@ -20,7 +20,7 @@ handshake. A probe closes its connection with a reset (``SO_LINGER`` 0),
 so that no ``TIME_WAIT`` piles up on either side. One lost SYN costs TCP
 a second (its first retransmission), so a probe's time is longer than
 that (:data:`PROBE_TIMEOUT`), and one silent probe alone never decides.
-Imports: nothing of ftcomm.
+Imports: ``ftcomm.backends.gloo`` (the variable its Gloo host is named by).
 """
 
 from __future__ import annotations
@@ -37,11 +37,9 @@ import time
 from collections.abc import Hashable, Mapping
 from typing import Generic, TypeVar
 
-K = TypeVar("K", bound=Hashable)
+from ..backends.gloo import HOST_ENV
 
-HOST_ENV = "FTCOMM_GLOO_HOST"
-"""The address a member's Gloo group listens on, where set: its listener
-uses it too, so that a probe takes the path the group's data takes."""
+K = TypeVar("K", bound=Hashable)
 
 _LINGER_RESET = struct.pack("ii", 1, 0)
 
@@ -63,9 +61,10 @@ class Reach(enum.Enum):
 
 
 def listen_host(store_host: str, local: str) -> str:
-    """Where a member listens: ``$FTCOMM_GLOO_HOST``, else ``local`` (this
-    end's address of a connection to the store at ``store_host``: the
-    interface that reaches it)."""
+    """Where a member listens: ``$FTCOMM_GLOO_HOST`` (where its Gloo group
+    listens: a probe then takes the path the group's data takes), else
+    ``local`` (this end's address of a connection to the store at
+    ``store_host``: the interface that reaches it)."""
     own = os.environ.get(HOST_ENV, "").strip()
     return own or local or store_host
 
