@@ -159,6 +159,7 @@ class Absent:
         self._every = every
         self._probes: Probes[Member] = Probes()
         self._last: dict[Member, float] = {}
+        self._where: dict[Member, tuple[str, int]] = {}  # an incarnation's never moves
 
     def probe(self, store: Any, me: Member, prev: WorldRecord, ready: set[Member]) -> None:
         for member, answer in self._probes.poll().items():
@@ -174,11 +175,13 @@ class Absent:
             and not self._probes.busy(m)
             and now - self._last.get(m, -1e9) >= self._every
         ]
-        if not due:
-            return
-        for member, address in addresses(store, due, me.id).items():
+        unknown = [m for m in due if m not in self._where]
+        if unknown:
+            self._where.update(addresses(store, unknown, me.id))
+        for member in due:  # (one with no address is looked for again next time)
             self._last[member] = now
-            self._probes.start(member, address, self._every)
+            if member in self._where:
+                self._probes.start(member, self._where[member], self._every)
 
     def close(self) -> None:
         self._probes.close()
