@@ -496,6 +496,7 @@ def test_the_chaos_and_scale_options_are_checked_before_anything_runs(
         monkeypatch.setattr(_bench, name, must_not_run)
     assert "--chaos-seconds needs --chaos" in _refused(["--chaos-seconds", "5"], capsys)
     assert "--scale-sizes needs --scale" in _refused(["--scale-sizes", "3"], capsys)
+    assert "--chaos-state-mib needs --chaos" in _refused(["--chaos-state-mib", "8"], capsys)
     from ftcomm.testing import _net
 
     with monkeypatch.context() as m:  # where network faults cannot run, it says why
@@ -512,6 +513,7 @@ def test_the_chaos_and_scale_options_are_checked_before_anything_runs(
         ["--chaos-kinds", ""],
         ["--chaos-members", "1"],
         ["--chaos-members", "33"],
+        ["--chaos-state-mib", "0"],
         ["--chaos-seconds", "0"],
         ["--chaos-interval", "inf"],
         ["--chaos-interval", "nan"],
@@ -631,16 +633,19 @@ def test_a_chaos_soak_of_two_members_kills_one_and_ends_with_the_same_parameters
     from ftcomm.testing._world import _mp_context
 
     spec = chaos.RowSpec("ftcomm", 2, ("kill",), 1.0)
-    settings = chaos.settings_for(spec, "asyncio")
+    settings = chaos.settings_for(spec, "asyncio", state_mib=1)
+    assert settings.numel == 2**18  # 1 MiB of fp32 (``--chaos-state-mib 1``)
     phase = chaos.run_phase(_mp_context(), spec, settings, 2.0, 0, faults=True)
     assert [(f.kind, f.at >= 1.0) for f in phase.faults] == [("kill", True)]
     assert phase.committed > 0
     assert phase.generations >= 1  # the survivor's world, then the replacement's
     assert phase.members_at_end == 2
     row = chaos.Row(spec, clean=phase, chaos=phase)
-    text = chaos_report.format_chaos([row], 2.0, 0, [])
+    text = chaos_report.format_chaos([row], 2.0, 0, [], state_mib=1)
+    assert text.startswith("chaos soak: 1 MiB of fp32 parameters"), text
     assert re.search(r"^ftcomm\s+2 kill\s+1s\s+\d+\s+\d+\s+1\.000\s", text, re.M), text
-    assert chaos_report.chaos_json([row], 2.0, 0, [])["rows"][0]["identical"] is True
+    doc = chaos_report.chaos_json([row], 2.0, 0, [], state_mib=1)
+    assert (doc["state_mib"], doc["rows"][0]["identical"]) == (1, True)
 
 
 @pytest.mark.timeout(90)

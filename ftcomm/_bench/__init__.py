@@ -273,6 +273,12 @@ def parser() -> argparse.ArgumentParser:
         help="the seed of the RNG that picks each fault's victim (0)",
     )
     soak.add_argument(
+        "--chaos-state-mib",
+        type=_positive,
+        default=None,
+        help=f"each member's fp32 parameters in MiB, and as many of momentum ({chaos.STATE_MIB})",
+    )
+    soak.add_argument(
         "--scale",
         action="store_true",
         help="join time, kill-to-next-good-step time and the store's load per heartbeat "
@@ -328,7 +334,14 @@ def _unplottable(path: str) -> str | None:
     return None
 
 
-_CHAOS_OPTIONS = ("chaos_seconds", "chaos_interval", "chaos_members", "chaos_kinds", "chaos_seed")
+_CHAOS_OPTIONS = (
+    "chaos_seconds",
+    "chaos_interval",
+    "chaos_members",
+    "chaos_kinds",
+    "chaos_seed",
+    "chaos_state_mib",
+)
 
 
 def _soak_problems(args: argparse.Namespace) -> list[str]:
@@ -382,11 +395,12 @@ def _soak(args: argparse.Namespace, loop: str, json_path: str | None) -> int:
     started = time.monotonic()
     if args.chaos:
         seconds, seed = args.chaos_seconds or chaos.SECONDS, args.chaos_seed or 0
+        state_mib = args.chaos_state_mib or chaos.STATE_MIB
         rows = chaos.rows_for(
             args.chaos_members, args.chaos_interval, args.chaos_kinds, torchft_skip is None
         )
         notes = [] if torchft_skip is None else [f"torchft's rows skipped: {torchft_skip}"]
-        measured = chaos.measure(rows, seconds, seed, loop, progress=_say)
+        measured = chaos.measure(rows, seconds, seed, loop, progress=_say, state_mib=state_mib)
         for row in measured:
             if row.failed is not None:
                 failures.append(f"chaos: {row.spec.label}: {row.failed.splitlines()[0]}")
@@ -395,9 +409,9 @@ def _soak(args: argparse.Namespace, loop: str, json_path: str | None) -> int:
                 if phase is not None and phase.trace:
                     _say(f"chaos: {row.spec.label}, {name}: a stall or an eviction:\n{phase.trace}")
         notes.append(f"took {time.monotonic() - started:.0f} s")
-        doc["chaos"] = chaos_report.chaos_json(measured, seconds, seed, notes)
+        doc["chaos"] = chaos_report.chaos_json(measured, seconds, seed, notes, state_mib)
         if tables:
-            print(chaos_report.format_chaos(measured, seconds, seed, notes), flush=True)
+            print(chaos_report.format_chaos(measured, seconds, seed, notes, state_mib), flush=True)
     if args.scale:
         begun = time.monotonic()
         sized = scale.measure(args.scale_sizes or scale.SIZES, loop, progress=_say)

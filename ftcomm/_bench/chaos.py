@@ -641,9 +641,9 @@ def _drive(
     )
 
 
-def settings_for(spec: RowSpec, loop: str) -> Settings:
+def settings_for(spec: RowSpec, loop: str, state_mib: int = STATE_MIB) -> Settings:
     return Settings(
-        numel=STATE_MIB * 2**20 // 4,
+        numel=state_mib * 2**20 // 4,
         heartbeat_timeout=HEARTBEAT_TIMEOUT,
         join_window=JOIN_WINDOW,
         op_deadline=OP_DEADLINE,
@@ -659,16 +659,18 @@ def measure(
     seed: int,
     loop: str,
     progress: Callable[[str], None] = lambda line: None,
+    state_mib: int = STATE_MIB,
 ) -> list[Row]:
-    """Every row: the phase without faults, then the one with them. A row
-    that fails says why; the others still run."""
+    """Every row: the phase without faults, then the one with them, each
+    member holding ``state_mib`` MiB of parameters (and as many of
+    momentum). A row that fails says why; the others still run."""
     from ..testing._world import _mp_context
 
     ctx = _mp_context()
     out: list[Row] = []
     for spec in rows:
         row = Row(spec)
-        settings = settings_for(spec, loop)
+        settings = settings_for(spec, loop, state_mib)
         try:
             progress(f"{spec.label}: {seconds:g} s without faults")
             row.clean = run_phase(ctx, spec, settings, seconds, seed, faults=False)

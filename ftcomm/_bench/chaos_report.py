@@ -35,10 +35,16 @@ def _verdict(row: Row) -> str:
     return f">= {row.spec.target:.2f} {'ok' if row.goodput >= row.spec.target else 'MISSED'}"
 
 
-def format_chaos(rows: Sequence[Row], seconds: float, seed: int, notes: Sequence[str]) -> str:
+def format_chaos(
+    rows: Sequence[Row],
+    seconds: float,
+    seed: int,
+    notes: Sequence[str],
+    state_mib: int = STATE_MIB,
+) -> str:
     where = "on hosts of their own" if all(row.spec.network for row in rows) else "on loopback"
     lines = [
-        f"chaos soak: {STATE_MIB} MiB of fp32 parameters (and momentum), members {where} "
+        f"chaos soak: {state_mib} MiB of fp32 parameters (and momentum), members {where} "
         f"(each a process); {seconds:g} s without faults, then {seconds:g} s with them; seed "
         f"{seed}; heartbeat timeout {HEARTBEAT_TIMEOUT:g} s, op deadline {OP_DEADLINE:g} s, "
         f"join window {JOIN_WINDOW:g} s",
@@ -125,7 +131,11 @@ def _phase_json(phase: Phase | None) -> dict[str, Any] | None:
 
 
 def chaos_json(
-    rows: Sequence[Row], seconds: float, seed: int, notes: Sequence[str]
+    rows: Sequence[Row],
+    seconds: float,
+    seed: int,
+    notes: Sequence[str],
+    state_mib: int = STATE_MIB,
 ) -> dict[str, Any]:
     """The rows as one JSON-able object."""
     out = []
@@ -155,7 +165,7 @@ def chaos_json(
     return {
         "seconds": seconds,
         "seed": seed,
-        "state_mib": STATE_MIB,
+        "state_mib": state_mib,
         "heartbeat_timeout_s": HEARTBEAT_TIMEOUT,
         "op_deadline_s": OP_DEADLINE,
         "join_window_s": JOIN_WINDOW,
