@@ -294,8 +294,9 @@ def _store_record(address: str, job: str) -> str:
             return None
         return bytes(store.get(prefix + key)).decode(errors="replace")
 
-    lines = [f"the store's record of job {job!r} (latest generation {read('gen')}):"]
-    for g in range(1, int(read("gen") or 0) + 2):
+    floor = max(int(read("floor") or 1), 1)  # (the keys of generations below it are swept)
+    lines = [f"the store's record of job {job!r} (generations {floor} to {read('gen')}):"]
+    for g in range(floor, int(read("gen") or 0) + 2):
         for key in (f"world/{g}", f"fate/{g}", f"quit/{g}", f"sus/{g}", f"ready/{g}"):
             value = read(key)
             if value is not None:

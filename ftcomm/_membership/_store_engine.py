@@ -5,57 +5,16 @@ and write them (run on ftcomm's control threads, never on a loop).
 Imports: ``ftcomm._store`` (addresses, the client), ``ftcomm.errors``, and
 ``_rule``/``_watch``.
 
-Keys, under ``ftcomm/members/<job>/`` (who writes each, and how):
-
-- ``hb/<id>``: ``"<token> <count>"``, or ``"<token> left"``; that member's
-  watcher (``set``).
-- ``roster``: one ``id<TAB>token`` line per registration; ``join()``
-  (``append``).
-- ``ready/<g>``: ``+``/``-`` lines, who wants into generation ``g``; each
-  candidate (``append``).
-- ``world/<g>``: generation ``g``'s :class:`WorldRecord`; its decider, once
-  (``compare_set``).
-- ``gen``: the latest ``g`` with a record; deciders (``compare_set``, only
-  upwards).
-- ``chk/<g>/<k>``: ``"1"``/``"0"``, what ``pending()`` call ``k`` says; its
-  first caller (``compare_set``).
-- ``quit/<g>``: ``id<TAB>token`` lines, members of generation ``g`` whose
-  call was cancelled as it was formed or configured: from then on they are
-  dead to the others (``append``).
-- ``at/<id>``: ``"<token> <host:port>"``, where that member's listener is
-  (``_reach``); that member, before it registers and as it renews (``set``).
-- ``reach/<g>``: one line per member of generation ``g`` that checked its
-  paths as the group was configured: whom it reached; each (``append``).
-- ``cut/<g>``: the members of generation ``g`` left out of the next one,
-  where the reports found paths cut (:func:`_rule.leave_out`); the first
-  member that read every report, once (``compare_set``). It counts only
-  where ``g`` was given up (its ``fate``).
-- ``sus/<g>``: ``id<TAB>what`` lines, why generation ``g``'s world is
-  broken: a probe of a member's watcher found a path cut (``_watch``), or
-  a member left it to form the next generation; that member (``append``).
-  Every member watching ``g`` aborts its group on the first line.
-- ``fate/<g>``: the verdicts on generation ``g``, in the order they came
-  (``append``): ``id<TAB>token``, a member that quit it (written before its
-  quit line) or that a member configuring it saw dead, and ``kept``, from
-  a member whose configure of it succeeded. The first line that is
-  ``kept`` or names one of the world's own members decides, the same for
-  every reader: a member's line gives the world up (before configuring it,
-  or once configured: a cancelled member's Gloo construction, which cannot
-  be stopped, may complete the others'); ``kept`` lets it stand, and a
-  member that quits it later is a dead member of it. Lines of incarnations
-  the world does not have (a join cancelled before it was formed, whose
-  next incarnation is in it) decide nothing.
-
-``world/<g>`` is written with ``compare_set(key, "", record)``: of several
-deciders one wins and every member reads that one, so there are never two
-worlds for one generation. Nothing is ever deleted but old ``chk`` keys
-(which no member reads again), so a reader never waits for a key that went
-away; every read is :func:`_watch.read`, which never blocks.
+Its keys, under ``ftcomm/members/<job>/``, who writes each and how, and
+why ``world/<g>`` is written once: docs/membership.md, "The store
+engine's keys". Every read is :func:`_watch.read`, which never blocks;
+old generations' keys are deleted only by ``_sweep``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import socket
 import threading
@@ -64,9 +23,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from torch._C._distributed_c10d import PrefixStore
+
 from .._store import ConnectProgress, StoreAddr, connect_store, why_unreachable
 from ..errors import Evicted, MembershipError, MembershipTimeout
-from . import _paths
+from . import _paths, _sweep
 from ._engine import Stopped
 from ._reach import Listener, listen_host
 from ._rule import (
@@ -192,6 +153,7 @@ class StoreEngine:
                 interval=self._interval,
                 timeout=self._timeout,
             )
+            self.watcher.sweeper = _sweeper(self.watcher.store, self.addr, self.job)
             self._claim(stop)
             for client in (self._store, self.watcher.store):
                 client.set_timeout(timedelta(seconds=OP_TIMEOUT))
@@ -317,6 +279,7 @@ class StoreEngine:
         enough_since: float | None = None
         delay = 0.0005
         refusals = _paths.Absent(watcher, self._interval)  # a refusal is a death
+        floors = _sweep.FloorCheck()
         try:
             while True:
                 t = prev.generation + 1
@@ -328,6 +291,12 @@ class StoreEngine:
                     return m not in barred and watcher.alive(m)
 
                 decided = read(self._store, f"world/{t}")
+                if floors.swept(self._store, t, decided is not None, time.monotonic()):
+                    # swept (_sweep): formed without it, two generations ago or more
+                    if member_of is not None:
+                        raise _swept(self.me.id, self.job, member_of, self._generation())
+                    prev, target, enough_since = self.latest(), None, None
+                    continue
                 if decided is not None:
                     record = WorldRecord.decode(decided)
                     self._advance(t)
@@ -450,6 +419,7 @@ class StoreEngine:
                 if (
                     late is not None
                     and self.me in late.members
+                    and target >= _sweep.floor(self._store)
                     and not _given_up(read(self._store, fate_key(target)), late)
                 ):
                     watcher.follow(target)
@@ -564,7 +534,10 @@ class StoreEngine:
         Raises:
             MembershipError: the store failed.
         """
-        return self._verdict(record, KEPT + "\n")
+        kept = self._verdict(record, KEPT + "\n")
+        if kept and record.rank_of(self.me) == 0 and self.watcher is not None:
+            self.watcher.sweep(record.generation - 1)
+        return kept
 
     def lost(self, record: WorldRecord, member: Member) -> bool:
         """This member saw ``member`` of ``record`` dead as it configured it:
@@ -688,6 +661,25 @@ def _int(text: bytes) -> int:
         return int(text)
     except ValueError:
         raise ValueError(f"not a generation number: {text!r:.80}") from None
+
+
+def _sweeper(store: Any, addr: StoreAddr, job: str) -> Callable[[int], object]:
+    """``_sweep.sweep`` through ``store`` (the watcher's client, scoped to
+    the job), with a view of it scoped to the job's groups."""
+    base = f"{addr.prefix}/" if addr.prefix else ""
+    groups = PrefixStore(f"{base}ftcomm/groups/{job}", store.underlying_store)
+    return functools.partial(_sweep.sweep, store, groups)
+
+
+def _swept(me: str, job: str, member_of: int, current: int) -> Evicted:
+    return Evicted(
+        f"member {me!r} was dropped from job {job!r}: generations after {member_of} were "
+        f"formed without it, and the job is at {current} (it was stopped or cut off for two "
+        "generations or more). join() again to come back as a newcomer",
+        member_id=me,
+        generation=member_of,
+        current=current,
+    )
 
 
 def _failed(exc: BaseException) -> MembershipError:

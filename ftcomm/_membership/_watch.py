@@ -143,6 +143,8 @@ class Watcher:
         self._fate_of: int | None = None  # the generation being configured
         self._fate: bytes | None = None  # its verdicts (fate/<g>), as last read
         self.listener: Listener | None = None  # drained every round
+        self.sweeper: Callable[[int], object] | None = None  # _sweep.sweep, bound
+        self._sweep_below: int | None = None  # a sweep to run after the next round
         self._warned = False
         self.error: ConnectionError | None = None
         self._stop = threading.Event()
@@ -405,6 +407,16 @@ class Watcher:
         if self.listener is not None:
             self.listener.drain()
         self._check_world()
+        with self._lock:
+            below, self._sweep_below = self._sweep_below, None
+        if below is not None and self.sweeper is not None:
+            self.sweeper(below)
+
+    def sweep(self, below: int) -> None:
+        """After the next round, sweep the generations below ``below``
+        (``_sweep``: this member is rank 0 of a generation just kept)."""
+        with self._lock:
+            self._sweep_below = max(below, self._sweep_below or 0)
 
     def refresh(self, store: Any, members: list[Member]) -> None:
         """Read ``members``' heartbeats now, through ``store`` (the caller's
@@ -458,4 +470,5 @@ class Watcher:
         self._probes.close()
         if self.listener is not None:
             self.listener.close()
+        self.sweeper = None  # it holds the client too
         self._store = None  # its connection closes with the last reference
