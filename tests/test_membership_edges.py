@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import memberships
 from torch.distributed import TCPStore
 
 import ftcomm
@@ -44,12 +45,8 @@ def _read(client: Any, name: str) -> bytes | None:
 
 
 def _members(store: Any, *ids: str, **kw: Any) -> list[ftcomm.Membership]:
-    kw.setdefault("min_size", 2)
     kw.setdefault("max_size", 2)
-    kw.setdefault("heartbeat_timeout", 1.0)
-    kw.setdefault("join_window", 5.0)
-    kw.setdefault("timeout", 20.0)
-    return [ftcomm.Membership(store.address, "job", i, **kw) for i in ids]
+    return memberships(store, *ids, **kw)
 
 
 async def _until(condition: Callable[[], bool], what: str, within: float = 10.0) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import memberships
 
 import ftcomm
 from ftcomm.testing import Fault, FaultPlan, RankContext, run_world
@@ -143,15 +144,6 @@ def store() -> Any:
         yield server
 
 
-def _members(store: Any, *ids: str, **kw: Any) -> list[ftcomm.Membership]:
-    kw.setdefault("min_size", 2)
-    kw.setdefault("max_size", len(ids))
-    kw.setdefault("heartbeat_timeout", 1.0)
-    kw.setdefault("join_window", 5.0)
-    kw.setdefault("timeout", 20.0)
-    return [ftcomm.Membership(store.address, "job", i, **kw) for i in ids]
-
-
 def _read(store: Any, name: str) -> bytes | None:
     """A key of the job, read through the server's own store object (no
     client of the test's own: no socket to leave behind)."""
@@ -211,7 +203,7 @@ async def test_a_configure_given_up_by_one_member_ends_every_members_configure(
     configure (started just after), wait in the group's meeting for a.
     They must give generation 2 up too, at once, and all three form
     generation 3; not wait for their configure's deadline."""
-    a, b, c = _members(store, "a", "b", "c", timeout=15.0)
+    a, b, c = memberships(store, "a", "b", "c", timeout=15.0)
     ga, gb, gc = (ftcomm.Group("gloo", timeout=15) for _ in range(3))
     async with a, b, c, ga, gb, gc:
         await asyncio.gather(a.join(ga), b.join(gb), c.join(gc))
@@ -252,7 +244,7 @@ async def test_a_member_whose_configure_failed_lets_the_others_go_on(store: Any)
     a goes on to generation 3 without a word. b and c, in their configure,
     wait in the group's meeting for a: they must learn at once that a will
     not come, and all three form generation 3 (a's next configure works)."""
-    a, b, c = _members(store, "a", "b", "c", timeout=15.0)
+    a, b, c = memberships(store, "a", "b", "c", timeout=15.0)
     ga, gb, gc = (ftcomm.Group("gloo", timeout=15) for _ in range(3))
     async with a, b, c, ga, gb, gc:
         await asyncio.gather(a.join(ga), b.join(gb), c.join(gc))

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import memberships
 
 import ftcomm
 from ftcomm._membership import _sweep
@@ -23,15 +24,6 @@ GROUPS = "ftcomm/groups/job/"
 def store() -> Any:
     with ftcomm.serve_store() as server:
         yield server
-
-
-def _members(store: Any, *ids: str, **kw: Any) -> list[ftcomm.Membership]:
-    kw.setdefault("min_size", 2)
-    kw.setdefault("max_size", len(ids))
-    kw.setdefault("heartbeat_timeout", 1.0)
-    kw.setdefault("join_window", 0.5)
-    kw.setdefault("timeout", 20.0)
-    return [ftcomm.Membership(store.address, "job", i, **kw) for i in ids]
 
 
 def _keys(store: Any) -> list[str]:
@@ -84,7 +76,7 @@ async def test_a_job_keeps_only_its_last_two_generations_keys(store: Any) -> Non
     """Eight generations in a row: once the last is kept, only it and the
     one before have keys (the job's and its groups'), and the number of
     keys is what two generations hold, not eight."""
-    members = _members(store, "a", "b", "c")
+    members = memberships(store, "a", "b", "c", join_window=0.5)
     groups = [ftcomm.Group("gloo", timeout=15) for _ in members]
     async with members[0], members[1], members[2], groups[0], groups[1], groups[2]:
         worlds = await asyncio.gather(*(m.join(g) for m, g in zip(members, groups, strict=True)))
@@ -116,7 +108,7 @@ async def test_a_member_stopped_through_swept_generations_is_dropped_at_once(
     of its own; and a world put back into a swept generation's key (a
     proposal written just as the sweep went by) is never taken, and goes
     with the next sweep."""
-    a, b, c = _members(store, "a", "b", "c")
+    a, b, c = memberships(store, "a", "b", "c", join_window=0.5)
     ga, gb, gc = (ftcomm.Group("gloo", timeout=15) for _ in range(3))
     async with a, b, c, ga, gb, gc:
         await asyncio.gather(a.join(ga), b.join(gb), c.join(gc))

@@ -43,21 +43,18 @@ from __future__ import annotations
 import asyncio
 import bisect
 import hashlib
-import importlib
 import logging
 import os
 import time
 import warnings
 from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
 
 import torch
 
 from .fleet import install_dumps, stacks_file
 from .membership import _fail, _OnPurpose, _take_env
-from .runner import _LOOP_ENV, HOST, run_on
+from .runner import _LOOP_ENV, run_on
 
 TICK = 1.0
 """Seconds between two ``tick`` messages of a member that steps."""
@@ -313,34 +310,18 @@ def torchft_replica(
 
 
 def _torchft_train(lighthouse: str, member: str, settings: Settings, conn: Connection) -> None:
-    from torch._C._distributed_c10d import TCPStore
+    from .torchft_rows import manager_replica
 
-    manager_mod: Any = importlib.import_module("torchft.manager")
-    pgs: Any = importlib.import_module("torchft.process_group")
-    pg_transport: Any = importlib.import_module("torchft.checkpointing.pg_transport")
     model, log, inbox = Model(settings.numel, member), StepLog(), Inbox(conn)
-    store = TCPStore(HOST, 0, is_master=True, wait_for_workers=False)  # the replica group's
-    deadline = timedelta(seconds=settings.op_deadline)
-    pg = pgs.ProcessGroupGloo(timeout=deadline)
-    manager = manager_mod.Manager(
-        pg=pg,
-        min_replica_size=1,
+    manager, _replica_store = manager_replica(  # (the store: held while it runs)
+        lighthouse,
+        member,  # torchft adds an id of the incarnation's own
+        min_size=1,
         load_state_dict=model.load,
         state_dict=lambda: model.state,
-        replica_id=member,  # torchft adds an id of the incarnation's own
-        store_addr=HOST,
-        store_port=store.port,
-        rank=0,
-        world_size=1,
-        lighthouse_addr=lighthouse,
-        hostname=HOST,
-        timeout=deadline,
-        quorum_timeout=timedelta(seconds=settings.timeout),
-        connect_timeout=timedelta(seconds=10),
-        heartbeat_interval=timedelta(seconds=settings.heartbeat_timeout / 5),
-        checkpoint_transport=pg_transport.PGTransport(
-            pg, timeout=deadline, device=torch.device("cpu")
-        ),
+        op_deadline=settings.op_deadline,
+        quorum_timeout=settings.timeout,
+        heartbeat_timeout=settings.heartbeat_timeout,
     )
     seen: tuple[int, int] | None = None
     before: float | None = None

@@ -41,7 +41,6 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
@@ -259,37 +258,19 @@ def _replica(lighthouse: str, replica_id: str, env: dict[str, str], conn: Connec
 
 
 def _replica_steps(lighthouse: str, replica_id: str, conn: Connection) -> None:
-    from torch._C._distributed_c10d import TCPStore
+    from .torchft_rows import manager_replica
 
-    manager_mod: Any = importlib.import_module("torchft.manager")
-    pgs: Any = importlib.import_module("torchft.process_group")
-    pg_transport: Any = importlib.import_module("torchft.checkpointing.pg_transport")
-    store = TCPStore(HOST, 0, is_master=True, wait_for_workers=False)  # the replica group's
-    deadline = timedelta(seconds=OP_DEADLINE)
-    pg = pgs.ProcessGroupGloo(timeout=deadline)
     state = {"w": torch.zeros(1)}
-    manager = manager_mod.Manager(
-        pg=pg,
-        min_replica_size=MIN_SIZE,
+    manager, _replica_store = manager_replica(  # (the store: held while it runs)
+        lighthouse,
+        replica_id,
+        min_size=MIN_SIZE,
         load_state_dict=lambda s: None,
         state_dict=lambda: state,
-        replica_id=replica_id,
-        store_addr=HOST,
-        store_port=store.port,
-        rank=0,
-        world_size=1,
-        lighthouse_addr=lighthouse,
-        hostname=HOST,
-        timeout=deadline,
-        quorum_timeout=timedelta(seconds=_TRIAL_TIMEOUT),
-        connect_timeout=timedelta(seconds=10),
-        heartbeat_interval=timedelta(seconds=HEARTBEAT_TIMEOUT / 5),  # ftcomm's default ratio
+        op_deadline=OP_DEADLINE,
+        quorum_timeout=_TRIAL_TIMEOUT,
+        heartbeat_timeout=HEARTBEAT_TIMEOUT,
         init_sync=False,
-        # over the group, as examples/torchft_manager.py (the default HTTP
-        # transport writes a line per request to stderr)
-        checkpoint_transport=pg_transport.PGTransport(
-            pg, timeout=deadline, device=torch.device("cpu")
-        ),
     )
     size, stop = 0, 0.0
     t = torch.zeros(2)

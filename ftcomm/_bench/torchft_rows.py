@@ -1,7 +1,8 @@
 """torchft's rows, where it is installed: its ProcessGroupGloo (torchft)
 and its ProcessGroupBabyGloo (tft-baby), and how the bench shuts the latter
 down without its worker's tracebacks (:func:`close_torchft_baby`, which the
-recovery part uses too).
+recovery part uses too); and a replica of torchft's Manager as the
+membership and chaos rows run it (:func:`manager_replica`).
 
 Imports: the runner and groups modules of this package; torchft only through
 importlib, when a case is opened.
@@ -13,8 +14,10 @@ import importlib
 from datetime import timedelta
 from typing import Any
 
+import torch
+
 from .groups import _c10d_runner
-from .runner import _OP_TIMEOUT, ChildEnv, Runner
+from .runner import _OP_TIMEOUT, HOST, ChildEnv, Runner
 
 
 def _torchft_missing() -> str | None:
@@ -71,3 +74,54 @@ async def _open_torchft_baby(env: ChildEnv) -> Runner:
     return _c10d_runner(
         env, "tft-baby", "torchft-baby-bench", pg, close=lambda: close_torchft_baby(pg)
     )
+
+
+def manager_replica(
+    lighthouse: str,
+    replica_id: str,
+    *,
+    min_size: int,
+    load_state_dict: Any,
+    state_dict: Any,
+    op_deadline: float,
+    quorum_timeout: float,
+    heartbeat_timeout: float,
+    **more: Any,
+) -> tuple[Any, Any]:
+    """A replica of torchft's Manager (one rank, its own replica group's
+    store): its ProcessGroupGloo with ``op_deadline``, its heartbeat every
+    fifth of ``heartbeat_timeout`` (ftcomm's default ratio), and the state
+    over the group (``PGTransport``, as examples/torchft_manager.py: the
+    default HTTP transport writes a line per request to stderr). ``more``:
+    the Manager's other arguments. Returns the Manager (the caller shuts
+    it down) and the replica group's store, which must live as long."""
+    from torch._C._distributed_c10d import TCPStore
+
+    manager_mod: Any = importlib.import_module("torchft.manager")
+    pgs: Any = importlib.import_module("torchft.process_group")
+    pg_transport: Any = importlib.import_module("torchft.checkpointing.pg_transport")
+    store = TCPStore(HOST, 0, is_master=True, wait_for_workers=False)  # the replica group's
+    deadline = timedelta(seconds=op_deadline)
+    pg = pgs.ProcessGroupGloo(timeout=deadline)
+    manager = manager_mod.Manager(
+        pg=pg,
+        min_replica_size=min_size,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=replica_id,
+        store_addr=HOST,
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        hostname=HOST,
+        timeout=deadline,
+        quorum_timeout=timedelta(seconds=quorum_timeout),
+        connect_timeout=timedelta(seconds=10),
+        heartbeat_interval=timedelta(seconds=heartbeat_timeout / 5),
+        checkpoint_transport=pg_transport.PGTransport(
+            pg, timeout=deadline, device=torch.device("cpu")
+        ),
+        **more,
+    )
+    return manager, store
