@@ -12,9 +12,14 @@ from typing import Any
 import pytest
 import torch
 from helpers import memberships
+from torch.distributed import TCPStore
 
 import ftcomm
 from ftcomm._membership import _sweep
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(TCPStore, "list_keys"), reason="the sweep lists keys: torch 2.10 and later"
+)
 
 JOB = "ftcomm/members/job/"
 GROUPS = "ftcomm/groups/job/"
@@ -45,14 +50,14 @@ class _Scoped:
         self._inner.set(JOB + key, value)
 
 
-async def _swept_below(store: Any, floor: int) -> None:
+async def _swept_to(store: Any, floor: int) -> None:
     """Until the sweep raised ``floor`` that far and deleted every key of
-    the generations below (it runs on rank 0's watcher thread, after its
-    next round, and raises the floor first: a store's state, nothing to
-    await)."""
+    the generations below ``floor - 1`` (it runs on rank 0's watcher
+    thread, after its next round, and raises the floor first: a store's
+    state, nothing to await)."""
     deadline = time.monotonic() + 15.0
-    while _sweep.floor(_Scoped(store._store)) < floor or min(_generations_left(store)) < floor:
-        assert time.monotonic() < deadline, f"never swept below {floor}"
+    while _sweep.floor(_Scoped(store._store)) < floor or min(_generations_left(store)) < floor - 1:
+        assert time.monotonic() < deadline, f"never swept to {floor}"
         await asyncio.sleep(0.02)
 
 
@@ -72,10 +77,10 @@ def _generations_left(store: Any) -> set[int]:
 
 
 @pytest.mark.asyncio
-async def test_a_job_keeps_only_its_last_two_generations_keys(store: Any) -> None:
+async def test_a_job_keeps_only_its_last_three_generations_keys(store: Any) -> None:
     """Eight generations in a row: once the last is kept, only it and the
-    one before have keys (the job's and its groups'), and the number of
-    keys is what two generations hold, not eight."""
+    two before have keys (the job's and its groups'), and the number of
+    keys is what three generations hold, not eight."""
     members = memberships(store, "a", "b", "c", join_window=0.5)
     groups = [ftcomm.Group("gloo", timeout=15) for _ in members]
     async with members[0], members[1], members[2], groups[0], groups[1], groups[2]:
@@ -88,11 +93,11 @@ async def test_a_job_keeps_only_its_last_two_generations_keys(store: Any) -> Non
                 *(m.recover(g) for m, g in zip(members, groups, strict=True))
             )
             last = worlds[0].generation
-            await _swept_below(store, last - 1)
-            assert _generations_left(store) == {last - 1, last}
+            await _swept_to(store, last - 1)
+            assert _generations_left(store) == {g for g in (last - 2, last - 1, last) if g > 0}
             counts.append(len(_keys(store)))
         assert last == 8
-        assert len(set(counts[1:])) == 1, f"the key count still grows: {counts}"
+        assert len(set(counts[2:])) == 1, f"the key count still grows: {counts}"
         sums = await asyncio.gather(*(g.allreduce(torch.ones(1)) for g in groups))
         assert [s.item() for s in sums] == [3.0] * 3
 
@@ -103,7 +108,7 @@ async def test_a_member_stopped_through_swept_generations_is_dropped_at_once(
 ) -> None:
     """c stays out (stopped, as far as the others can tell: its heartbeat
     goes on) while a and b run through generations 2, 3 and 4; generation
-    2, the one c comes back to, is swept. Its recover() must say Evicted at
+    2, the one c comes back to, is below the floor. Its recover() must say Evicted at
     once, not wait for a generation 2 no one else will join nor form one
     of its own; and a world put back into a swept generation's key (a
     proposal written just as the sweep went by) is never taken, and goes
@@ -117,7 +122,7 @@ async def test_a_member_stopped_through_swept_generations_is_dropped_at_once(
             assert {(w.generation, tuple(sorted(w.members))) for w in worlds} == {
                 (generation, ("a", "b"))
             }
-        await _swept_below(store, 3)
+        await _swept_to(store, 3)
         # a proposal for generation 2 that came just as it was swept
         stale = f'{{"generation": 2, "members": [["c", "{c._engine.me.token}"]]}}'
         store._store.set(JOB + "world/2", stale)
@@ -126,10 +131,10 @@ async def test_a_member_stopped_through_swept_generations_is_dropped_at_once(
             await c.recover(gc)
         assert time.monotonic() - started < 5.0, "it waited instead of being told"
         assert (caught.value.generation, caught.value.current) == (1, 4)
-        assert not any(k.startswith(JOB + "ready/2") for k in _keys(store))
+        assert b"+c\t" not in (_value(store, JOB + "ready/2") or b"")  # it never came to 2
         # the next generation's sweep takes the stale world away
         worlds = await asyncio.gather(a.recover(ga), b.recover(gb))
-        await _swept_below(store, worlds[0].generation - 1)
+        await _swept_to(store, worlds[0].generation - 1)
         assert JOB + "world/2" not in _keys(store)
         # and c comes back as a newcomer, at the next generation
         gc2 = ftcomm.Group("gloo", timeout=15)
@@ -149,6 +154,50 @@ async def test_a_member_stopped_through_swept_generations_is_dropped_at_once(
 
 def _value(store: Any, key: str) -> bytes | None:
     return bytes(store._store.get(key)) if store._store.check([key]) else None
+
+
+@pytest.mark.asyncio
+async def test_a_member_resumed_after_its_world_was_swept_is_told_it_is_over(
+    store: Any,
+) -> None:
+    """c's watcher stops (its process stopped, as far as the others can
+    tell); a and b go on to generation 4, and the sweep takes generation
+    1's keys: the 'left to recover' lines c's watch would have aborted its
+    group on, the pending() answers of generation 1. Once c's watcher runs
+    again, the floor says its world is over: its group's configuration is
+    aborted, pending() is due (not c's own view, written into a swept key),
+    and recover() says it was dropped."""
+    import threading
+
+    a, b, c = memberships(store, "a", "b", "c", join_window=0.5)
+    ga, gb, gc = (ftcomm.Group("gloo", timeout=15) for _ in range(3))
+    async with a, b, c, ga, gb, gc:
+        await asyncio.gather(a.join(ga), b.join(gb), c.join(gc))
+        watcher: Any = c._engine.watcher  # type: ignore[attr-defined]
+        resume, rounds, real_tick = threading.Event(), [], watcher.tick
+
+        def stopped_tick() -> None:
+            resume.wait(30.0)
+            real_tick()
+            rounds.append(time.monotonic())
+
+        watcher.tick = stopped_tick
+        for generation in (2, 3, 4):
+            worlds = await asyncio.gather(a.recover(ga), b.recover(gb))
+            assert {w.generation for w in worlds} == {generation}
+        await _swept_to(store, 3)
+        assert JOB + "sus/1" not in _keys(store)
+        resume.set()
+        deadline = time.monotonic() + 10.0
+        while len(rounds) < 2:  # the watcher's thread: nothing to await
+            assert time.monotonic() < deadline, "c's watcher never ran again"
+            await asyncio.sleep(0.01)
+        with pytest.raises(ftcomm.CommAborted, match="formed without this member"):
+            await gc.allreduce(torch.ones(1), timeout=30)
+        assert await c.pending()
+        assert not [k for k in _keys(store) if k.startswith(JOB + "chk/1/")]  # nothing asked of 1
+        with pytest.raises(ftcomm.Evicted, match="formed and kept without it"):
+            await c.recover(gc)
 
 
 # -- the sweep's parts, against a store -----------------------------------------
@@ -173,33 +222,182 @@ def test_the_floor_only_rises(store: Any) -> None:
     assert _sweep.floor(scoped) == 5
 
 
+def _full(store: Any) -> Any:
+    return store._store  # the server's own store object: every key, no prefix
+
+
 def test_a_sweep_deletes_at_most_its_share_and_the_rest_next_time(
     store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    inner = store._store
-    job = torch.distributed.PrefixStore("ftcomm/members/job", inner)
-    groups = torch.distributed.PrefixStore("ftcomm/groups/job", inner)
+    inner = _full(store)
     for g in range(1, 6):
-        job.set(f"world/{g}", "w")
-        job.set(f"ready/{g}", "r")
-        groups.set(f"g{g}/0/0", "x")
-    job.set("hb/a", "t 1")
+        inner.set(f"{JOB}world/{g}", "w")
+        inner.set(f"{JOB}ready/{g}", "r")
+        inner.set(f"{GROUPS}g{g}/0/0", "x")
+        inner.set(f"ftcomm/members/job-g{g}/world/1", "another job's")
+    inner.set(f"{JOB}hb/a", "t 1")
+    sweeper = _sweep.Sweeper(lambda: inner, "", "job")
     monkeypatch.setattr(_sweep, "MAX_DELETES", 5)
-    assert _sweep.sweep(job, groups, 4) == 5  # generations 1-3: 6 job keys, 3 group keys
-    assert _sweep.sweep(job, groups, 4) == 4
-    assert _sweep.sweep(job, groups, 4) == 0
-    left = sorted(k for k in inner.list_keys() if "/job/" in k)
+    # floor 5: generations 1-3 go (6 job keys, 3 group keys), 5 at a time
+    assert sweeper(5) is True
+    assert sweeper(5) is False
+    left = sorted(k for k in inner.list_keys() if "/job" in k)
     assert left == sorted(
-        ["ftcomm/members/job/floor", "ftcomm/members/job/hb/a"]
-        + [f"ftcomm/members/job/{n}/{g}" for n in ("world", "ready") for g in (4, 5)]
-        + [f"ftcomm/groups/job/g{g}/0/0" for g in (4, 5)]
+        [f"{JOB}floor", f"{JOB}hb/a"]
+        + [f"{JOB}{n}/{g}" for n in ("world", "ready") for g in (4, 5)]
+        + [f"{GROUPS}g{g}/0/0" for g in (4, 5)]
+        + [f"ftcomm/members/job-g{g}/world/1" for g in range(1, 6)]
     )
+    assert inner.get(f"{JOB}floor") == b"5"
 
 
-def test_a_store_that_cannot_list_its_keys_is_not_swept() -> None:
+def test_a_store_that_cannot_list_its_keys_still_raises_the_floor(store: Any) -> None:
     class Old:
-        def compare_set(self, *_: Any) -> bytes:
-            raise AssertionError("an old store was written to")
+        """A store client of a torch before 2.10 (no ``list_keys``)."""
 
-    assert not _sweep.can_sweep(Old())
-    assert _sweep.sweep(Old(), None, 10) == 0
+        def __init__(self, inner: Any) -> None:
+            self.compare_set, self.deleted = inner.compare_set, []
+
+    inner = _full(store)
+    inner.set(f"{JOB}world/1", "w")
+    old = Old(inner)
+    assert _sweep.Sweeper(lambda: old, "", "job")(5) is False
+    assert inner.get(f"{JOB}floor") == b"5"
+    assert inner.check([f"{JOB}world/1"])
+
+
+def test_a_sweep_that_fails_leaves_the_heartbeat_beating(store: Any) -> None:
+    """The sweeper raises (a store that does not know the request, a
+    neighbour's odd key): the watcher logs it and beats on; the next sweep
+    connects again."""
+    from ftcomm._membership._rule import Member
+    from ftcomm._membership._watch import Watcher, beat_key
+
+    calls: list[int] = []
+
+    class Failing:
+        def __call__(self, floor_to: int) -> bool:
+            calls.append(floor_to)
+            raise RuntimeError("the store dropped the connection")
+
+        def close(self) -> None:
+            calls.append(-1)
+
+    scoped = torch.distributed.PrefixStore("ftcomm/members/job", _full(store))
+    me = Member("m", "t")
+    scoped.set(beat_key("m"), "t 0")
+    watcher = Watcher(scoped, me, interval=0.05, timeout=1.0)
+    watcher.sweeper = Failing()
+    watcher.start()
+    try:
+        watcher.sweep(3)
+        deadline = time.monotonic() + 10.0
+        while not calls:  # the watcher's thread: nothing to await
+            assert time.monotonic() < deadline, "the sweep never ran"
+            time.sleep(0.01)
+        beat = scoped.get(beat_key("m"))
+        while scoped.get(beat_key("m")) == beat:
+            assert time.monotonic() < deadline, "the heartbeat stopped after the sweep failed"
+            time.sleep(0.01)
+        assert watcher.error is None
+    finally:
+        watcher.stop(leave=False)
+        del scoped
+    assert calls[0] == 3
+    assert calls[-1] == -1  # closed with the watcher
+
+
+@pytest.mark.asyncio
+async def test_a_stale_member_polling_a_generation_is_told_once_the_floor_passes_it(
+    store: Any,
+) -> None:
+    """c, of generation 1, waits for generation 2 (not decided); meanwhile
+    the job goes on to 4 without it (a world its agree never read, as if
+    it had been stopped): within a floor look or two it is told Evicted,
+    not at its deadline."""
+    import threading
+
+    from ftcomm._membership._rule import Member, WorldRecord
+
+    inner = _full(store)
+    (c,) = memberships(store, "c", max_size=3)
+    a_, b_ = Member("a", "ta"), Member("b", "tb")
+
+    async with c:
+        engine: Any = c._engine  # type: ignore[attr-defined]
+        engine.register()
+        one = WorldRecord(1, (a_, b_, engine.me), seen=1)
+        for other in ("a", "b"):  # their listeners: another incarnation's (not probed)
+            inner.set(f"{JOB}at/{other}", "old 127.0.0.1:1")
+        inner.set(f"{JOB}world/1", one.encode())
+        inner.set(f"{JOB}gen", "1")
+
+        def later() -> None:
+            for g in (2, 3, 4):
+                inner.set(f"{JOB}world/{g}", WorldRecord(g, (a_, b_), seen=1).encode())
+            inner.set(f"{JOB}gen", "4")
+            inner.set(f"{JOB}floor", "3")
+            inner.delete_key(f"{JOB}world/2")  # (as if swept: the world c would read)
+
+        timer = threading.Timer(0.5, later)
+        timer.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(ftcomm.Evicted, match="formed and kept without it") as info:
+                await asyncio.to_thread(
+                    engine.agree,
+                    one,
+                    threading.Event(),
+                    member_of=1,
+                    min_size=2,
+                    max_size=3,
+                    window=1.0,
+                    deadline=time.monotonic() + 20,
+                )
+        finally:
+            timer.join()
+        assert time.monotonic() - started < 5.0, "it waited for its deadline"
+        assert (info.value.generation, info.value.current) == (1, 4)
+        del info  # its traceback holds the engine's frames, and through them its client
+
+
+@pytest.mark.asyncio
+async def test_a_newcomer_whose_world_was_swept_is_told_not_left_waiting(store: Any) -> None:
+    """Newcomer y was put into generation 2, stalled before it read it, and
+    the others gave 2 up and went on to 4 (2 below the floor). Its roster
+    line was used up by 2: waiting at the latest generation, it would
+    never be let in. Its agree says Evicted (join() registers it again)."""
+    import threading
+
+    from ftcomm._membership._rule import Member, WorldRecord
+
+    inner = _full(store)
+    (y,) = memberships(store, "y", max_size=3)
+    a_, b_ = Member("a", "ta"), Member("b", "tb")
+
+    async with y:
+        engine: Any = y._engine  # type: ignore[attr-defined]
+        engine.register()
+        me = engine.me
+        one = WorldRecord(1, (a_, b_), seen=0)
+        for g, record in (
+            (3, WorldRecord(3, (a_, b_), seen=1)),
+            (4, WorldRecord(4, (a_, b_), seen=1)),
+        ):
+            inner.set(f"{JOB}world/{g}", record.encode())
+        inner.set(f"{JOB}world/2", WorldRecord(2, (a_, b_, me), seen=1).encode())
+        inner.set(f"{JOB}gen", "4")
+        inner.set(f"{JOB}floor", "3")
+        started = time.monotonic()
+        with pytest.raises(ftcomm.Evicted):
+            await asyncio.to_thread(
+                engine.agree,
+                one,
+                threading.Event(),
+                member_of=None,
+                min_size=2,
+                max_size=3,
+                window=0.5,
+                deadline=time.monotonic() + 20,
+            )
+        assert time.monotonic() - started < 5.0

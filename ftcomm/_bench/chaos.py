@@ -285,14 +285,15 @@ def _store_record(address: str, job: str) -> str:
     never blocking on one that is not there."""
     from torch._C._distributed_c10d import TCPStore
 
+    from .._membership._watch import read as watch_read
+
     host, port = address.rsplit(":", 1)
     store = TCPStore(host, int(port), is_master=False, wait_for_workers=False)
     prefix = f"ftcomm/members/{job}/"
 
-    def read(key: str) -> str | None:
-        if not store.check([prefix + key]):
-            return None
-        return bytes(store.get(prefix + key)).decode(errors="replace")
+    def read(key: str) -> str | None:  # (a get would wait for a key swept meanwhile)
+        value = watch_read(store, prefix + key)
+        return value.decode(errors="replace") if value is not None else None
 
     floor = max(int(read("floor") or 1), 1)  # (the keys of generations below it are swept)
     lines = [f"the store's record of job {job!r} (generations {floor} to {read('gen')}):"]

@@ -14,7 +14,6 @@ old generations' keys are deleted only by ``_sweep``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import socket
 import threading
@@ -22,8 +21,6 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
-
-from torch._C._distributed_c10d import PrefixStore
 
 from .._store import ConnectProgress, StoreAddr, connect_store, why_unreachable
 from ..errors import Evicted, MembershipError, MembershipTimeout
@@ -89,6 +86,8 @@ def _poll_cap(members: int) -> float:
 
 OP_TIMEOUT = 30.0
 """Seconds a store op may take before the engine calls the store gone."""
+SWEEP_CONNECT = 5.0
+"""Seconds the sweeper's own client may take to connect (on the watcher's thread)."""
 
 
 class StoreEngine:
@@ -153,7 +152,9 @@ class StoreEngine:
                 interval=self._interval,
                 timeout=self._timeout,
             )
-            self.watcher.sweeper = _sweeper(self.watcher.store, self.addr, self.job)
+            self.watcher.sweeper = _sweep.Sweeper(
+                lambda: connect_store(plain, SWEEP_CONNECT), _base(self.addr), self.job
+            )
             self._claim(stop)
             for client in (self._store, self.watcher.store):
                 client.set_timeout(timedelta(seconds=OP_TIMEOUT))
@@ -250,7 +251,7 @@ class StoreEngine:
 
     def group_addr(self, record: WorldRecord) -> str:
         """Where generation ``record``'s group meets: a prefix of its own."""
-        base = f"{self.addr.prefix}/" if self.addr.prefix else ""
+        base = _base(self.addr)
         return f"{self.addr.host_port}/{base}ftcomm/groups/{self.job}/g{record.generation}"
 
     def agree(
@@ -292,11 +293,10 @@ class StoreEngine:
 
                 decided = read(self._store, f"world/{t}")
                 if floors.swept(self._store, t, decided is not None, time.monotonic()):
-                    # swept (_sweep): formed without it, two generations ago or more
-                    if member_of is not None:
-                        raise _swept(self.me.id, self.job, member_of, self._generation())
-                    prev, target, enough_since = self.latest(), None, None
-                    continue
+                    # over, a later one kept (_sweep): stopped through two or
+                    # more; a newcomer too (a world that took its roster
+                    # line may have gone with it): _form registers it again
+                    raise _swept(self.me.id, self.job, member_of, self._generation())
                 if decided is not None:
                     record = WorldRecord.decode(decided)
                     self._advance(t)
@@ -553,7 +553,11 @@ class StoreEngine:
         """Whether a verdict gave ``record`` up, as the watcher last read
         them (``read_fate``): no store round trip."""
         watcher = self.watcher
-        return watcher is not None and _given_up(watcher.fate(record.generation), record)
+        if watcher is None:
+            return False
+        return watcher.below_floor(record.generation) or _given_up(
+            watcher.fate(record.generation), record
+        )
 
     def read_fate(self, record: WorldRecord | None) -> None:
         if self.watcher is not None:
@@ -640,6 +644,8 @@ class StoreEngine:
         """
         assert self.watcher is not None
         self._raise_if_broken()
+        if self.watcher.below_floor(record.generation):
+            return True  # over (a later one kept): recover() says it was dropped
         try:
             ready = parse_ready(read(self._store, f"ready/{record.generation + 1}") or b"")
             found = candidates(record, self.watcher.roster(), self.watcher.alive)
@@ -663,21 +669,18 @@ def _int(text: bytes) -> int:
         raise ValueError(f"not a generation number: {text!r:.80}") from None
 
 
-def _sweeper(store: Any, addr: StoreAddr, job: str) -> Callable[[int], object]:
-    """``_sweep.sweep`` through ``store`` (the watcher's client, scoped to
-    the job), with a view of it scoped to the job's groups."""
-    base = f"{addr.prefix}/" if addr.prefix else ""
-    groups = PrefixStore(f"{base}ftcomm/groups/{job}", store.underlying_store)
-    return functools.partial(_sweep.sweep, store, groups)
+def _base(addr: StoreAddr) -> str:
+    return f"{addr.prefix}/" if addr.prefix else ""
 
 
-def _swept(me: str, job: str, member_of: int, current: int) -> Evicted:
+def _swept(me: str, job: str, member_of: int | None, current: int) -> Evicted:
     return Evicted(
-        f"member {me!r} was dropped from job {job!r}: generations after {member_of} were "
-        f"formed without it, and the job is at {current} (it was stopped or cut off for two "
-        "generations or more). join() again to come back as a newcomer",
+        f"member {me!r} was dropped from job {job!r}: generations after "
+        f"{member_of or 'the one it came to'} were formed and kept without it, and the job is "
+        f"at {current} (it was stopped or cut off through two generations or more). join() "
+        "again to come back as a newcomer",
         member_id=me,
-        generation=member_of,
+        generation=member_of or 0,
         current=current,
     )
 

@@ -1,68 +1,81 @@
 """Old generations' keys, deleted: the store engine's garbage collector.
 
-Owns: the key ``floor`` of a job (every generation below it is swept) and
-:func:`sweep`. Once generation ``g`` is kept, its rank 0's watcher raises
-``floor`` to ``g - 1`` and then deletes every key of the generations below
-it: the job's (``ready``, ``world``, ``quit``, ``reach``, ``cut``,
-``sus``, ``fate``, ``chk``) and their groups' (``ftcomm/groups/<job>/g<n>/``,
-Gloo's and the meet's). Generation ``g - 1`` stays: its
-members left out of ``g`` read ``cut``, ``fate`` and ``world`` of it and
-of ``g`` to learn why.
+Owns: the key ``floor`` of a job and :class:`Sweeper`. Once generation
+``g`` is kept, its rank 0's watcher raises ``floor`` to ``g - 1``: every
+generation below it is over, for every member (a later one was kept).
+It then deletes the keys of the generations below ``floor - 1``: the
+job's (``ready``, ``world``, ``quit``, ``reach``, ``cut``, ``sus``,
+``fate``, ``chk``) and their groups' (``ftcomm/groups/<job>/g<n>/``:
+Gloo's, the meet's). So a member that reads generation ``t >= floor``
+finds ``t - 1``'s keys too: its ``cut`` and ``fate`` say why it was left
+out of ``t``.
 
-A member that reads a generation below ``floor`` (it was stopped for two
-generations or more) takes it as swept: it was dropped
-(:meth:`StoreEngine.agree`). ``floor`` is raised before any key goes, and
-every read of a decided world looks at ``floor`` after it, so a world
-proposed again into a swept generation's deleted key is never taken; the
-next sweep deletes it. The sweep needs ``Store.list_keys`` (torch 2.10
-and later); without it nothing is swept.
+What members do with ``floor`` (``_store_engine``, ``_watch``): a member
+that reads a world below it (stopped through two generations or more) is
+dropped (``Evicted``); a world it watches, a configure it runs and a
+``pending()`` it asks, below it, are over. ``floor`` is raised before any
+key goes, and every read of a decided world looks at ``floor`` after it,
+so a world proposed again into a deleted key is never taken; the next
+sweep deletes it, and whatever else a stale member wrote below the floor.
+The sweep needs ``Store.list_keys`` (torch 2.10 and later); without it
+nothing is deleted (``floor`` still rises).
 """
 
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Callable
 from typing import Any
 
-from ._watch import read
+from ._watch import FLOOR, read
 
 log = logging.getLogger("ftcomm")
-
-FLOOR = "floor"
-"""The lowest generation whose keys are kept (``0``, or no key: none swept)."""
 
 PER_GENERATION = ("ready", "world", "quit", "reach", "cut", "sus", "fate", "chk")
 """The first part of each per-generation key of a job: ``<name>/<g>[/...]``."""
 
 MAX_DELETES = 512
-"""Keys one sweep deletes at most (the rest: the next sweep): it runs on the
-watcher's thread, between two heartbeat rounds."""
+"""Keys one sweep deletes at most: it runs on the watcher's thread, between
+two heartbeat rounds; the rest go after the next round."""
+
+_JOB_KEY = re.compile(rf"({'|'.join(PER_GENERATION)})/([0-9]+)(/|$)")
+_GROUP_KEY = re.compile(r"g([0-9]+)/")
 
 
 def generation_of(key: str) -> int | None:
     """The generation of a job's per-generation key (``None``: not one)."""
-    name, _, rest = key.partition("/")
-    if name not in PER_GENERATION:
-        return None
-    number = rest.partition("/")[0]
-    return int(number) if number.isdigit() else None
+    found = _JOB_KEY.match(key)
+    return int(found.group(2)) if found else None
 
 
 def group_generation_of(key: str) -> int | None:
     """The generation of a key under the job's groups' prefix (``g<n>/...``)."""
-    head, slash, _ = key.partition("/")
-    if not slash or not head.startswith("g") or not head[1:].isdigit():
-        return None
-    return int(head[1:])
+    found = _GROUP_KEY.match(key)
+    return int(found.group(1)) if found else None
 
 
-def _below(generation: int | None, floor: int) -> bool:
-    return generation is not None and generation < floor
+def parse_floor(held: bytes | None) -> int:
+    text = held.decode(errors="replace") if held is not None else ""
+    return int(text) if text.isascii() and text.isdigit() else 0
 
 
 def floor(store: Any) -> int:
-    """The job's ``floor`` (0: nothing swept yet)."""
-    held = read(store, FLOOR)
-    return int(held) if held is not None and held.isdigit() else 0
+    """The job's ``floor`` (0: nothing swept yet); ``store``: scoped to the job."""
+    return parse_floor(read(store, FLOOR))
+
+
+def raise_floor(store: Any, to: int, key: str = FLOOR) -> int:
+    """Move ``floor`` (at ``key``) up to ``to``, never down; what it holds after."""
+    for _ in range(64):
+        held = read(store, key)
+        now = parse_floor(held)
+        if now >= to:
+            return now
+        expected = held.decode() if held is not None else ""
+        if store.compare_set(key, expected, str(to)) == str(to).encode():
+            return to
+    return parse_floor(read(store, key))
 
 
 FLOOR_EVERY = 1.0
@@ -71,10 +84,10 @@ FLOOR_EVERY = 1.0
 
 class FloorCheck:
     """An agreeing member's looks at ``floor``: whether the generation it
-    reads was swept. It looks when it comes to a generation, after it read
-    that generation decided, and every :data:`FLOOR_EVERY` s while it waits
-    (a member stopped while it waited may find the world it waited for
-    decided, kept past and swept: its key gone)."""
+    reads is below it. It looks when it comes to a generation, after it
+    read that generation decided, and every :data:`FLOOR_EVERY` s while it
+    waits (a member stopped while it waited may find the world it waited
+    for decided, kept past and swept: its key gone)."""
 
     def __init__(self) -> None:
         self._generation = -1
@@ -87,44 +100,55 @@ class FloorCheck:
         return False
 
 
-def raise_floor(store: Any, to: int) -> int:
-    """Move ``floor`` up to ``to`` (never down); the floor it holds after."""
-    for _ in range(64):
-        held = read(store, FLOOR)
-        now = int(held) if held is not None and held.isdigit() else 0
-        if now >= to:
-            return now
-        expected = held.decode() if held is not None else ""
-        if store.compare_set(FLOOR, expected, str(to)) == str(to).encode():
-            return to
-    return floor(store)
+class Sweeper:
+    """Rank 0's sweeps (run on its watcher's thread, :meth:`Watcher.sweep`),
+    through a client of the sweeper's own, without a prefix: a sweep that
+    fails never takes the heartbeat's client with it, and one listing
+    finds both the job's keys and its groups'.
 
-
-def can_sweep(store: Any) -> bool:
-    """Whether the store can list its keys (torch 2.10 and later)."""
-    return callable(getattr(store, "list_keys", None))
-
-
-def sweep(store: Any, groups: Any, below: int) -> int:
-    """Raise ``floor`` to ``below``, then delete the job's keys (``store``:
-    scoped to the job) and its groups' keys (``groups``: scoped to
-    ``ftcomm/groups/<job>/``) of every generation below the floor.
-    Returns the keys deleted.
-
-    Raises:
-        RuntimeError, OSError: the store failed (the watcher keeps it as
-            the store's loss, as for its other ops).
+    ``connect()`` makes that client; ``base``: the address's prefix and
+    ``/``, or ``""``.
     """
-    if not can_sweep(store):
-        return 0
-    below = raise_floor(store, below)
-    doomed = [key for key in store.list_keys() if _below(generation_of(key), below)]
-    deleted = 0
-    for key in doomed[:MAX_DELETES]:
-        deleted += bool(store.delete_key(key))
-    if groups is not None and len(doomed) < MAX_DELETES:
-        left = MAX_DELETES - len(doomed)
-        old = [k for k in groups.list_keys() if _below(group_generation_of(k), below)]
-        for key in old[:left]:
-            deleted += bool(groups.delete_key(key))
-    return deleted
+
+    def __init__(self, connect: Callable[[], Any], base: str, job: str) -> None:
+        self._connect = connect
+        self._client: Any = None
+        self.job_prefix = f"{base}ftcomm/members/{job}/"
+        self.groups_prefix = f"{base}ftcomm/groups/{job}/"
+
+    def __call__(self, floor_to: int) -> bool:
+        """Raise ``floor`` to ``floor_to`` and delete the keys of every
+        generation below ``floor_to - 1`` (:data:`MAX_DELETES` at most).
+        Returns whether keys are left to delete.
+
+        Raises:
+            RuntimeError, OSError: the store failed (the client goes: the
+                next sweep connects again).
+        """
+        try:
+            if self._client is None:
+                self._client = self._connect()
+            client = self._client
+            raise_floor(client, floor_to, self.job_prefix + FLOOR)
+            below = floor_to - 1
+            if below <= 1 or not callable(getattr(client, "list_keys", None)):
+                return False
+            doomed = [key for key in client.list_keys() if self._old(key, below)]
+            for key in doomed[:MAX_DELETES]:
+                client.delete_key(key)
+            return len(doomed) > MAX_DELETES
+        except BaseException:
+            self._client = None
+            raise
+
+    def _old(self, key: str, below: int) -> bool:
+        if key.startswith(self.job_prefix):
+            generation = generation_of(key[len(self.job_prefix) :])
+        elif key.startswith(self.groups_prefix):
+            generation = group_generation_of(key[len(self.groups_prefix) :])
+        else:
+            return False
+        return generation is not None and generation < below
+
+    def close(self) -> None:
+        self._client = None  # its connection closes with the last reference

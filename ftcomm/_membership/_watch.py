@@ -28,7 +28,9 @@ world's other members in turn (so that every path from it is tried within
 ``ceil((n - 1) / 2)`` rounds), and it calls ``on_broken`` once, from its
 thread, when a member of the world is dead or any member says a probe of
 its found a path cut that had worked in that world, or left it to recover
-(``sus/<g>``, one ``id<TAB>what`` line each).
+(``sus/<g>``, one ``id<TAB>what`` line each), or once the world is below
+the job's ``floor`` (``_sweep``: a later one was kept; its keys may be gone).
+On the member that sweeps, it runs the sweep after a round.
 """
 
 from __future__ import annotations
@@ -75,6 +77,10 @@ def suspect_key(generation: int) -> str:
 
 def fate_key(generation: int) -> str:
     return f"fate/{generation}"
+
+
+FLOOR = "floor"
+"""Every generation below it is over: a later one was kept (``_sweep``)."""
 
 
 def at_key(member_id: str) -> str:
@@ -143,8 +149,9 @@ class Watcher:
         self._fate_of: int | None = None  # the generation being configured
         self._fate: bytes | None = None  # its verdicts (fate/<g>), as last read
         self.listener: Listener | None = None  # drained every round
-        self.sweeper: Callable[[int], object] | None = None  # _sweep.sweep, bound
-        self._sweep_below: int | None = None  # a sweep to run after the next round
+        self.sweeper: Any = None  # a _sweep.Sweeper: this member sweeps
+        self._sweep_to: int | None = None  # a sweep to run after the next round
+        self._floor = 0  # the job's floor, as last read
         self._warned = False
         self.error: ConnectionError | None = None
         self._stop = threading.Event()
@@ -283,6 +290,8 @@ class Watcher:
         if said:
             who, _, what = said.decode(errors="replace").splitlines()[0].partition("\t")
             reason = f"{who} {what}"
+        if reason is None and self.below_floor(watched.generation):
+            reason = "later generations were formed without this member, and kept"
         dead = next((m for m in watched.members if not self.alive(m)), None)
         if reason is None and dead is not None:
             reason = f"{dead.id} is dead (its heartbeat stopped, or its process is gone)"
@@ -379,6 +388,8 @@ class Watcher:
         following, fate_of = self._following, self._fate_of
         quit_text = read(self._store, quit_key(following)) if following is not None else None
         fate_text = read(self._store, fate_key(fate_of)) if fate_of is not None else None
+        busy = following is not None or fate_of is not None or self._watched is not None
+        floor_text = read(self._store, FLOOR) if busy else None
         now = self._clock()
         with self._lock:
             gap = now - self._last_tick if self._last_tick is not None else 0.0
@@ -398,6 +409,8 @@ class Watcher:
                 self._quit |= set(parse_roster(quit_text))  # it only grows
             if fate_of == self._fate_of and fate_text is not None:
                 self._fate = fate_text  # it only grows (appended)
+            if floor_text is not None and floor_text.isdigit():
+                self._floor = max(self._floor, int(floor_text))  # it only grows
             for member_id, value in zip(ids, values, strict=True):
                 old = self._seen.get(member_id)
                 # moved, or we were not looking (then no one's silence counts)
@@ -408,15 +421,28 @@ class Watcher:
             self.listener.drain()
         self._check_world()
         with self._lock:
-            below, self._sweep_below = self._sweep_below, None
-        if below is not None and self.sweeper is not None:
-            self.sweeper(below)
+            to, self._sweep_to = self._sweep_to, None
+        if to is not None and self.sweeper is not None:
+            try:
+                more = self.sweeper(to)
+            except Exception as exc:  # never the heartbeat's end: a later sweep tries again
+                log.warning("ftcomm: membership %s could not sweep: %s", self.me.id, exc)
+            else:
+                if more:
+                    self.sweep(to)
 
-    def sweep(self, below: int) -> None:
-        """After the next round, sweep the generations below ``below``
-        (``_sweep``: this member is rank 0 of a generation just kept)."""
+    def sweep(self, floor_to: int) -> None:
+        """After the next round, raise the floor to ``floor_to`` and sweep
+        below (``_sweep``: this member is rank 0 of a generation just kept)."""
         with self._lock:
-            self._sweep_below = max(below, self._sweep_below or 0)
+            self._sweep_to = max(floor_to, self._sweep_to or 0)
+
+    def below_floor(self, generation: int) -> bool:
+        """Whether ``generation`` is over for good (a later one was kept),
+        as the floor was last read (each round, while a generation is
+        followed, configured or watched)."""
+        with self._lock:
+            return generation < self._floor
 
     def refresh(self, store: Any, members: list[Member]) -> None:
         """Read ``members``' heartbeats now, through ``store`` (the caller's
@@ -470,5 +496,6 @@ class Watcher:
         self._probes.close()
         if self.listener is not None:
             self.listener.close()
-        self.sweeper = None  # it holds the client too
+        if self.sweeper is not None:
+            self.sweeper.close()
         self._store = None  # its connection closes with the last reference
