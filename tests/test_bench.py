@@ -704,23 +704,32 @@ def test_a_heartbeat_round_is_counted_call_by_call_and_byte_by_byte() -> None:
 
 
 def test_the_scale_table_shows_each_size_against_three_members_and_the_store_load() -> None:
-    def trials(join: float, kill: float, ops: float, nbytes: float) -> list[scale.Trial]:
-        return [scale.Trial(join, kill, 1.0, ops, nbytes, {"compare_set": ops - 1})] * 3
+    def trials(
+        join: float, connect: float, kill: float, ops: float, nbytes: float
+    ) -> list[scale.Trial]:
+        calls = {"compare_set": ops - 1}
+        return [scale.Trial(join, kill, 1.0, ops, nbytes, calls, connect=connect)] * 3
 
     rows = [
-        scale.Row(3, trials(0.4, 1.5, 4.0, 500.0)),
-        scale.Row(32, trials(1.0, 2.0, 4.0, 2600.0)),
+        scale.Row(3, trials(0.4, 0.1, 1.5, 4.0, 500.0)),
+        scale.Row(32, trials(1.0, 0.5, 2.0, 4.0, 2600.0)),
         scale.Row(16, failed="16 members, trial 1: m3 failed:\nTraceback"),
     ]
     text = scale.format_scale(rows, ["took 1 s"])
-    assert re.search(r"^\s+3\s+400 1\.00x\s+1500 1\.00x\s+4\.0\s+500\s+60\s+7500$", text, re.M)
-    row_32 = r"^\s+32\s+1000 2\.50x \(<= 2x: MISSED\)\s+2000 1\.33x \(<= 2x: ok\)\s+4\.0\s+2600"
+    row_3 = r"^\s+3\s+400 1\.00x\s+100\s+300\s+1\.00x\s+1500 1\.00x\s+4\.0\s+500\s+60\s+7500$"
+    assert re.search(row_3, text, re.M), text
+    row_32 = (
+        r"^\s+32\s+1000 2\.50x \(<= 2x: MISSED\)\s+500\s+500\s+1\.67x"
+        r"\s+2000 1\.33x \(<= 2x: ok\)\s+4\.0\s+2600"
+    )
     assert re.search(row_32, text, re.M), text
     assert re.search(r"^\s+16 FAILED: 16 members, trial 1: m3 failed:$", text, re.M), text
     assert "32 members, one round: compare_set 3" in text
     doc = scale.scale_json(rows, [])
     assert [r["members"] for r in doc["rows"]] == [3, 32, 16]
     assert doc["rows"][1]["join_vs_3"] == pytest.approx(2.5)
+    assert doc["rows"][1]["after_connect_vs_3"] == pytest.approx(5 / 3)
+    assert doc["rows"][1]["connect_ms"] == [500.0] * 3
     assert doc["rows"][1]["heartbeat_round"]["ops_at_store_per_s"] == pytest.approx(640.0)
     assert doc["rows"][2] == {"members": 16, "trials": 0, "failed": rows[2].failed}
 
@@ -730,7 +739,7 @@ def test_a_scale_trial_of_two_members_joins_counts_a_round_and_recovers() -> Non
     from ftcomm.testing._world import _mp_context
 
     got = scale.trial(_mp_context(), 2, "asyncio", 0, rounds=2)
-    assert got.join > 0
+    assert got.join > got.connect > 0
     assert got.kill_to_good > 0
     assert got.ops_per_round >= 2  # a beat and a read of the roster at least
     assert got.bytes_per_round > 0

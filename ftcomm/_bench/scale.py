@@ -224,6 +224,7 @@ async def _member(
         ) as members,
         ftcomm.Group("gloo", timeout=settings.op_deadline) as group,
     ):
+        conn.send(("opened", time.monotonic()))
         while True:
             try:
                 world = await members.join(group)
@@ -287,6 +288,9 @@ class Trial:
     ops: dict[str, float] = field(default_factory=dict)
     stalls: list[str] = field(default_factory=list)
     """What each join()/recover() that ran out of time said (it was called again)."""
+    connect: float = 0.0
+    """From ``go`` to the last member's ``Membership`` open (its store clients
+    connected, its listener up): part of :attr:`join`."""
 
 
 def _target(address: str, job: str, settings: Settings) -> Callable[[str], Target]:
@@ -308,10 +312,13 @@ def trial(ctx: Any, size: int, loop: str, n: int, rounds: int = ROUNDS) -> Trial
     with _store() as address:
         fleet = Fleet(ctx, _target(address, f"scale-{size}-{n}", settings))
         stalls: list[str] = []
+        opened: dict[Incarnation, float] = {}
 
         def on(inc: Incarnation, message: tuple[Any, ...]) -> None:
             if message[0] == "timeout":
                 stalls.append(f"{inc.name}: {message[2]}")
+            elif message[0] == "opened":
+                opened.setdefault(inc, float(message[1]))
 
         try:
             first = time.monotonic()
@@ -345,7 +352,9 @@ def trial(ctx: Any, size: int, loop: str, n: int, rounds: int = ROUNDS) -> Trial
         finally:
             fleet.close()
             shutil.rmtree(folder, ignore_errors=True)
-    return _trial_of(first, go, joined, killed, back, loads, stalls)
+    trial = _trial_of(first, go, joined, killed, back, loads, stalls)
+    trial.connect = max(opened.values(), default=go) - go
+    return trial
 
 
 def _trial_of(
@@ -430,13 +439,18 @@ def _kill(t: Trial) -> float:
     return t.kill_to_good
 
 
+def _after(t: Trial) -> float:
+    return t.join - t.connect
+
+
 def format_scale(rows: Sequence[Row], notes: Sequence[str]) -> str:
     interval = HEARTBEAT_TIMEOUT / 5
     lines = [
         f"scale: members on loopback, each a process (from the fork server); {TRIALS} trials "
         f"per size, p50; heartbeat timeout {HEARTBEAT_TIMEOUT:g} s (a round every "
         f"{interval:g} s); a step: an allreduce of 2 floats, then {STEP_PAUSE * 1e3:g} ms",
-        f"{'members':>7} {'join_ms':>8} {'vs 3':<21} {'kill_ms':>8} {'vs 3':<21}"
+        f"{'members':>7} {'join_ms':>8} {'vs 3':<21} {'conn_ms':>8} {'after_ms':>8} {'vs 3':>6}"
+        f" {'kill_ms':>8} {'vs 3':<21}"
         f" {'ops/round':>9} {'B/round':>8} {'store ops/s':>11} {'store B/s':>10}",
     ]
     for row in rows:
@@ -444,15 +458,21 @@ def format_scale(rows: Sequence[Row], notes: Sequence[str]) -> str:
             lines.append(f"{row.size:>7} FAILED: {(row.failed or 'no trial').splitlines()[0]}")
             continue
         ops, nbytes = row.p50(lambda t: t.ops_per_round), row.p50(lambda t: t.bytes_per_round)
+        after = _ratio(rows, row, _after)
         lines.append(
             f"{row.size:>7} {row.p50(_join) * 1e3:8.0f} {_verdict(rows, row, _join):<21}"
+            f" {row.p50(lambda t: t.connect) * 1e3:8.0f} {row.p50(_after) * 1e3:8.0f}"
+            f" {'' if after is None else f'{after:.2f}x':>6}"
             f" {row.p50(_kill) * 1e3:8.0f} {_verdict(rows, row, _kill):<21}"
             f" {ops:9.1f} {nbytes:8.0f} {ops * row.size / interval:11.0f}"
             f" {nbytes * row.size / interval:10.0f}"
         )
     lines.append(
         "(join: from every process ready, told to go at once, to the last member's first "
-        "allreduce in the first generation; kill: from a member's SIGKILL to the last "
+        "allreduce in the first generation; conn: from go to the last member's Membership "
+        "open (its store clients: each c10d client looks its socket's address up in DNS, "
+        "and a resolver that drops a query waits its timeout, 5 s by default); after: join "
+        "less conn; kill: from a member's SIGKILL to the last "
         "survivor's first good allreduce without it; ops/round and B/round: one member's "
         "heartbeat round, store operations and bytes both ways as c10d frames them; store "
         "ops/s and B/s: every member's rounds together, at the store)"
@@ -489,6 +509,9 @@ def scale_json(rows: Sequence[Row], notes: Sequence[str]) -> dict[str, Any]:
                 "start_ms": [round(t.start * 1e3, 1) for t in row.trials],
                 "stalls": [stall for t in row.trials for stall in t.stalls],
                 "join_p50_ms": round(row.p50(_join) * 1e3, 1),
+                "connect_ms": [round(t.connect * 1e3, 1) for t in row.trials],
+                "after_connect_p50_ms": round(row.p50(_after) * 1e3, 1),
+                "after_connect_vs_3": _ratio(rows, row, _after),
                 "kill_to_good_step_p50_ms": round(row.p50(_kill) * 1e3, 1),
                 "join_vs_3": _ratio(rows, row, _join),
                 "kill_vs_3": _ratio(rows, row, _kill),
