@@ -463,12 +463,16 @@ def test_the_state_copy_rows_show_ratios_to_raw_and_the_extra_memory() -> None:
 
 @pytest.mark.skipif(links.missing() is not None, reason=str(links.missing()))
 def test_the_state_copy_over_links_of_their_own_runs_and_leaves_no_namespace() -> None:
-    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    def ours() -> list[str]:  # (other tests' namespaces come and go meanwhile)
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        tag = f"ftc{os.getpid() % 100000}"
+        return [line for line in listed.splitlines() if line.startswith(tag)]
+
+    assert ours() == []
     rows = links.measure(4, 1, 2.0)
     assert rows.ratio() > 0
     assert "two behind take" in links.format_links(rows)
-    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert after == before
+    assert ours() == []
 
 
 def test_a_rate_of_the_links_must_be_a_finite_number_at_least_zero() -> None:

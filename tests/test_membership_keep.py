@@ -130,7 +130,7 @@ async def test_a_world_another_member_gave_up_ends_a_configure_still_waiting(
     record = WorldRecord(1, (ME, OTHER))
     started = time.monotonic()
     async with ftcomm.Group("gloo", timeout=30) as group:
-        with pytest.raises(ftcomm.CommAborted, match="another member gave it up"):
+        with pytest.raises(ftcomm.CommAborted, match="given up as it was configured"):
             await _keep.configure(
                 _members(engine), group, record, f"{store.address}/g", 0, started + 20
             )

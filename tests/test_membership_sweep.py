@@ -6,6 +6,7 @@ of its own."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from typing import Any
 
@@ -17,7 +18,7 @@ from torch.distributed import TCPStore
 import ftcomm
 from ftcomm._membership import _sweep
 
-pytestmark = pytest.mark.skipif(
+lists_keys = pytest.mark.skipif(
     not hasattr(TCPStore, "list_keys"), reason="the sweep lists keys: torch 2.10 and later"
 )
 
@@ -76,6 +77,7 @@ def _generations_left(store: Any) -> set[int]:
     return found
 
 
+@lists_keys
 @pytest.mark.asyncio
 async def test_a_job_keeps_only_its_last_three_generations_keys(store: Any) -> None:
     """Eight generations in a row: once the last is kept, only it and the
@@ -93,7 +95,8 @@ async def test_a_job_keeps_only_its_last_three_generations_keys(store: Any) -> N
                 *(m.recover(g) for m, g in zip(members, groups, strict=True))
             )
             last = worlds[0].generation
-            await _swept_to(store, last - 1)
+            if last >= 4:  # (before, nothing can be below floor - 1: no sweep)
+                await _swept_to(store, last - 1)
             assert _generations_left(store) == {g for g in (last - 2, last - 1, last) if g > 0}
             counts.append(len(_keys(store)))
         assert last == 8
@@ -102,6 +105,7 @@ async def test_a_job_keeps_only_its_last_three_generations_keys(store: Any) -> N
         assert [s.item() for s in sums] == [3.0] * 3
 
 
+@lists_keys
 @pytest.mark.asyncio
 async def test_a_member_stopped_through_swept_generations_is_dropped_at_once(
     store: Any,
@@ -156,6 +160,7 @@ def _value(store: Any, key: str) -> bytes | None:
     return bytes(store._store.get(key)) if store._store.check([key]) else None
 
 
+@lists_keys
 @pytest.mark.asyncio
 async def test_a_member_resumed_after_its_world_was_swept_is_told_it_is_over(
     store: Any,
@@ -182,12 +187,14 @@ async def test_a_member_resumed_after_its_world_was_swept_is_told_it_is_over(
             rounds.append(time.monotonic())
 
         watcher.tick = stopped_tick
-        for generation in (2, 3, 4):
-            worlds = await asyncio.gather(a.recover(ga), b.recover(gb))
-            assert {w.generation for w in worlds} == {generation}
-        await _swept_to(store, 3)
-        assert JOB + "sus/1" not in _keys(store)
-        resume.set()
+        try:
+            for generation in (2, 3, 4):
+                worlds = await asyncio.gather(a.recover(ga), b.recover(gb))
+                assert {w.generation for w in worlds} == {generation}
+            await _swept_to(store, 3)
+            assert JOB + "sus/1" not in _keys(store)
+        finally:
+            resume.set()
         deadline = time.monotonic() + 10.0
         while len(rounds) < 2:  # the watcher's thread: nothing to await
             assert time.monotonic() < deadline, "c's watcher never ran again"
@@ -226,6 +233,7 @@ def _full(store: Any) -> Any:
     return store._store  # the server's own store object: every key, no prefix
 
 
+@lists_keys
 def test_a_sweep_deletes_at_most_its_share_and_the_rest_next_time(
     store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -239,8 +247,8 @@ def test_a_sweep_deletes_at_most_its_share_and_the_rest_next_time(
     sweeper = _sweep.Sweeper(lambda: inner, "", "job")
     monkeypatch.setattr(_sweep, "MAX_DELETES", 5)
     # floor 5: generations 1-3 go (6 job keys, 3 group keys), 5 at a time
-    assert sweeper(5) is True
-    assert sweeper(5) is False
+    assert sweeper.sweep_once(5) is True
+    assert sweeper.sweep_once(5) is False
     left = sorted(k for k in inner.list_keys() if "/job" in k)
     assert left == sorted(
         [f"{JOB}floor", f"{JOB}hb/a"]
@@ -261,50 +269,79 @@ def test_a_store_that_cannot_list_its_keys_still_raises_the_floor(store: Any) ->
     inner = _full(store)
     inner.set(f"{JOB}world/1", "w")
     old = Old(inner)
-    assert _sweep.Sweeper(lambda: old, "", "job")(5) is False
+    assert _sweep.Sweeper(lambda: old, "", "job").sweep_once(5) is False
     assert inner.get(f"{JOB}floor") == b"5"
     assert inner.check([f"{JOB}world/1"])
 
 
-def test_a_sweep_that_fails_leaves_the_heartbeat_beating(store: Any) -> None:
-    """The sweeper raises (a store that does not know the request, a
-    neighbour's odd key): the watcher logs it and beats on; the next sweep
-    connects again."""
+class _Dropping:
+    """The server's store object, which drops the sweep's first listing (as
+    a store that does not know the request would); a module's class: a
+    test's own would keep the server's store in a reference cycle."""
+
+    def __init__(self, inner: Any, *, fail: bool, swept: Any) -> None:
+        self._inner, self._fail, self._swept = inner, fail, swept
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "list_keys" and self._fail:
+            raise RuntimeError("the store dropped the connection")
+        if name == "delete_key":
+            self._swept.set()
+        return getattr(self._inner, name)
+
+
+def test_a_sweep_runs_on_a_thread_of_its_own_and_a_failed_one_runs_again(store: Any) -> None:
+    """The sweep's client takes its time to connect, then the store drops
+    it: the member's heartbeat beats on meanwhile (the sweep never runs on
+    its thread), the failure is logged, and the next request connects
+    again and sweeps; nothing before generation 3, where no key can go."""
+    import threading
+
     from ftcomm._membership._rule import Member
     from ftcomm._membership._watch import Watcher, beat_key
 
-    calls: list[int] = []
+    inner = _full(store)
+    inner.set(f"{JOB}world/1", "w")
+    connects: list[float] = []
+    swept = threading.Event()
 
-    class Failing:
-        def __call__(self, floor_to: int) -> bool:
-            calls.append(floor_to)
-            raise RuntimeError("the store dropped the connection")
+    def connect() -> _Dropping:
+        connects.append(time.monotonic())
+        time.sleep(1.0)  # a store connect that waits on a DNS lookup
+        return _Dropping(inner, fail=len(connects) == 1, swept=swept)
 
-        def close(self) -> None:
-            calls.append(-1)
-
-    scoped = torch.distributed.PrefixStore("ftcomm/members/job", _full(store))
-    me = Member("m", "t")
+    scoped = torch.distributed.PrefixStore("ftcomm/members/job", inner)
     scoped.set(beat_key("m"), "t 0")
-    watcher = Watcher(scoped, me, interval=0.05, timeout=1.0)
-    watcher.sweeper = Failing()
+    watcher = Watcher(scoped, Member("m", "t"), interval=0.05, timeout=1.0)
+    watcher.sweeper = _sweep.Sweeper(connect, "", "job")
+    beats: list[float] = []
+    real_beat = watcher.beat
+
+    def beat() -> None:
+        real_beat()
+        beats.append(time.monotonic())
+
+    watcher.beat = beat  # type: ignore[method-assign]
     watcher.start()
     try:
-        watcher.sweep(3)
+        watcher.sweep(2)  # nothing can be below 1: no connect, no thread
+        watcher.sweep(3)  # connects (1 s), then the store drops it
         deadline = time.monotonic() + 10.0
-        while not calls:  # the watcher's thread: nothing to await
-            assert time.monotonic() < deadline, "the sweep never ran"
+        while len(connects) < 1 or time.monotonic() - connects[0] < 1.5:
+            assert time.monotonic() < deadline
             time.sleep(0.01)
-        beat = scoped.get(beat_key("m"))
-        while scoped.get(beat_key("m")) == beat:
-            assert time.monotonic() < deadline, "the heartbeat stopped after the sweep failed"
-            time.sleep(0.01)
+        watcher.sweep(3)  # again: a new client, and world/1 goes
+        assert swept.wait(10.0), "the sweep never ran again"
         assert watcher.error is None
     finally:
         watcher.stop(leave=False)
+        del watcher.beat  # (it held the watcher, and through it the server's store)
         del scoped
-    assert calls[0] == 3
-    assert calls[-1] == -1  # closed with the watcher
+    assert len(connects) == 2
+    gaps = [later - earlier for earlier, later in itertools.pairwise(beats)]
+    assert max(gaps) < 0.5, f"the heartbeat waited on the sweep: {max(gaps):.2f} s"
+    assert not inner.check([f"{JOB}world/1"])
+    assert inner.get(f"{JOB}floor") == b"3"
 
 
 @pytest.mark.asyncio
@@ -332,12 +369,11 @@ async def test_a_stale_member_polling_a_generation_is_told_once_the_floor_passes
         inner.set(f"{JOB}world/1", one.encode())
         inner.set(f"{JOB}gen", "1")
 
-        def later() -> None:
-            for g in (2, 3, 4):
-                inner.set(f"{JOB}world/{g}", WorldRecord(g, (a_, b_), seen=1).encode())
-            inner.set(f"{JOB}gen", "4")
+        def later() -> None:  # (world/2, the one c would read, as if swept: never there)
             inner.set(f"{JOB}floor", "3")
-            inner.delete_key(f"{JOB}world/2")  # (as if swept: the world c would read)
+            inner.set(f"{JOB}gen", "4")
+            for g in (3, 4):
+                inner.set(f"{JOB}world/{g}", WorldRecord(g, (a_, b_), seen=1).encode())
 
         timer = threading.Timer(0.5, later)
         timer.start()

@@ -295,9 +295,9 @@ def _store_record(address: str, job: str) -> str:
         value = watch_read(store, prefix + key)
         return value.decode(errors="replace") if value is not None else None
 
-    floor = max(int(read("floor") or 1), 1)  # (the keys of generations below it are swept)
-    lines = [f"the store's record of job {job!r} (generations {floor} to {read('gen')}):"]
-    for g in range(floor, int(read("gen") or 0) + 2):
+    kept = max(int(read("floor") or 2) - 1, 1)  # (the keys below floor - 1 are swept)
+    lines = [f"the store's record of job {job!r} (generations {kept} to {read('gen')}):"]
+    for g in range(kept, int(read("gen") or 0) + 2):
         for key in (f"world/{g}", f"fate/{g}", f"quit/{g}", f"sus/{g}", f"ready/{g}"):
             value = read(key)
             if value is not None:

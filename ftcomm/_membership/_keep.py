@@ -97,7 +97,10 @@ async def configure(
                 else:
                     kept_first = True  # the others configured it: this one may complete too
             elif given_up:
-                gone = "another member gave it up as it was configured"
+                gone = (
+                    "it was given up as it was configured (by another member, or a later "
+                    "generation was kept)"
+                )
             if gone:
                 await group.abort()  # (its error is the verdict's, below)
             else:

@@ -87,7 +87,7 @@ def _poll_cap(members: int) -> float:
 OP_TIMEOUT = 30.0
 """Seconds a store op may take before the engine calls the store gone."""
 SWEEP_CONNECT = 5.0
-"""Seconds the sweeper's own client may take to connect (on the watcher's thread)."""
+"""Seconds the sweeper's own client may take to connect (on its own thread)."""
 
 
 class StoreEngine:
@@ -153,7 +153,10 @@ class StoreEngine:
                 timeout=self._timeout,
             )
             self.watcher.sweeper = _sweep.Sweeper(
-                lambda: connect_store(plain, SWEEP_CONNECT), _base(self.addr), self.job
+                lambda: connect_store(plain, SWEEP_CONNECT),
+                _base(self.addr),
+                self.job,
+                name=f"sweep-{self.me.id}",
             )
             self._claim(stop)
             for client in (self._store, self.watcher.store):

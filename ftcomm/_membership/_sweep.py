@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._watch import FLOOR, read
+from ._watch import FLOOR, FLOOR_EVERY, read
 
 log = logging.getLogger("ftcomm")
 
@@ -78,10 +79,6 @@ def raise_floor(store: Any, to: int, key: str = FLOOR) -> int:
     return parse_floor(read(store, key))
 
 
-FLOOR_EVERY = 1.0
-"""Seconds between two looks at ``floor`` while a generation is awaited."""
-
-
 class FloorCheck:
     """An agreeing member's looks at ``floor``: whether the generation it
     reads is below it. It looks when it comes to a generation, after it
@@ -101,22 +98,65 @@ class FloorCheck:
 
 
 class Sweeper:
-    """Rank 0's sweeps (run on its watcher's thread, :meth:`Watcher.sweep`),
-    through a client of the sweeper's own, without a prefix: a sweep that
-    fails never takes the heartbeat's client with it, and one listing
-    finds both the job's keys and its groups'.
+    """Rank 0's sweeps, on a thread of the sweeper's own and through a
+    store client of its own, without a prefix: a sweep never runs between
+    two heartbeats, one that fails never takes the heartbeat's client with
+    it, and one listing finds both the job's keys and its groups'.
 
-    ``connect()`` makes that client; ``base``: the address's prefix and
-    ``/``, or ``""``.
+    ``connect()`` makes that client (on the sweeper's thread, when it is
+    first needed); ``base``: the address's prefix and ``/``, or ``""``.
     """
 
-    def __init__(self, connect: Callable[[], Any], base: str, job: str) -> None:
+    def __init__(
+        self, connect: Callable[[], Any], base: str, job: str, name: str = "sweep"
+    ) -> None:
         self._connect = connect
         self._client: Any = None
         self.job_prefix = f"{base}ftcomm/members/{job}/"
         self.groups_prefix = f"{base}ftcomm/groups/{job}/"
+        self._name = f"ftcomm-membership-{name}"
+        self._lock = threading.Lock()  # guards the three fields below
+        self._wanted = 0  # the floor asked for last
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
 
-    def __call__(self, floor_to: int) -> bool:
+    def request(self, floor_to: int) -> None:
+        """Sweep up to ``floor_to`` soon (:meth:`sweep_once`, until done),
+        on the sweeper's thread. Nothing while no key can be below
+        ``floor_to - 1`` (its first two generations): no thread, no client."""
+        if floor_to <= 2:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._wanted = max(self._wanted, floor_to)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        done = 0  # the floor swept up to, every key below its floor - 1 gone
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                if self._closed:
+                    return
+                wanted = self._wanted
+            if wanted <= done:
+                continue
+            try:
+                while self.sweep_once(wanted):  # capped: the rest, at once
+                    if self._closed:
+                        return
+                done = wanted
+            except Exception as exc:  # a later request tries again
+                # (as text: the error's frames hold the client)
+                log.warning("ftcomm: membership: a sweep of old generations failed: %s", str(exc))
+
+    def sweep_once(self, floor_to: int) -> bool:
         """Raise ``floor`` to ``floor_to`` and delete the keys of every
         generation below ``floor_to - 1`` (:data:`MAX_DELETES` at most).
         Returns whether keys are left to delete.
@@ -129,12 +169,15 @@ class Sweeper:
             if self._client is None:
                 self._client = self._connect()
             client = self._client
-            raise_floor(client, floor_to, self.job_prefix + FLOOR)
-            below = floor_to - 1
-            if below <= 1 or not callable(getattr(client, "list_keys", None)):
+            if raise_floor(client, floor_to, self.job_prefix + FLOOR) < floor_to:
+                return False  # (never: the floor only rises) no key goes before it
+            if not callable(getattr(client, "list_keys", None)):
                 return False
+            below = floor_to - 1
             doomed = [key for key in client.list_keys() if self._old(key, below)]
             for key in doomed[:MAX_DELETES]:
+                if self._closed:
+                    return False
                 client.delete_key(key)
             return len(doomed) > MAX_DELETES
         except BaseException:
@@ -150,5 +193,12 @@ class Sweeper:
             return False
         return generation is not None and generation < below
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread (after the store op in flight) and let the client go."""
+        with self._lock:
+            self._closed = True
+            thread, self._thread = self._thread, None
+        self._wake.set()
+        if thread is not None:
+            thread.join(timeout)
         self._client = None  # its connection closes with the last reference

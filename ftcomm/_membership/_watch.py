@@ -81,6 +81,8 @@ def fate_key(generation: int) -> str:
 
 FLOOR = "floor"
 """Every generation below it is over: a later one was kept (``_sweep``)."""
+FLOOR_EVERY = 1.0
+"""Seconds between two looks at ``floor`` (by the watcher, and by an agreeing member)."""
 
 
 def at_key(member_id: str) -> str:
@@ -150,8 +152,8 @@ class Watcher:
         self._fate: bytes | None = None  # its verdicts (fate/<g>), as last read
         self.listener: Listener | None = None  # drained every round
         self.sweeper: Any = None  # a _sweep.Sweeper: this member sweeps
-        self._sweep_to: int | None = None  # a sweep to run after the next round
         self._floor = 0  # the job's floor, as last read
+        self._floor_read = -1e9  # when (by the clock)
         self._warned = False
         self.error: ConnectionError | None = None
         self._stop = threading.Event()
@@ -388,8 +390,12 @@ class Watcher:
         following, fate_of = self._following, self._fate_of
         quit_text = read(self._store, quit_key(following)) if following is not None else None
         fate_text = read(self._store, fate_key(fate_of)) if fate_of is not None else None
+        # the floor only matters to a member stopped through generations: a
+        # look every FLOOR_EVERY s, and at once after a late round
         busy = following is not None or fate_of is not None or self._watched is not None
-        floor_text = read(self._store, FLOOR) if busy else None
+        late = self._last_tick is not None and self._clock() - self._last_tick > self.timeout / 2
+        due = self._clock() - self._floor_read >= FLOOR_EVERY or late
+        floor_text = read(self._store, FLOOR) if busy and due else None
         now = self._clock()
         with self._lock:
             gap = now - self._last_tick if self._last_tick is not None else 0.0
@@ -409,6 +415,8 @@ class Watcher:
                 self._quit |= set(parse_roster(quit_text))  # it only grows
             if fate_of == self._fate_of and fate_text is not None:
                 self._fate = fate_text  # it only grows (appended)
+            if busy and due:
+                self._floor_read = now
             if floor_text is not None and floor_text.isdigit():
                 self._floor = max(self._floor, int(floor_text))  # it only grows
             for member_id, value in zip(ids, values, strict=True):
@@ -420,22 +428,13 @@ class Watcher:
         if self.listener is not None:
             self.listener.drain()
         self._check_world()
-        with self._lock:
-            to, self._sweep_to = self._sweep_to, None
-        if to is not None and self.sweeper is not None:
-            try:
-                more = self.sweeper(to)
-            except Exception as exc:  # never the heartbeat's end: a later sweep tries again
-                log.warning("ftcomm: membership %s could not sweep: %s", self.me.id, exc)
-            else:
-                if more:
-                    self.sweep(to)
 
     def sweep(self, floor_to: int) -> None:
-        """After the next round, raise the floor to ``floor_to`` and sweep
-        below (``_sweep``: this member is rank 0 of a generation just kept)."""
-        with self._lock:
-            self._sweep_to = max(floor_to, self._sweep_to or 0)
+        """Raise the floor to ``floor_to`` and sweep below, on the sweeper's
+        own thread (``_sweep``: this member is rank 0 of a generation just
+        kept); nothing where this member does not sweep."""
+        if self.sweeper is not None:
+            self.sweeper.request(floor_to)
 
     def below_floor(self, generation: int) -> bool:
         """Whether ``generation`` is over for good (a later one was kept),
