@@ -290,7 +290,10 @@ class _Dropping:
         return getattr(self._inner, name)
 
 
-def test_a_sweep_runs_on_a_thread_of_its_own_and_a_failed_one_runs_again(store: Any) -> None:
+@lists_keys
+def test_a_sweep_runs_on_a_thread_of_its_own_and_a_failed_one_runs_again(
+    store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     """The sweep's client takes its time to connect, then the store drops
     it: the member's heartbeat beats on meanwhile (the sweep never runs on
     its thread), the failure is logged, and the next request connects
@@ -338,10 +341,42 @@ def test_a_sweep_runs_on_a_thread_of_its_own_and_a_failed_one_runs_again(store: 
         del watcher.beat  # (it held the watcher, and through it the server's store)
         del scoped
     assert len(connects) == 2
+    assert "a sweep of old generations failed: the store dropped the connection" in caplog.text
     gaps = [later - earlier for earlier, later in itertools.pairwise(beats)]
     assert max(gaps) < 0.5, f"the heartbeat waited on the sweep: {max(gaps):.2f} s"
     assert not inner.check([f"{JOB}world/1"])
     assert inner.get(f"{JOB}floor") == b"3"
+
+
+def test_a_sweeper_closed_as_it_connects_touches_no_key_after() -> None:
+    """close() while the sweep's client connects: it waits for the connect,
+    then the sweep stops before its first store op; no thread, no client."""
+    import threading
+
+    entered, release, ops = threading.Event(), threading.Event(), []
+
+    class Recording:
+        def __getattr__(self, name: str) -> Any:
+            ops.append(name)
+            raise AssertionError(f"a store op after close: {name}")
+
+    def connect() -> Recording:
+        entered.set()
+        release.wait(10.0)
+        return Recording()
+
+    sweeper = _sweep.Sweeper(connect, "", "job", name="sweep-test")
+    sweeper.request(5)
+    assert entered.wait(10.0)
+    timer = threading.Timer(0.2, release.set)
+    timer.start()
+    sweeper.close()
+    timer.join()
+    assert ops == []
+    assert not [t for t in threading.enumerate() if t.name == "ftcomm-membership-sweep-test"]
+    assert sweeper._client is None
+    sweeper.request(6)  # after close: nothing
+    assert not [t for t in threading.enumerate() if t.name == "ftcomm-membership-sweep-test"]
 
 
 @pytest.mark.asyncio

@@ -150,11 +150,15 @@ class Sweeper:
             try:
                 while self.sweep_once(wanted):  # capped: the rest, at once
                     if self._closed:
-                        return
-                done = wanted
+                        break
+                else:
+                    done = wanted
             except Exception as exc:  # a later request tries again
                 # (as text: the error's frames hold the client)
                 log.warning("ftcomm: membership: a sweep of old generations failed: %s", str(exc))
+            if self._closed:
+                self._client = None  # (on this thread: close() may have come mid-connect)
+                return
 
     def sweep_once(self, floor_to: int) -> bool:
         """Raise ``floor`` to ``floor_to`` and delete the keys of every
@@ -169,9 +173,11 @@ class Sweeper:
             if self._client is None:
                 self._client = self._connect()
             client = self._client
+            if self._closed:
+                return False
             if raise_floor(client, floor_to, self.job_prefix + FLOOR) < floor_to:
                 return False  # (never: the floor only rises) no key goes before it
-            if not callable(getattr(client, "list_keys", None)):
+            if self._closed or not callable(getattr(client, "list_keys", None)):
                 return False
             below = floor_to - 1
             doomed = [key for key in client.list_keys() if self._old(key, below)]
@@ -193,12 +199,14 @@ class Sweeper:
             return False
         return generation is not None and generation < below
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop the thread (after the store op in flight) and let the client go."""
+    def close(self) -> None:
+        """Stop the thread, after the store op in flight (each is bounded:
+        the connect by its timeout, an op by the client's), and let the
+        client go."""
         with self._lock:
             self._closed = True
             thread, self._thread = self._thread, None
         self._wake.set()
         if thread is not None:
-            thread.join(timeout)
+            thread.join()
         self._client = None  # its connection closes with the last reference

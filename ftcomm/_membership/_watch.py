@@ -30,7 +30,7 @@ thread, when a member of the world is dead or any member says a probe of
 its found a path cut that had worked in that world, or left it to recover
 (``sus/<g>``, one ``id<TAB>what`` line each), or once the world is below
 the job's ``floor`` (``_sweep``: a later one was kept; its keys may be gone).
-On the member that sweeps, it runs the sweep after a round.
+On the member that sweeps, it asks its sweeper (a thread of its own) to.
 """
 
 from __future__ import annotations
@@ -393,8 +393,9 @@ class Watcher:
         # the floor only matters to a member stopped through generations: a
         # look every FLOOR_EVERY s, and at once after a late round
         busy = following is not None or fate_of is not None or self._watched is not None
-        late = self._last_tick is not None and self._clock() - self._last_tick > self.timeout / 2
-        due = self._clock() - self._floor_read >= FLOOR_EVERY or late
+        began = self._clock()
+        late = self._last_tick is not None and began - self._last_tick > self.timeout / 2
+        due = began - self._floor_read >= FLOOR_EVERY or late
         floor_text = read(self._store, FLOOR) if busy and due else None
         now = self._clock()
         with self._lock:
@@ -438,8 +439,8 @@ class Watcher:
 
     def below_floor(self, generation: int) -> bool:
         """Whether ``generation`` is over for good (a later one was kept),
-        as the floor was last read (each round, while a generation is
-        followed, configured or watched)."""
+        as the floor was last read (every :data:`FLOOR_EVERY` s, and after a
+        late round, while a generation is followed, configured or watched)."""
         with self._lock:
             return generation < self._floor
 
