@@ -222,13 +222,17 @@ def _launched(
     """A launcher in a process group of its own, as a terminal's foreground
     job, started with ``ignoring`` ignored (as by nohup, or a background job);
     on the way out, it and the members whose pids are in ``where`` are gone."""
-    argv = [*RUN, *args]
-    if ignoring is not None:  # exec keeps an ignored signal ignored
-        wrapper = (
-            f"import os, signal, sys; signal.signal({int(ignoring)}, signal.SIG_IGN); "
-            "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
-        )
-        argv = [sys.executable, "-c", wrapper, *argv[1:]]
+    # The stop signals' dispositions are set, whatever this test run inherited
+    # (under nohup SIGHUP comes ignored, and exec keeps an ignored signal so).
+    stops = [int(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)]
+    ignored = [] if ignoring is None else [int(ignoring)]
+    wrapper = (
+        "import os, signal, sys\n"
+        f"for sig in {stops}: signal.signal(sig, signal.SIG_DFL)\n"
+        f"for sig in {ignored}: signal.signal(sig, signal.SIG_IGN)\n"
+        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
+    argv = [sys.executable, "-c", wrapper, *RUN[1:], *args]
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE if stdout else None,
@@ -242,8 +246,8 @@ def _launched(
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()  # and its pipes closed
         _kill_members(where)  # a launcher killed leaves them (their own sessions)
+        proc.communicate()  # its pipes closed (the members held them too)
 
 
 def _wait_for_pids(where: Path, ids: list[str], proc: subprocess.Popen[str]) -> list[int]:
