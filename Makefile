@@ -19,6 +19,11 @@ $(STAMP): pyproject.toml
 		apt-get install -y -q nftables >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q nftables >/dev/null; } \
 			|| echo "nftables could not be installed: the network-fault tests will skip"; \
 	fi
+	# etcd, for the etcd clusters of ftcomm.testing (docs/testing.md): the same way.
+	@if ! command -v etcd >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get install -y -q etcd-server etcd-client >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q etcd-server etcd-client >/dev/null; } \
+			|| echo "etcd could not be installed: the etcd tests will skip"; \
+	fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# Pin torch first: an unpinned torch pulls a multi-GB CUDA build.

@@ -31,6 +31,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "ftcomm.errors",
             "ftcomm._validate",
             "ftcomm._store",
+            "ftcomm._etcd",
             "ftcomm._meet",
             "ftcomm._protocol",
         ),

@@ -10,6 +10,8 @@ their packets.
 from ._base import RankContext as RankContext
 from ._base import RankFailure as RankFailure
 from ._base import WorldError as WorldError
+from ._etcd import EtcdCluster as EtcdCluster
+from ._etcd import etcd_missing as etcd_missing
 from ._faults import Fault as Fault
 from ._faults import FaultPlan as FaultPlan
 from ._faults import Kind as Kind
@@ -19,12 +21,14 @@ from ._world import run_world as run_world
 
 __all__ = [
     "LOOPS",
+    "EtcdCluster",
     "Fault",
     "FaultPlan",
     "Kind",
     "RankContext",
     "RankFailure",
     "WorldError",
+    "etcd_missing",
     "network_missing",
     "run_world",
 ]

@@ -12,6 +12,9 @@ Fixtures:
         ``@pytest.mark.ftcomm_loops(...)``.
     ftcomm_backend: the backend the ranks should use (``ctx.backend``): once
         per backend named by ``@pytest.mark.ftcomm_backends(...)``, else gloo.
+    ftcomm_etcd: an :class:`~ftcomm.testing.EtcdCluster` on loopback, one
+        node, or ``@pytest.mark.ftcomm_etcd(nodes=3)``; the test skips, saying
+        why, where etcd is not installed. Gone after the test.
 
 A failing test's report shows every plan its worlds ran with (and its seed),
 so a random plan can be replayed.
@@ -19,11 +22,13 @@ so a random plan can be replayed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from ..backends import BACKENDS
+from ._etcd import EtcdCluster, etcd_missing
 from ._faults import Fault, FaultPlan
 from ._world import LOOPS, run_world
 
@@ -42,6 +47,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "ftcomm_backends(*names): run the test once per backend, as ctx.backend (default: gloo)",
+    )
+    config.addinivalue_line(
+        "markers", "ftcomm_etcd(nodes=1): the size of the test's ftcomm_etcd cluster"
     )
 
 
@@ -123,6 +131,19 @@ def ftcomm_world(
 ) -> World:
     """Run worlds of spawned ranks with the test's loop, backend and fault plan."""
     return World(request.node, ftcomm_loop, fault_plan, ftcomm_backend)
+
+
+@pytest.fixture
+def ftcomm_etcd(request: pytest.FixtureRequest) -> Iterator[EtcdCluster]:
+    """An etcd cluster on loopback for the test (``@pytest.mark.ftcomm_etcd(nodes=3)``
+    for three nodes); skips where etcd is missing."""
+    why = etcd_missing()
+    if why is not None:
+        pytest.skip(why)
+    marker = request.node.get_closest_marker("ftcomm_etcd")
+    nodes = int(marker.kwargs.get("nodes", 1)) if marker is not None else 1
+    with EtcdCluster(nodes) as cluster:
+        yield cluster
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,0 +1,228 @@
+"""A small blocking client of etcd's v3 API, over its JSON gateway.
+
+Owns: :class:`Etcd` (one client of a cluster: its endpoints, the one in
+use, a deadline on every call) and its errors. It runs on ftcomm's control
+threads, as the store engine's calls do; nothing here touches a loop.
+
+Why the gateway and the standard library, not a gRPC client: etcd serves
+the same API as JSON over HTTP on its client port (``/v3/kv/range``,
+``/v3/kv/txn``, ``/v3/lease/grant``...), so no dependency is needed; every
+call is one request with a socket timeout, so a deadline is a deadline;
+and a cluster's failover is ours to write: a call that finds its endpoint
+gone, or an endpoint that has no leader, goes on to the next one until its
+deadline. The asyncio gRPC clients on PyPI (``aetcd``, ``etcd3aio``) pull
+in grpcio, run on a loop of their own, and leave failover and deadlines to
+gRPC's channel settings.
+
+Keys and values are bytes (base64 on the wire). A call retried after a
+lost answer may have taken effect: :meth:`Etcd.create` reads back what it
+lost to, and counts its own value as its win.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+RETRY_PAUSE = 0.05
+"""Seconds before a call tries the next endpoint (doubling, up to 0.5 s)."""
+
+
+class EtcdError(RuntimeError):
+    """etcd answered with an error that a retry does not mend (a bad
+    request, a lease that expired)."""
+
+
+class EtcdUnavailable(ConnectionError):
+    """No endpoint of the cluster answered, or none had a leader, by the
+    call's deadline."""
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: bytes
+    value: bytes
+    mod_revision: int
+    lease: int
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def _kv(raw: dict[str, Any]) -> KeyValue:
+    return KeyValue(
+        key=_unb64(raw["key"]),
+        value=_unb64(raw.get("value", "")),
+        mod_revision=int(raw.get("mod_revision", 0)),
+        lease=int(raw.get("lease", 0)),
+    )
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with ``prefix``."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"  # every key
+
+
+_RETRIED = ("leader changed", "no leader", "timed out", "too many requests", "not capable")
+"""etcd's errors a call retries on another endpoint (an election, an endpoint behind)."""
+
+
+class Etcd:
+    """A client of the cluster at ``endpoints`` (``(host, port)`` pairs).
+
+    Every call takes ``timeout`` seconds at most: it goes to the endpoint
+    that last answered, and on a refused or silent connection, or an
+    endpoint without a leader, to the next, until then.
+
+    Raises (every call):
+        EtcdUnavailable: no endpoint answered in time.
+        EtcdError: etcd refused the request.
+    """
+
+    def __init__(self, endpoints: Sequence[tuple[str, int]], timeout: float) -> None:
+        if not endpoints:
+            raise ValueError("etcd needs at least one endpoint")
+        self.endpoints = list(endpoints)
+        self.timeout = timeout
+        self._current = 0
+
+    def __repr__(self) -> str:
+        return f"etcd {','.join(f'{h}:{p}' for h, p in self.endpoints)}"
+
+    # -- requests -----------------------------------------------------------
+
+    def call(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """POST ``body`` to ``path`` (``/v3/...``) on the cluster: its answer."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        pause, last = RETRY_PAUSE, "no endpoint tried"
+        while True:
+            host, port = self.endpoints[self._current]
+            left = deadline - time.monotonic()
+            try:
+                return self._post(host, port, path, body, max(left, 0.01))
+            except (OSError, http.client.HTTPException, _Retry) as exc:
+                last = f"{host}:{port}: {exc}"
+                self._current = (self._current + 1) % len(self.endpoints)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EtcdUnavailable(
+                    f"etcd at {','.join(f'{h}:{p}' for h, p in self.endpoints)} did not "
+                    f"answer {path} in time (last: {last})"
+                )
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.5)
+
+    def _post(
+        self, host: str, port: int, path: str, body: dict[str, Any], timeout: float
+    ) -> dict[str, Any]:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        try:
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            data = response.read()
+        except TimeoutError as exc:
+            raise TimeoutError(f"no answer within {timeout:.2f} s") from exc
+        finally:
+            conn.close()
+        try:
+            answer: dict[str, Any] = json.loads(data) if data else {}
+        except ValueError:
+            raise EtcdError(f"etcd answered {response.status} with {data[:200]!r}") from None
+        if response.status == 200 and "error" not in answer:
+            return answer
+        message = str(answer.get("message") or answer.get("error") or data[:200])
+        if response.status >= 500 or any(word in message for word in _RETRIED):
+            raise _Retry(message)
+        raise EtcdError(f"etcd refused {path}: {message}")
+
+    # -- keys -----------------------------------------------------------------
+
+    def get(self, key: bytes) -> KeyValue | None:
+        kvs = self.call("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
+        return _kv(kvs[0]) if kvs else None
+
+    def get_prefix(self, prefix: bytes) -> list[KeyValue]:
+        body = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
+        return [_kv(raw) for raw in self.call("/v3/kv/range", body).get("kvs", [])]
+
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        """Set ``key``; the store's revision after."""
+        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = str(lease)
+        return int(self.call("/v3/kv/put", body)["header"]["revision"])
+
+    def create(self, key: bytes, value: bytes, lease: int = 0) -> tuple[bool, bytes]:
+        """Set ``key`` only where it does not exist: whether this call set
+        it, and the value it holds (ours, or the one that was first)."""
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            put["lease"] = str(lease)
+        answer = self.call(
+            "/v3/kv/txn",
+            {
+                "compare": [{"key": _b64(key), "target": "CREATE", "create_revision": "0"}],
+                "success": [{"request_put": put}],
+                "failure": [{"request_range": {"key": _b64(key)}}],
+            },
+        )
+        if answer.get("succeeded"):
+            return True, value
+        ranged = answer.get("responses", [{}])[0].get("response_range", {}).get("kvs", [])
+        held = _kv(ranged[0]).value if ranged else b""
+        # a retry after a lost answer finds its own value: that was its win
+        return held == value, held
+
+    def delete(self, key: bytes) -> int:
+        """Delete ``key``: how many keys went (0 or 1)."""
+        return int(self.call("/v3/kv/deleterange", {"key": _b64(key)}).get("deleted", 0))
+
+    def delete_prefix(self, prefix: bytes) -> int:
+        body = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
+        return int(self.call("/v3/kv/deleterange", body).get("deleted", 0))
+
+    # -- leases ---------------------------------------------------------------
+
+    def grant(self, ttl: float) -> int:
+        """A lease of ``ttl`` seconds (rounded up: etcd counts whole seconds)."""
+        answer = self.call("/v3/lease/grant", {"TTL": str(max(1, int(-(-ttl // 1))))})
+        return int(answer["ID"])
+
+    def keepalive(self, lease: int) -> int:
+        """Renew ``lease``: the seconds it has left (0: it expired)."""
+        answer = self.call("/v3/lease/keepalive", {"ID": str(lease)})
+        return int(answer.get("result", answer).get("TTL", 0))
+
+    def revoke(self, lease: int) -> None:
+        """End ``lease`` and delete its keys (one already gone: nothing)."""
+        try:
+            self.call("/v3/lease/revoke", {"ID": str(lease)})
+        except EtcdError as exc:
+            if "not found" not in str(exc):
+                raise
+
+    # -- the cluster ----------------------------------------------------------
+
+    def status(self, host: str, port: int, timeout: float = 1.0) -> dict[str, Any]:
+        """One endpoint's own status (its leader's id, its member id), no failover."""
+        return self._post(host, port, "/v3/maintenance/status", {}, timeout)
+
+
+class _Retry(Exception):
+    """An answer that another endpoint (or the same, later) may mend."""

@@ -1,0 +1,151 @@
+"""ftcomm's etcd client (``ftcomm._etcd``) against real etcd clusters on
+loopback (``ftcomm.testing.EtcdCluster``, the ``ftcomm_etcd`` fixture): its
+calls, its leases, its failover when the leader dies, and its deadline when
+no node answers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ftcomm._etcd import Etcd, EtcdError, EtcdUnavailable, prefix_end
+from ftcomm.testing import EtcdCluster, etcd_missing
+
+
+def test_keys_are_set_read_and_deleted(ftcomm_etcd: EtcdCluster) -> None:
+    etcd = ftcomm_etcd.client()
+    assert etcd.get(b"job/a") is None
+    revision = etcd.put(b"job/a", b"1")
+    got = etcd.get(b"job/a")
+    assert got is not None
+    assert (got.key, got.value, got.mod_revision) == (b"job/a", b"1", revision)
+    etcd.put(b"job/b", b"\x00\xff")  # bytes, not text
+    etcd.put(b"joc", b"outside the prefix")
+    assert [(kv.key, kv.value) for kv in etcd.get_prefix(b"job/")] == [
+        (b"job/a", b"1"),
+        (b"job/b", b"\x00\xff"),
+    ]
+    assert etcd.delete(b"job/a") == 1
+    assert etcd.delete(b"job/a") == 0
+    assert etcd.delete_prefix(b"job/") == 1
+    assert etcd.get_prefix(b"job/") == []
+    assert etcd.get(b"joc") is not None
+
+
+def test_create_sets_a_key_once_and_says_who_won(ftcomm_etcd: EtcdCluster) -> None:
+    etcd = ftcomm_etcd.client()
+    assert etcd.create(b"world/1", b"mine") == (True, b"mine")
+    assert etcd.create(b"world/1", b"theirs") == (False, b"mine")
+    # a retry after an answer lost on the way back finds its own value: its win
+    assert etcd.create(b"world/1", b"mine") == (True, b"mine")
+
+
+def test_a_key_on_a_lease_goes_with_it(ftcomm_etcd: EtcdCluster) -> None:
+    etcd = ftcomm_etcd.client()
+    lease = etcd.grant(2.0)
+    etcd.put(b"hb/m0", b"alive", lease=lease)
+    got = etcd.get(b"hb/m0")
+    assert got is not None
+    assert got.lease == lease
+    assert 0 < etcd.keepalive(lease) <= 2
+    etcd.revoke(lease)
+    assert etcd.get(b"hb/m0") is None
+    assert etcd.keepalive(lease) == 0  # expired (revoked): renewed no more
+    etcd.revoke(lease)  # again: nothing
+
+
+def test_a_lease_not_renewed_expires_with_its_keys(ftcomm_etcd: EtcdCluster) -> None:
+    etcd = ftcomm_etcd.client()
+    lease = etcd.grant(1.0)
+    etcd.put(b"hb/m1", b"alive", lease=lease)
+    deadline = time.monotonic() + 10.0  # 1 s, and the leader's look at its leases
+    while etcd.get(b"hb/m1") is not None:  # etcd's state: nothing to await
+        assert time.monotonic() < deadline, "the lease never expired"
+        time.sleep(0.05)
+
+
+def test_a_bad_request_is_refused_not_retried(ftcomm_etcd: EtcdCluster) -> None:
+    etcd = ftcomm_etcd.client()
+    started = time.monotonic()
+    with pytest.raises(EtcdError, match="etcd refused /v3/kv/put"):
+        etcd.call("/v3/kv/put", {"key": "not base64!"})
+    assert time.monotonic() - started < 2.0
+
+
+def test_no_endpoint_answers_in_time_is_unavailable() -> None:
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens once it is closed
+    etcd = Etcd([("127.0.0.1", port)], timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(EtcdUnavailable, match=f"127.0.0.1:{port}"):
+        etcd.get(b"k")
+    assert 1.0 <= time.monotonic() - started < 2.0
+
+
+@pytest.mark.ftcomm_etcd(nodes=3)
+def test_calls_go_on_through_the_leaders_death(ftcomm_etcd: EtcdCluster) -> None:
+    """A client whose endpoint is the leader: the leader is SIGKILLed, and
+    each call still succeeds within its deadline, on another node, once the
+    others elected a new leader; the node comes back with its data."""
+    first = ftcomm_etcd.leader()
+    ordered = [ftcomm_etcd.endpoints[first]] + [
+        e for i, e in enumerate(ftcomm_etcd.endpoints) if i != first
+    ]
+    etcd = Etcd(ordered, timeout=10.0)
+    etcd.put(b"k", b"before")
+    ftcomm_etcd.kill(first)
+    started = time.monotonic()
+    etcd.put(b"k", b"after")
+    took = time.monotonic() - started
+    assert took < 10.0
+    got = etcd.get(b"k")
+    assert got is not None
+    assert got.value == b"after"
+    assert ftcomm_etcd.leader() != first
+    ftcomm_etcd.start_node(first)
+    back = Etcd([ftcomm_etcd.endpoints[first]], timeout=10.0)
+    deadline = time.monotonic() + 10.0
+    while (kv := _get_or_none(back, b"k")) is None or kv != b"after":
+        assert time.monotonic() < deadline, "the node never caught up"
+        time.sleep(0.05)
+
+
+def _get_or_none(etcd: Etcd, key: bytes) -> bytes | None:
+    try:
+        got = etcd.get(key)
+    except EtcdUnavailable:
+        return None
+    return got.value if got is not None else None
+
+
+@pytest.mark.ftcomm_etcd(nodes=3)
+def test_a_cluster_without_a_quorum_is_unavailable_by_the_deadline(
+    ftcomm_etcd: EtcdCluster,
+) -> None:
+    etcd = ftcomm_etcd.client(timeout=2.0)
+    etcd.put(b"k", b"v")
+    ftcomm_etcd.kill(0)
+    ftcomm_etcd.kill(1)
+    started = time.monotonic()
+    with pytest.raises(EtcdUnavailable):
+        etcd.put(b"k", b"w")  # one node of three: no leader, no write
+    assert time.monotonic() - started < 3.0
+
+
+def test_prefix_end_is_the_first_key_after_the_prefix() -> None:
+    assert prefix_end(b"job/") == b"job0"
+    assert prefix_end(b"a\xff") == b"b"
+    assert prefix_end(b"\xff\xff") == b"\0"
+
+
+def test_a_missing_etcd_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FTCOMM_ETCD", "/nonexistent/etcd")
+    why = etcd_missing()
+    assert why is not None
+    assert "/nonexistent/etcd" in why
+    with pytest.raises(RuntimeError, match="/nonexistent/etcd"), EtcdCluster(1):
+        pass
