@@ -354,6 +354,32 @@ def test_the_watch_fires_once_for_a_dead_member_of_its_world(store: Any) -> None
     assert len(fired) == 1  # nothing dead in the world watched now
 
 
+def test_a_member_that_left_breaks_the_watched_world_only_after_a_timeout(store: Any) -> None:
+    """A member that ends at a step closes its Membership (its beat says
+    ``left``) as soon as its last collective is done on its side; the
+    others' copies of that collective may still be finishing. Its world is
+    not aborted for that until a heartbeat timeout later."""
+    me, other = M[0], M[1]
+    client = _client(store)
+    client.set("roster", me.line() + other.line())
+    client.set(f"hb/{me.id}", f"{me.token} 0")
+    client.set(f"hb/{other.id}", f"{other.token} 0")
+    now = [0.0]
+    watcher = Watcher(client, me, interval=0.1, timeout=0.5, clock=lambda: now[0])
+    fired: list[tuple[float, str]] = []
+    watcher.watch(7, (me, other), {}, lambda why: fired.append((now[0], why)))
+    watcher.tick()
+    client.set(f"hb/{other.id}", f"{other.token} left")
+    while now[0] < 1.0:  # rounds 0.1 s apart (never late: no clock is reset)
+        now[0] = round(now[0] + 0.1, 1)
+        watcher.tick()
+    assert len(fired) == 1, fired
+    at, why = fired[0]
+    assert at == 0.6, fired  # seen left at 0.1, aborted once the 0.5 s timeout passed
+    assert "m1 is dead" in why
+    assert not watcher.alive(other)  # (to a recover, it is gone at once)
+
+
 def test_a_probe_that_cannot_start_is_silent_not_an_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

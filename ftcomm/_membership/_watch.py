@@ -294,7 +294,9 @@ class Watcher:
             reason = f"{who} {what}"
         if reason is None and self.below_floor(watched.generation):
             reason = "later generations were formed without this member, and kept"
-        dead = next((m for m in watched.members if not self.alive(m)), None)
+        dead = next(
+            (m for m in watched.members if not self.alive(m) and not self._just_left(m)), None
+        )
         if reason is None and dead is not None:
             reason = f"{dead.id} is dead (its heartbeat stopped, or its process is gone)"
         for member, answer in self._probes.poll().items():
@@ -436,6 +438,22 @@ class Watcher:
         kept); nothing where this member does not sweep."""
         if self.sweeper is not None:
             self.sweeper.request(floor_to)
+
+    def _just_left(self, member: Member) -> bool:
+        """Whether ``member`` left (its ``left`` beat: its Membership
+        closed) less than ``timeout`` ago. Its world's group is not aborted
+        for that yet: a member that ends at a step closes as soon as its
+        last collective is done here, and the others' copies of that
+        collective may still be finishing; an op that cannot finish without
+        it is aborted once the timeout passed."""
+        with self._lock:
+            entry = self._seen.get(member.id)
+            now = self._clock()
+        if entry is None:
+            return False
+        value, moved = entry
+        token, _, count = value.decode(errors="replace").partition(" ")
+        return token == member.token and count == LEFT and now - moved < self.timeout
 
     def below_floor(self, generation: int) -> bool:
         """Whether ``generation`` is over for good (a later one was kept),
