@@ -44,6 +44,44 @@ class EtcdUnavailable(ConnectionError):
 
 
 @dataclass(frozen=True)
+class EtcdAddr:
+    """An etcd cluster's address: its client endpoints and a key prefix."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    prefix: str = ""
+
+    def __str__(self) -> str:
+        hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.endpoints)
+        return f"etcd://{hosts}" + (f"/{self.prefix}" if self.prefix else "")
+
+
+SCHEME = "etcd://"
+
+
+def parse_etcd_addr(text: str, name: str = "address") -> EtcdAddr:
+    """``etcd://host:port[,host:port...][/prefix]`` (``[v6]:port`` for IPv6).
+
+    Raises:
+        ValueError: not such an address, naming ``name`` and what is wrong.
+    """
+    if not isinstance(text, str) or not text.startswith(SCHEME):
+        raise ValueError(f"{name} must be etcd://host:port[,host:port...][/prefix], got {text!r}")
+    hosts, _, prefix = text[len(SCHEME) :].partition("/")
+    endpoints: list[tuple[str, int]] = []
+    for part in hosts.split(","):
+        host, sep, port = part.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if not sep or not host or not port.isdecimal() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"{name}: each endpoint must be host:port with a port from 1 to 65535, "
+                f"got {part!r} in {text!r}"
+            )
+        endpoints.append((host, int(port)))
+    return EtcdAddr(tuple(endpoints), prefix.strip("/"))
+
+
+@dataclass(frozen=True)
 class KeyValue:
     key: bytes
     value: bytes

@@ -140,6 +140,60 @@ def test_a_bad_store_address_is_a_usage_error(capsys: pytest.CaptureFixture[str]
     assert "has a scheme" in capsys.readouterr().err
 
 
+@pytest.mark.ftcomm_etcd(nodes=3)
+def test_an_etcd_cluster_is_healthy_then_not(
+    capsys: pytest.CaptureFixture[str], ftcomm_etcd: Any
+) -> None:
+    """Three nodes: healthy, one leader named by all. Two of them killed:
+    the one left answers but names no leader (or one of the dead), and a
+    majority of those listed is gone: a problem, with what to do."""
+    code, report = _json_run(capsys, "--no-live", "--etcd", ftcomm_etcd.address("job"))
+    assert code == 0, report["problems"]
+    etcd = report["etcd"]
+    assert etcd["healthy"] is True
+    assert etcd["prefix"] == "job"
+    assert [e["answered"] for e in etcd["endpoints"]] == [True] * 3
+    assert {e["leader"] for e in etcd["endpoints"]} == {etcd["leader"]}
+    assert all(e["version"].startswith("3.") for e in etcd["endpoints"])
+    ftcomm_etcd.kill(0)
+    ftcomm_etcd.kill(1)
+    code = _doctor.main(["--no-live", "--etcd", ftcomm_etcd.address()])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "is not healthy" in out
+    problem = [line for line in out.splitlines() if "do: start etcd on" in line]
+    assert problem, out
+    for host, port in ftcomm_etcd.endpoints[:2]:
+        assert f"{host}:{port}" in problem[0]
+
+
+@pytest.mark.parametrize(
+    ("address", "says"),
+    [
+        ("127.0.0.1:2379", "must be etcd://host:port"),
+        ("etcd://127.0.0.1", "each endpoint must be host:port"),
+        ("etcd://127.0.0.1:2379,:1", "each endpoint must be host:port"),
+        ("etcd://127.0.0.1:99999", "a port from 1 to 65535"),
+    ],
+)
+def test_a_bad_etcd_address_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], address: str, says: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _doctor.main(["--no-live", "--etcd", address])
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_an_etcd_address_is_read_with_its_endpoints_and_prefix() -> None:
+    from ftcomm._etcd import parse_etcd_addr
+
+    addr = parse_etcd_addr("etcd://10.0.0.1:2379,[::1]:2380/jobs/a")
+    assert addr.endpoints == (("10.0.0.1", 2379), ("::1", 2380))
+    assert addr.prefix == "jobs/a"
+    assert str(addr) == "etcd://10.0.0.1:2379,[::1]:2380/jobs/a"
+
+
 def test_the_human_report(capsys: pytest.CaptureFixture[str]) -> None:
     code = _doctor.main(["--no-live"])
     out = capsys.readouterr().out

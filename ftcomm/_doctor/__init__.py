@@ -26,6 +26,7 @@ module of its own, with the facts it gathers and what they mean (its
 ``_live``           the live in-process Gloo abort check
 ``_table``          the abort truth table (data: the rows of docs/errors.md)
 ``_store_check``    ``--store``: whether a TCPStore answers
+``_etcd_check``     ``--etcd``: whether an etcd cluster answers, and agrees on a leader
 ==================  =======================================================
 
 ``_record`` is the report's record (:class:`Problem`, the JSON type) and
@@ -46,6 +47,8 @@ from dataclasses import asdict
 from ._environment import SHM_DIR, SHM_MIN_FREE, advise_packages, advise_shm
 from ._environment import packages_info as packages_info
 from ._environment import shm_info as shm_info
+from ._etcd_check import advise_etcd
+from ._etcd_check import etcd_check as etcd_check
 from ._live import LIVE_ABORT_BOUND, LIVE_TIMEOUT, advise_live, live_text
 from ._live import live_check as live_check
 from ._output import render, write
@@ -92,12 +95,13 @@ __all__ = [
     "packages_info",
     "render",
     "shm_info",
+    "etcd_check",
     "store_check",
     "torch_info",
 ]
 
 
-def collect(store: str | None, live: bool) -> JSON:
+def collect(store: str | None, live: bool, etcd: str | None = None) -> JSON:
     """Everything doctor reports, as one JSON-able object; ``problems`` and
     ``notes`` say what is missing (``ok`` is whether nothing needed is).
 
@@ -139,6 +143,10 @@ def collect(store: str | None, live: bool) -> JSON:
     if store is not None:
         report["store"] = store_check(store)
         advise_store(report["store"], found)
+    report["etcd"] = None
+    if etcd is not None:
+        report["etcd"] = etcd_check(etcd)
+        advise_etcd(report["etcd"], found)
 
     report["problems"] = [asdict(p) for p in found.problems]
     report["notes"] = found.notes
@@ -166,7 +174,7 @@ def _truth_table(report: JSON) -> list[JSON]:
 
 
 def main(argv: Sequence[str]) -> int:
-    """``python -m ftcomm doctor [--store HOST:PORT] [--json] [--no-live]``.
+    """``python -m ftcomm doctor [--store HOST:PORT] [--etcd etcd://...] [--json] [--no-live]``.
 
     Prints the report (or one JSON object with ``--json``); returns 0 when
     everything needed is here, 1 when something is missing or failed (the
@@ -184,6 +192,12 @@ def main(argv: Sequence[str]) -> int:
         metavar="HOST:PORT",
         help="check that a TCPStore answers there (host:port, host:port/prefix, [v6]:port)",
     )
+    parser.add_argument(
+        "--etcd",
+        metavar="etcd://HOST:PORT[,...]",
+        help="check that an etcd cluster answers there: each endpoint's version and "
+        "leader, and whether they agree on one",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--no-live",
@@ -198,6 +212,13 @@ def main(argv: Sequence[str]) -> int:
             resolve_store_addr(args.store, "--store")  # env:// too: torchrun's store
         except ValueError as exc:
             parser.error(str(exc))
-    report = collect(args.store, live=not args.no_live)
+    if args.etcd is not None:
+        from .._etcd import parse_etcd_addr
+
+        try:
+            parse_etcd_addr(args.etcd, "--etcd")
+        except ValueError as exc:
+            parser.error(str(exc))
+    report = collect(args.store, live=not args.no_live, etcd=args.etcd)
     write(report, as_json=args.json)
     return 0 if report["ok"] else 1

@@ -76,6 +76,10 @@ def render(report: JSON) -> str:
         s = report["store"]
         verdict = "reachable" if s["reachable"] else "NOT reachable"
         lines += ["", "store", f"  {s['addr']}  {verdict}: {s['detail']} ({s['seconds']:g} s)"]
+    if report.get("etcd") is not None:
+        e = report["etcd"]
+        lines += ["", "etcd", f"  {e['addr']}  {e['detail']} ({e['seconds']:g} s)"]
+        lines += [f"    {x['endpoint']}: {x['detail']}" for x in e["endpoints"]]
     if report["notes"]:
         lines += ["", "notes"] + [f"  - {n}" for n in report["notes"]]
     lines.append("")
