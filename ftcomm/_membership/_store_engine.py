@@ -47,6 +47,7 @@ from ._watch import (
     beat_key,
     fate_key,
     quit_key,
+    raise_to,
     read,
     suspect_key,
 )
@@ -610,14 +611,12 @@ class StoreEngine:
         return _int(held) if held is not None else 0
 
     def _advance(self, t: int) -> None:
-        """Move ``gen`` up to ``t`` (never down)."""
-        for _ in range(64):
-            held = read(self._store, "gen")
-            if held is not None and _int(held) >= t:
-                return
-            expected = held.decode() if held is not None else ""
-            if self._store.compare_set("gen", expected, str(t)) == str(t).encode():
-                return
+        """Move ``gen`` up to ``t`` (never down).
+
+        Raises:
+            ValueError: ``gen`` holds what ftcomm did not write.
+        """
+        raise_to(self._store, "gen", t, lambda held: _int(held) if held is not None else 0)
 
     def latest(self) -> WorldRecord:
         """The latest generation's record (:data:`EMPTY` before the first).

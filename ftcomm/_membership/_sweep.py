@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._watch import FLOOR, FLOOR_EVERY, read
+from ._watch import FLOOR, FLOOR_EVERY, parse_floor, raise_to, read
 
 log = logging.getLogger("ftcomm")
 
@@ -56,11 +56,6 @@ def group_generation_of(key: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def parse_floor(held: bytes | None) -> int:
-    text = held.decode(errors="replace") if held is not None else ""
-    return int(text) if text.isascii() and text.isdigit() else 0
-
-
 def floor(store: Any) -> int:
     """The job's ``floor`` (0: nothing swept yet); ``store``: scoped to the job."""
     return parse_floor(read(store, FLOOR))
@@ -68,15 +63,7 @@ def floor(store: Any) -> int:
 
 def raise_floor(store: Any, to: int, key: str = FLOOR) -> int:
     """Move ``floor`` (at ``key``) up to ``to``, never down; what it holds after."""
-    for _ in range(64):
-        held = read(store, key)
-        now = parse_floor(held)
-        if now >= to:
-            return now
-        expected = held.decode() if held is not None else ""
-        if store.compare_set(key, expected, str(to)) == str(to).encode():
-            return to
-    return parse_floor(read(store, key))
+    return raise_to(store, key, to, parse_floor)
 
 
 class FloorCheck:

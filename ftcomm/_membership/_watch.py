@@ -60,6 +60,26 @@ def read(store: Any, key: str) -> bytes | None:
     return None if value == MISSING.encode() else value
 
 
+def parse_floor(held: bytes | None) -> int:
+    """A ``floor`` key's value (0: none, or not a number)."""
+    text = held.decode(errors="replace") if held is not None else ""
+    return int(text) if text.isascii() and text.isdigit() else 0
+
+
+def raise_to(store: Any, key: str, to: int, parse: Callable[[bytes | None], int]) -> int:
+    """Move the number at ``key`` up to ``to``, never down (``compare_set``
+    from the value read, again while others move it); what it holds after."""
+    for _ in range(64):
+        held = read(store, key)
+        now = parse(held)
+        if now >= to:
+            return now
+        expected = held.decode() if held is not None else ""
+        if store.compare_set(key, expected, str(to)) == str(to).encode():
+            return to
+    return parse(read(store, key))
+
+
 def beat_key(member_id: str) -> str:
     return f"hb/{member_id}"
 
@@ -420,8 +440,8 @@ class Watcher:
                 self._fate = fate_text  # it only grows (appended)
             if busy and due:
                 self._floor_read = now
-            if floor_text is not None and floor_text.isdigit():
-                self._floor = max(self._floor, int(floor_text))  # it only grows
+            if floor_text is not None:
+                self._floor = max(self._floor, parse_floor(floor_text))  # it only grows
             for member_id, value in zip(ids, values, strict=True):
                 old = self._seen.get(member_id)
                 # moved, or we were not looking (then no one's silence counts)
