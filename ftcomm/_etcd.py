@@ -106,6 +106,39 @@ def _kv(raw: dict[str, Any]) -> KeyValue:
     )
 
 
+def ranged(answer: dict[str, Any]) -> list[KeyValue]:
+    """The keys a transaction's ``request_range`` answer holds."""
+    return [_kv(raw) for raw in answer.get("response_range", {}).get("kvs", [])]
+
+
+def put_op(key: bytes, value: bytes, lease: int = 0) -> dict[str, Any]:
+    """A transaction's put of ``value`` at ``key`` (held by ``lease``)."""
+    put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+    if lease:
+        put["lease"] = str(lease)
+    return {"request_put": put}
+
+
+def range_op(key: bytes) -> dict[str, Any]:
+    """A transaction's read of ``key``."""
+    return {"request_range": {"key": _b64(key)}}
+
+
+def absent(key: bytes) -> dict[str, Any]:
+    """A transaction's compare: ``key`` does not exist."""
+    return {"key": _b64(key), "target": "CREATE", "create_revision": "0"}
+
+
+def holds(key: bytes, value: bytes) -> dict[str, Any]:
+    """A transaction's compare: ``key`` holds ``value``."""
+    return {"key": _b64(key), "target": "VALUE", "value": _b64(value)}
+
+
+def unchanged(key: bytes, mod_revision: int) -> dict[str, Any]:
+    """A transaction's compare: ``key`` was last written at ``mod_revision``."""
+    return {"key": _b64(key), "target": "MOD", "mod_revision": str(mod_revision)}
+
+
 def prefix_end(prefix: bytes) -> bytes:
     """The first key after every key that starts with ``prefix``."""
     end = bytearray(prefix)
@@ -195,9 +228,25 @@ class Etcd:
         kvs = self.call("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
         return _kv(kvs[0]) if kvs else None
 
-    def get_prefix(self, prefix: bytes) -> list[KeyValue]:
-        body = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
+    def get_prefix(self, prefix: bytes, *, keys_only: bool = False) -> list[KeyValue]:
+        body: dict[str, Any] = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
+        if keys_only:
+            body["keys_only"] = True
         return [_kv(raw) for raw in self.call("/v3/kv/range", body).get("kvs", [])]
+
+    def txn(
+        self,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: list[dict[str, Any]],
+    ) -> tuple[bool, list[dict[str, Any]]]:
+        """One transaction (``compare`` as etcd's JSON, ``key``/``value``
+        already base64): whether it succeeded, and the answers of the
+        branch it took, in order."""
+        answer = self.call(
+            "/v3/kv/txn", {"compare": compare, "success": success, "failure": failure}
+        )
+        return bool(answer.get("succeeded")), list(answer.get("responses", []))
 
     def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         """Set ``key``; the store's revision after."""
@@ -209,21 +258,11 @@ class Etcd:
     def create(self, key: bytes, value: bytes, lease: int = 0) -> tuple[bool, bytes]:
         """Set ``key`` only where it does not exist: whether this call set
         it, and the value it holds (ours, or the one that was first)."""
-        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-        if lease:
-            put["lease"] = str(lease)
-        answer = self.call(
-            "/v3/kv/txn",
-            {
-                "compare": [{"key": _b64(key), "target": "CREATE", "create_revision": "0"}],
-                "success": [{"request_put": put}],
-                "failure": [{"request_range": {"key": _b64(key)}}],
-            },
-        )
-        if answer.get("succeeded"):
+        won, answers = self.txn([absent(key)], [put_op(key, value, lease)], [range_op(key)])
+        if won:
             return True, value
-        ranged = answer.get("responses", [{}])[0].get("response_range", {}).get("kvs", [])
-        held = _kv(ranged[0]).value if ranged else b""
+        found = ranged(answers[0]) if answers else []
+        held = found[0].value if found else b""
         # a retry after a lost answer finds its own value: that was its win
         return held == value, held
 

@@ -3,14 +3,16 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
 
 import pytest
-from helpers import StoreServer
+from helpers import ENGINE_ENV, StoreServer
 from torch._C._distributed_c10d import TCPStore
 
 from ftcomm._runtime.loop import get_runtime, new_event_loop
+from ftcomm.testing import EtcdCluster, etcd_missing
 from ftcomm.testing._base import _children, _fds, _segments, _threads
 from ftcomm.testing._world import _mp_context
 
@@ -106,3 +108,44 @@ def no_leaks() -> Iterator[None]:
     )
     if rt.watchdog is not None:
         assert len(rt.watchdog.stalls) == stalls, rt.watchdog.stalls[-1].stack
+
+
+@pytest.fixture(scope="session")
+def engine_etcd() -> Iterator[EtcdCluster | None]:
+    """One etcd node for this worker's engine tests (each a prefix of its
+    own); ``None`` where etcd cannot run here. Started before any test's
+    leak check counts what is running (a session fixture comes first)."""
+    if etcd_missing() is not None:
+        yield None
+        return
+    with EtcdCluster(1) as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=["store", "etcd"])
+def engine(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    engine_etcd: EtcdCluster | None,
+) -> str:
+    """The membership engine a test runs on, once on each: the worlds'
+    c10d store, or an etcd node (``helpers.ENGINE_ENV`` says which, to the
+    ranks' processes too). Skips on etcd where it cannot run, saying why."""
+    if request.param == "etcd":
+        if engine_etcd is None:
+            pytest.skip(str(etcd_missing()))
+        monkeypatch.setenv(ENGINE_ENV, engine_etcd.address())
+    else:
+        monkeypatch.delenv(ENGINE_ENV, raising=False)
+    return str(request.param)
+
+
+@pytest.fixture
+def engine_addr(engine: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """An address of ``engine`` for one test's memberships: a store of its
+    own, or a prefix of its own in etcd."""
+    if engine == "etcd":
+        yield f"{os.environ[ENGINE_ENV]}/{uuid.uuid4().hex[:12]}"
+        return
+    server = request.getfixturevalue("store")
+    yield server.address

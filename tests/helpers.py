@@ -4,6 +4,7 @@ real code under test) and an in-process TCPStore server."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -13,10 +14,13 @@ from typing import Any
 from torch.distributed import PrefixStore, TCPStore
 
 import ftcomm
+from ftcomm._etcd import Etcd, parse_etcd_addr
 from ftcomm._meet import MEET_COUNT, MEET_KEY
+from ftcomm._membership._watch import read
 from ftcomm._runtime.native import Done
 from ftcomm._runtime.table import OpTable
 from ftcomm._runtime.work import Work
+from ftcomm._store import parse_store_addr
 from ftcomm.backends.subprocess import SubprocessBackend
 
 
@@ -142,6 +146,36 @@ def spy_allreduces(g: ftcomm.Group) -> list[tuple[str, int]]:
     backend.allreduce = allreduce  # type: ignore[method-assign]
     backend.allreduce_sum = allreduce_sum  # type: ignore[method-assign]
     return calls
+
+
+ENGINE_ENV = "FTCOMM_TEST_ETCD"
+"""Set (by the ``engine`` fixture) to an etcd address: the membership tests
+that run on both engines run on etcd (a prefix per world) instead of the
+worlds' own store."""
+
+
+def engine_address(host: str, port: int, world_id: str) -> str:
+    """Where a world's memberships agree: its store (``host:port``) under
+    ``world_id``, or etcd's where :data:`ENGINE_ENV` says so."""
+    etcd = os.environ.get(ENGINE_ENV)
+    return f"{etcd}/{world_id}" if etcd else f"{host}:{port}/{world_id}"
+
+
+def engine_key(address: str, job: str, key: str) -> bytes | None:
+    """Job ``job``'s key ``key`` (``ready/1``...) in the engine at ``address``
+    (a store's ``host:port[/prefix]`` or ``etcd://...``), as it holds it now."""
+    if address.startswith("etcd://"):
+        etcd = parse_etcd_addr(address)
+        base = f"{etcd.prefix}/" if etcd.prefix else ""
+        held = Etcd(etcd.endpoints, 5.0).get(f"{base}ftcomm/members/{job}/{key}".encode())
+        return held.value if held is not None else None
+    addr = parse_store_addr(address)
+    client = TCPStore(addr.host, addr.port, is_master=False, wait_for_workers=False)
+    base = f"{addr.prefix}/" if addr.prefix else ""
+    try:
+        return read(client, f"{base}ftcomm/members/{job}/{key}")
+    finally:
+        del client
 
 
 def memberships(store: Any, *ids: str, **kw: Any) -> list[ftcomm.Membership]:

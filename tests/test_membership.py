@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import engine_address, engine_key
 
 import ftcomm
 from ftcomm._membership._rule import parse_ready
@@ -35,7 +36,12 @@ def membership(
     kw.setdefault("join_window", WINDOW)
     kw.setdefault("heartbeat_timeout", HB)
     kw.setdefault("timeout", 30)
-    address = address or f"{ctx.host}:{ctx.port}/{ctx.world_id}"
+    if address is None:
+        address = engine_address(ctx.host, ctx.port, ctx.world_id)
+        if address.startswith("etcd://"):
+            # each member hosts a store: torch keeps a pipe once one ran
+            ftcomm.serve_store().close()
+            ctx.baseline()
     return ftcomm.Membership(address, "job", member_id or f"m{ctx.rank}", **kw)
 
 
@@ -54,7 +60,7 @@ async def _join_and_sum(ctx: RankContext) -> tuple[ftcomm.World, float]:
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_max_size_members_form_one_world_at_once(loop: str) -> None:
+def test_max_size_members_form_one_world_at_once(loop: str, engine: str) -> None:
     results = run_world(_join_and_sum, 3, mode="thread", loop=loop, timeout=30)
     worlds = [w for w, _ in results]
     assert {(w.generation, w.members, w.size, w.store_addr) for w in worlds} == {
@@ -78,7 +84,7 @@ async def _join_timed(ctx: RankContext) -> tuple[int, float]:
         return world.size, took
 
 
-def test_min_size_members_form_a_world_once_the_window_passed() -> None:
+def test_min_size_members_form_a_world_once_the_window_passed(engine: str) -> None:
     results = run_world(_join_timed, 2, mode="thread", timeout=30)
     assert [size for size, _ in results] == [2, 2]
     assert all(1.0 <= took < 6.0 for _, took in results), results
@@ -95,7 +101,7 @@ async def _alone(ctx: RankContext) -> str:
         return "timed out"
 
 
-def test_join_without_enough_members_times_out_naming_who_came() -> None:
+def test_join_without_enough_members_times_out_naming_who_came(engine: str) -> None:
     assert run_world(_alone, 1, mode="thread", timeout=30) == ["timed out"]
 
 
@@ -129,7 +135,7 @@ async def _train(ctx: RankContext, steps: int, op_timeout: float) -> list[Any]:
     return log
 
 
-def test_survivors_of_a_killed_member_form_the_next_generation() -> None:
+def test_survivors_of_a_killed_member_form_the_next_generation(engine: str) -> None:
     plan = FaultPlan.of(Fault.kill(2, 3))
     results = run_world(_train, 3, plan=plan, args=(6, 5.0), timeout=60)
     assert results[2] is None  # killed
@@ -141,7 +147,7 @@ def test_survivors_of_a_killed_member_form_the_next_generation() -> None:
         assert log[4:] == [(2, 2.0)] * 3
 
 
-def test_survivors_of_a_hung_member_recover_once_its_heartbeat_stops() -> None:
+def test_survivors_of_a_hung_member_recover_once_its_heartbeat_stops(engine: str) -> None:
     op_timeout = 8.0
     plan = FaultPlan.of(Fault.stop(2, 3))
     results = run_world(_train, 3, plan=plan, args=(5, op_timeout), timeout=60)
@@ -201,7 +207,7 @@ async def _stopped_and_resumed(ctx: RankContext) -> list[Any]:
         return [*log, ("done", world.generation, step, weight.tolist())]
 
 
-def test_a_dropped_member_that_resumes_is_evicted_and_joins_again() -> None:
+def test_a_dropped_member_that_resumes_is_evicted_and_joins_again(engine: str) -> None:
     results = run_world(_stopped_and_resumed, 3, timeout=60)
     evicted, rejoined = results[2][0], results[2][-2]
     assert evicted == ("evicted", 1, 2)
@@ -259,7 +265,9 @@ async def _grow(ctx: RankContext) -> list[Any]:
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_a_newcomer_is_let_in_at_one_step_boundary_and_gets_the_state(loop: str) -> None:
+def test_a_newcomer_is_let_in_at_one_step_boundary_and_gets_the_state(
+    loop: str, engine: str
+) -> None:
     results = run_world(_grow, 3, mode="thread", loop=loop, timeout=60)
     grew = {tuple(entry for entry in log if entry[0] == "grew") for log in results[:2]}
     assert len(grew) == 1  # both survivors alike, at the same steps
@@ -301,7 +309,7 @@ async def _newcomer_dies_in_copy(ctx: RankContext) -> list[Any]:
         return [*log, ("done", world.generation, world.size)]
 
 
-def test_a_newcomer_killed_during_the_state_copy_is_left_out() -> None:
+def test_a_newcomer_killed_during_the_state_copy_is_left_out(engine: str) -> None:
     # rank 2's ops: allgather of the steps (0), recv of the description (1),
     # allgather of the verdicts (2), recv of the tensor's bytes (3)
     plan = FaultPlan.of(Fault.kill(2, 3))
@@ -416,20 +424,20 @@ async def test_an_address_that_does_not_answer_is_refused_at_once() -> None:
 
 
 @pytest.mark.asyncio
-async def test_an_id_in_use_by_a_live_member_is_refused(store: Any) -> None:
-    async with ftcomm.Membership(store.address, "job", "m", heartbeat_timeout=0.5):
-        twin = ftcomm.Membership(store.address, "job", "m", heartbeat_timeout=0.5)
+async def test_an_id_in_use_by_a_live_member_is_refused(engine_addr: str) -> None:
+    async with ftcomm.Membership(engine_addr, "job", "m", heartbeat_timeout=0.5):
+        twin = ftcomm.Membership(engine_addr, "job", "m", heartbeat_timeout=0.5)
         with pytest.raises(ValueError, match="member_id 'm' is in use in job 'job'"):
             await twin.open()
     # once it left, the id is free at once; once it died, after its silence
-    async with ftcomm.Membership(store.address, "job", "m", heartbeat_timeout=0.5) as again:
+    async with ftcomm.Membership(engine_addr, "job", "m", heartbeat_timeout=0.5) as again:
         assert again.world is None
     assert not _membership_threads()
 
 
 @pytest.mark.asyncio
-async def test_calls_out_of_order_are_refused(store: Any) -> None:
-    members = ftcomm.Membership(store.address, "job", "m", min_size=1, join_window=0)
+async def test_calls_out_of_order_are_refused(engine_addr: str) -> None:
+    members = ftcomm.Membership(engine_addr, "job", "m", min_size=1, join_window=0)
     async with ftcomm.Group("gloo") as group:
         with pytest.raises(RuntimeError, match="needs an open membership"):
             await members.join(group)
@@ -460,23 +468,19 @@ async def test_calls_out_of_order_are_refused(store: Any) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_cancelled_join_leaves_nothing_that_blocks_the_next(store: Any) -> None:
-    first = ftcomm.Membership(store.address, "job", "a", min_size=2, join_window=0)
+async def test_a_cancelled_join_leaves_nothing_that_blocks_the_next(engine_addr: str) -> None:
+    first = ftcomm.Membership(engine_addr, "job", "a", min_size=2, join_window=0)
     async with first, ftcomm.Group("gloo") as group:
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.3):
                 await first.join(group)
         assert first.world is None
         # its ready entry was taken back: a second member alone cannot form
-        # a world with it, and the store says so
-        from torch.distributed import TCPStore
-
-        client = TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
-        ready = parse_ready(client.get("ftcomm/members/job/ready/1"))
+        # a world with it, and the engine says so
+        ready = parse_ready(engine_key(engine_addr, "job", "ready/1") or b"")
         assert ready == set()
-        del client
         # and a join after it works
-        second = ftcomm.Membership(store.address, "job", "b", min_size=2, join_window=0)
+        second = ftcomm.Membership(engine_addr, "job", "b", min_size=2, join_window=0)
         async with second, ftcomm.Group("gloo") as other:
             worlds = await asyncio.gather(first.join(group), second.join(other))
             assert [(w.generation, w.size) for w in worlds] == [(1, 2), (1, 2)]

@@ -39,13 +39,16 @@ from ._rule import (
     parse_roster,
     ready_line,
 )
+from ._sweep import swept
 from ._watch import (
+    KEPT,
     LEFT,
     Superseded,
     Watcher,
     at_key,
     beat_key,
     fate_key,
+    gives_up,
     quit_key,
     raise_to,
     read,
@@ -58,21 +61,6 @@ CHECK_KEEP = 16
 """``pending()`` keys kept per generation: a member more than this many
 calls behind another would find its key gone (the group's collectives
 between two calls keep members within one call of each other)."""
-
-
-KEPT = "kept"
-"""The verdict on a generation (``fate/<g>``) that its configure succeeded."""
-
-
-def _given_up(verdicts: bytes | None, record: WorldRecord) -> bool:
-    """Whether ``verdicts`` (``fate/<g>``'s lines) give ``record`` up: the
-    first that decides names one of its members (none decides: not yet)."""
-    for line in (verdicts or b"").decode(errors="replace").splitlines():
-        if line == KEPT:
-            return False
-        if any(m in record.members for m in parse_roster(line)):
-            return True
-    return False
 
 
 POLL_CAP = 0.005
@@ -167,7 +155,15 @@ class StoreEngine:
             raise MembershipError(
                 f"the membership store at {plain.host_port} does not answer: {exc}"
             ) from exc
-        host = listen_host(plain.host, local)
+        self._start(listen_host(plain.host, local))
+
+    def _start(self, host: str) -> None:
+        """Listen on ``host``, say where (:meth:`_announce`), start beating.
+
+        Raises:
+            MembershipError: it cannot listen there, or the store failed.
+        """
+        assert self.watcher is not None
         try:
             self.watcher.listener = Listener(host)
         except OSError as exc:
@@ -176,10 +172,16 @@ class StoreEngine:
                 f"address that reaches the store): {exc}"
             ) from None
         try:
-            self._store.set(at_key(self.me.id), f"{self.me.token} {self.watcher.listener.address}")
+            self._announce(self.me)
         except (RuntimeError, OSError) as exc:
-            raise _failed(exc) from None
+            raise failed(exc) from None
         self.watcher.start()
+
+    def _announce(self, me: Member) -> None:
+        """Say where incarnation ``me``'s listener is (``at/<id>``)."""
+        listener = self.watcher.listener if self.watcher is not None else None
+        assert listener is not None
+        self._store.set(at_key(me.id), f"{me.token} {listener.address}")
 
     def _claim(self, stop: threading.Event) -> None:
         """Take ``hb/<id>``: free, left, or silent for a whole timeout.
@@ -226,7 +228,7 @@ class StoreEngine:
         except (RuntimeError, OSError) as exc:
             if isinstance(exc, MembershipError):
                 raise
-            raise _failed(exc) from exc
+            raise failed(exc) from exc
         self.registered = True
 
     def close(self) -> None:
@@ -300,7 +302,7 @@ class StoreEngine:
                     # over, a later one kept (_sweep): stopped through two or
                     # more; a newcomer too (a world that took its roster
                     # line may have gone with it): _form registers it again
-                    raise _swept(self.me.id, self.job, member_of, self._generation())
+                    raise swept(self.me.id, self.job, member_of, self._generation())
                 if decided is not None:
                     record = WorldRecord.decode(decided)
                     self._advance(t)
@@ -314,7 +316,7 @@ class StoreEngine:
                             target = t
                             raise Stopped
                         watcher.follow(t)
-                        if _given_up(read(self._store, fate_key(t)), record):
+                        if gives_up(read(self._store, fate_key(t)), record):
                             # a member gave it up before it could be kept:
                             # on to the next, with the quitters dead
                             self._note_quitters(record)
@@ -399,9 +401,9 @@ class StoreEngine:
                         f"{min_size}; alive but not ready: {', '.join(absent) or 'none'}"
                     )
                 self._raise_if_broken()
-                if stop.wait(min(delay, max(deadline - now, 0.0))):
+                if self._pause(stop, min(delay, max(deadline - now, 0.0))):
                     raise Stopped
-                delay = min(delay * 2, _poll_cap(len({m.id for m in roster})))
+                delay = min(delay * 2, self._poll_cap(len({m.id for m in roster})))
         except Stopped:
             if target is not None:
                 with contextlib.suppress(Exception):
@@ -424,7 +426,7 @@ class StoreEngine:
                     late is not None
                     and self.me in late.members
                     and target >= _sweep.floor(self._store)
-                    and not _given_up(read(self._store, fate_key(target)), late)
+                    and not gives_up(read(self._store, fate_key(target)), late)
                 ):
                     watcher.follow(target)
                     return late
@@ -432,15 +434,23 @@ class StoreEngine:
         except (RuntimeError, OSError, ValueError) as exc:
             if isinstance(exc, MembershipError):
                 raise
-            raise _failed(exc) from exc
+            raise failed(exc) from exc
         finally:
             refusals.close()
+
+    def _pause(self, stop: threading.Event, seconds: float) -> bool:
+        """Between two looks of ``agree``: whether ``stop`` was set."""
+        return stop.wait(seconds)
+
+    def _poll_cap(self, members: int) -> float:
+        """The longest pause of ``agree`` with ``members`` on the roster."""
+        return _poll_cap(members)
 
     def _cut_of(self, record: WorldRecord) -> set[Member]:
         """The members of ``record`` left out for paths cut, where it was
         given up (``cut/<g>``, ``_paths``)."""
         out = _paths.left_out(self._store, record)
-        if out and _given_up(read(self._store, fate_key(record.generation)), record):
+        if out and gives_up(read(self._store, fate_key(record.generation)), record):
             return out
         return set()
 
@@ -458,7 +468,7 @@ class StoreEngine:
         try:
             return _paths.check(self._store, self.watcher, self.me, record, stop, timeout)
         except (RuntimeError, OSError, ValueError) as exc:
-            raise _failed(exc) from exc
+            raise failed(exc) from exc
 
     def admit(self, stop: threading.Event, deadline: float, timeout: float) -> None:
         """Before a newcomer registers: wait until it reaches every member
@@ -479,7 +489,7 @@ class StoreEngine:
                     self._store, self.watcher, self.me.id, latest, stop, min(timeout, left)
                 )
             except (RuntimeError, OSError) as exc:
-                raise _failed(exc) from exc
+                raise failed(exc) from exc
             if not silent:
                 return
             now = time.monotonic()
@@ -502,7 +512,7 @@ class StoreEngine:
         try:
             where = _paths.addresses(self._store, others, self.me.id)
         except (RuntimeError, OSError) as exc:
-            raise _failed(exc) from exc
+            raise failed(exc) from exc
         self.watcher.watch(record.generation, record.members, where, on_broken, reached)
 
     def unwatch(self) -> None:
@@ -559,7 +569,7 @@ class StoreEngine:
         watcher = self.watcher
         if watcher is None:
             return False
-        return watcher.below_floor(record.generation) or _given_up(
+        return watcher.below_floor(record.generation) or gives_up(
             watcher.fate(record.generation), record
         )
 
@@ -572,11 +582,11 @@ class StoreEngine:
         key = fate_key(record.generation)
         try:
             self._store.append(key, line)
-            if not _given_up(read(self._store, key), record):
+            if not gives_up(read(self._store, key), record):
                 return True
             self._note_quitters(record)
         except (RuntimeError, OSError, ValueError) as exc:
-            raise _failed(exc) from exc
+            raise failed(exc) from exc
         return False
 
     def _note_quitters(self, record: WorldRecord) -> None:
@@ -602,8 +612,7 @@ class StoreEngine:
             if watcher.renew(renewed):
                 self.me = renewed
                 if watcher.listener is not None:
-                    where = watcher.listener.address
-                    self._store.set(at_key(renewed.id), f"{renewed.token} {where}")
+                    self._announce(renewed)
 
     def _generation(self) -> int:
         """The latest generation with a record (0 before the first)."""
@@ -631,7 +640,7 @@ class StoreEngine:
         except (RuntimeError, OSError, ValueError) as exc:
             if isinstance(exc, MembershipError):
                 raise
-            raise _failed(exc) from exc
+            raise failed(exc) from exc
 
     def check(self, record: WorldRecord, k: int, *, max_size: int, deadline: float) -> bool:
         """``pending()`` call ``k`` of generation ``record``: the first
@@ -659,7 +668,7 @@ class StoreEngine:
             if k >= CHECK_KEEP:
                 self._store.delete_key(f"chk/{record.generation}/{k - CHECK_KEEP}")
         except (RuntimeError, OSError, ValueError) as exc:
-            raise _failed(exc) from exc
+            raise failed(exc) from exc
         return bool(said == b"1")
 
 
@@ -675,19 +684,7 @@ def _base(addr: StoreAddr) -> str:
     return f"{addr.prefix}/" if addr.prefix else ""
 
 
-def _swept(me: str, job: str, member_of: int | None, current: int) -> Evicted:
-    return Evicted(
-        f"member {me!r} was dropped from job {job!r}: generations after "
-        f"{member_of or 'the one it came to'} were formed and kept without it, and the job is "
-        f"at {current} (it was stopped or cut off through two generations or more). join() "
-        "again to come back as a newcomer",
-        member_id=me,
-        generation=member_of or 0,
-        current=current,
-    )
-
-
-def _failed(exc: BaseException) -> MembershipError:
+def failed(exc: BaseException) -> MembershipError:
     """The error for a store op that failed. ``exc`` loses its traceback:
     its frames hold the store's client, and the error is kept (by a future,
     a caller) long after the engine let the client go."""

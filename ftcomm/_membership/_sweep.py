@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import Evicted
 from ._watch import FLOOR, FLOOR_EVERY, parse_floor, raise_to, read
 
 log = logging.getLogger("ftcomm")
@@ -64,6 +65,19 @@ def floor(store: Any) -> int:
 def raise_floor(store: Any, to: int, key: str = FLOOR) -> int:
     """Move ``floor`` (at ``key``) up to ``to``, never down; what it holds after."""
     return raise_to(store, key, to, parse_floor)
+
+
+def swept(me: str, job: str, member_of: int | None, current: int) -> Evicted:
+    """What a member stopped through generations kept and swept is told."""
+    return Evicted(
+        f"member {me!r} was dropped from job {job!r}: generations after "
+        f"{member_of or 'the one it came to'} were formed and kept without it, and the job is "
+        f"at {current} (it was stopped or cut off through two generations or more). join() "
+        "again to come back as a newcomer",
+        member_id=me,
+        generation=member_of or 0,
+        current=current,
+    )
 
 
 class FloorCheck:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._reach import PROBE_TIMEOUT, Listener, Probes, Reach
-from ._rule import Member, parse_roster
+from ._rule import Member, WorldRecord, parse_roster
 
 log = logging.getLogger("ftcomm")
 
@@ -103,6 +103,21 @@ FLOOR = "floor"
 """Every generation below it is over: a later one was kept (``_sweep``)."""
 FLOOR_EVERY = 1.0
 """Seconds between two looks at ``floor`` (by the watcher, and by an agreeing member)."""
+
+
+KEPT = "kept"
+"""The verdict on a generation (``fate/<g>``) that its configure succeeded."""
+
+
+def gives_up(verdicts: bytes | None, record: WorldRecord) -> bool:
+    """Whether ``verdicts`` (``fate/<g>``'s lines) give ``record`` up: the
+    first that decides names one of its members (none decides: not yet)."""
+    for line in (verdicts or b"").decode(errors="replace").splitlines():
+        if line == KEPT:
+            return False
+        if any(m in record.members for m in parse_roster(line)):
+            return True
+    return False
 
 
 def at_key(member_id: str) -> str:

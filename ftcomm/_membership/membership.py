@@ -24,6 +24,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
+from .._etcd import SCHEME as ETCD_SCHEME
+from .._etcd import parse_etcd_addr
 from .._runtime.deadline import Timeout, resolve, to_seconds
 from .._runtime.loop import get_runtime
 from .._store import parse_store_addr
@@ -31,6 +33,7 @@ from ..errors import CommError, Evicted, MembershipError, MembershipTimeout
 from ..group import Group
 from . import _keep, _state_copy
 from ._engine import Engine, Stopped
+from ._etcd_engine import EtcdEngine
 from ._lighthouse import LighthouseEngine, is_lighthouse
 from ._names import ENV_NAMES, World, check_name, check_size
 from ._reach import PROBE_TIMEOUT
@@ -73,7 +76,9 @@ class Membership:
             ``/prefix``; or a torchft lighthouse's ``http://host:port``
             (``LighthouseServer.address()``; needs torchft), whose own
             ``min_replicas``, ``join_timeout_ms`` and
-            ``heartbeat_timeout_ms`` then decide when a quorum forms.
+            ``heartbeat_timeout_ms`` then decide when a quorum forms; or an
+            etcd cluster's ``etcd://host:port[,host:port...][/prefix]``
+            (no host whose death ends the job: docs/membership.md).
         job: the job's name: members of one job share it.
         member_id: this member's id, unique among the job's live members
             (a restarted member may take its old id again).
@@ -140,6 +145,14 @@ class Membership:
                 self._me,
                 heartbeat_interval=self._hb_interval,
                 store_host=store_host,
+            )
+        elif isinstance(address, str) and address.startswith(ETCD_SCHEME):
+            self._engine = EtcdEngine(
+                parse_etcd_addr(address, "address"),
+                self.job,
+                self._me,
+                heartbeat_interval=self._hb_interval,
+                heartbeat_timeout=self._hb_timeout,
             )
         else:
             self._engine = StoreEngine(

@@ -1,0 +1,228 @@
+"""The third engine: membership agreed in etcd, and no host whose death ends a job.
+
+Owns: :class:`EtcdEngine`, the store engine's rule on an etcd cluster
+(``etcd://host:port[,host:port...][/prefix]``), and the c10d store each
+member hosts for the groups of the generations it is rank 0 of.
+
+- **The same rule.** Its calls are the store engine's, made of etcd by
+  ``_etcd_store.EtcdStore``: ``world/<g>`` written once by a transaction,
+  ``Evicted`` for a stale member, ``pending()`` the same for every member.
+  A member's own keys live as long as its lease (TTL twice the heartbeat
+  timeout), and an agreeing member waits on a watch of the job's keys
+  rather than polling them.
+- **No single host.** A generation's group meets in a store hosted by its
+  rank 0 (``srv/<id>``: ``"<token> host:port"``), and the next generation,
+  formed without a rank 0 that died, meets in its new rank 0's. A rank 0
+  whose store is gone before its generation is configured has that
+  generation given up as a dead member would.
+- **etcd's own faults.** Every etcd call fails over between the endpoints
+  within its deadline (``ftcomm._etcd``); a quorum that stands is all the
+  engine needs.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from datetime import timedelta
+
+from .._etcd import Etcd, EtcdAddr
+from .._server import StoreServer, serve_store
+from .._store import StoreAddr
+from ..errors import MembershipError
+from . import _sweep
+from ._etcd_store import Changes, EtcdStore, Lease, lease_ttl
+from ._reach import listen_host
+from ._rule import Member, WorldRecord
+from ._store_engine import OP_TIMEOUT, SWEEP_CONNECT, StoreEngine, failed
+from ._watch import Watcher, beat_key, read
+
+WATCH_CAP = 0.25
+"""Seconds an agreeing member waits at most between two looks at etcd: a
+change wakes it sooner (the heartbeats it reads on its own thread)."""
+
+
+def srv_key(member_id: str) -> str:
+    """Where member ``member_id`` says where its store is (held by its lease)."""
+    return f"srv/{member_id}"
+
+
+class EtcdEngine(StoreEngine):
+    """One member's view of a job in etcd (see the module's notes)."""
+
+    def __init__(
+        self,
+        addr: EtcdAddr,
+        job: str,
+        me: Member,
+        *,
+        heartbeat_interval: float,
+        heartbeat_timeout: float,
+    ) -> None:
+        host, port = addr.endpoints[0]
+        super().__init__(
+            StoreAddr(host, port, addr.prefix),
+            job,
+            me,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+        )
+        self.etcd = addr
+        self._server: StoreServer | None = None
+        self._changes: Changes | None = None
+        self._hosts: dict[int, str] = {}  # generation -> its store's host:port
+
+    def __repr__(self) -> str:
+        return str(self.etcd)
+
+    def _base(self) -> str:
+        return f"{self.etcd.prefix}/" if self.etcd.prefix else ""
+
+    # -- opening and closing ----------------------------------------------
+
+    def open(self, timeout: float, stop: threading.Event) -> None:
+        """Grant this member's lease, claim its id, host its store, beat.
+
+        Raises:
+            MembershipError: no endpoint answers, or the cluster has no quorum.
+            ValueError: a live member already uses this id.
+        """
+        timeout = max(timeout, 0.01)
+        local = self._local(timeout)
+        endpoints = self.etcd.endpoints
+        base = self._base()
+        root = f"{base}ftcomm/members/{self.job}/"
+        try:
+            lease = Lease(Etcd(endpoints, timeout), lease_ttl(self._timeout))
+            lease.id()  # (a grant needs a leader: a cluster without quorum fails here)
+            self._store = EtcdStore(Etcd(endpoints, timeout), root, lease=lease)
+            self.watcher = Watcher(
+                EtcdStore(Etcd(endpoints, timeout), root, lease=lease),
+                self.me,
+                interval=self._interval,
+                timeout=self._timeout,
+            )
+            scope = f"ftcomm/members/{self.job}/"
+            self.watcher.sweeper = _sweep.Sweeper(
+                lambda: EtcdStore(Etcd(endpoints, SWEEP_CONNECT), base, scope=scope),
+                "",
+                self.job,
+                name=f"sweep-{self.me.id}",
+            )
+            self._claim(stop)
+            for client in (self._store, self.watcher.store):
+                client.set_timeout(timedelta(seconds=OP_TIMEOUT))
+        except (RuntimeError, OSError) as exc:
+            exc.with_traceback(None)  # its frames hold the clients
+            raise MembershipError(f"{self.etcd} does not answer: {exc}") from exc
+        host = listen_host(endpoints[0][0], local)
+        try:
+            self._server = serve_store(host)
+        except (RuntimeError, OSError) as exc:
+            raise MembershipError(
+                f"member {self.me.id!r} cannot host a store on {host!r}: {exc}"
+            ) from None
+        self._start(host)
+        self._changes = Changes(
+            endpoints,
+            root.encode(),
+            quiet=(beat_key("").encode(),),
+            silence=max(5.0, 10 * self._interval),
+            name=f"ftcomm-membership-watch-{self.me.id}",
+        )
+        self._changes.start()
+
+    def _local(self, timeout: float) -> str:
+        """This end's address of a connection to the first endpoint that
+        answers: the interface that reaches the cluster.
+
+        Raises:
+            MembershipError: no endpoint takes a connection.
+        """
+        why = []
+        for host, port in self.etcd.endpoints:
+            try:
+                with socket.create_connection((host, port), timeout=min(timeout, 2.0)) as probe:
+                    return str(probe.getsockname()[0])
+            except OSError as exc:
+                why.append(f"{host}:{port}: {exc}")
+        raise MembershipError(f"{self.etcd} does not answer: {'; '.join(why)}")
+
+    def _announce(self, me: Member) -> None:
+        super()._announce(me)
+        if self._server is not None:
+            self._store.set(srv_key(me.id), f"{me.token} {self._server.address}")
+
+    def close(self) -> None:
+        """Stop beating, say this member left, stop watching and hosting.
+        Its lease is left to run out: its ``left`` beat stays that long."""
+        super().close()
+        changes, self._changes = self._changes, None
+        if changes is not None:
+            changes.close()
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+
+    # -- agreeing ---------------------------------------------------------
+
+    def _pause(self, stop: threading.Event, seconds: float) -> bool:
+        if self._changes is None:
+            return stop.wait(seconds)
+        return self._changes.wait(stop, seconds)
+
+    def _poll_cap(self, members: int) -> float:
+        return WATCH_CAP
+
+    def agree(
+        self,
+        prev: WorldRecord,
+        stop: threading.Event,
+        *,
+        member_of: int | None,
+        min_size: int,
+        max_size: int,
+        window: float,
+        deadline: float,
+    ) -> WorldRecord:
+        """The store engine's ``agree``, and where the generation's group
+        meets: its rank 0's store. One whose rank 0 has no store (its lease
+        ran out: it is dead) is given up, and the next one agreed.
+
+        Raises: as ``StoreEngine.agree``.
+        """
+        while True:
+            record = super().agree(
+                prev,
+                stop,
+                member_of=member_of,
+                min_size=min_size,
+                max_size=max_size,
+                window=window,
+                deadline=deadline,
+            )
+            host = record.members[0]
+            try:
+                held = read(self._store, srv_key(host.id))
+            except (RuntimeError, OSError) as exc:
+                raise failed(exc) from None
+            token, _, where = (held or b"").decode(errors="replace").partition(" ")
+            if token == host.token and where:
+                self._hosts[record.generation] = where
+                for old in [g for g in self._hosts if g < record.generation - 1]:
+                    del self._hosts[old]
+                return record
+            if not self.lost(record, host):
+                raise MembershipError(
+                    f"generation {record.generation} of job {self.job!r} was kept, but its "
+                    f"rank 0 ({host.id!r}) says of no store where its group meets"
+                )
+            prev, member_of = record, record.generation
+
+    def group_addr(self, record: WorldRecord) -> str:
+        """Where ``record``'s group meets: a prefix of its own in its rank
+        0's store (read as it was agreed)."""
+        host = self._hosts.get(record.generation)
+        if host is None:
+            raise MembershipError(f"generation {record.generation} was not agreed here")
+        return f"{host}/{self._base()}ftcomm/groups/{self.job}/g{record.generation}"

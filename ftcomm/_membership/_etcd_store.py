@@ -1,0 +1,353 @@
+"""The store engine's calls, made of etcd: the etcd engine's adapter.
+
+Owns: :class:`EtcdStore` (the subset of a c10d store the store engine,
+its watcher, paths and sweeper call: ``set``, ``compare_set``, ``append``,
+``multi_get``, ``delete_key``, ``list_keys``, ``set_timeout``), one
+member's :class:`Lease`, and :class:`Changes` (an etcd watch that wakes an
+agreeing member when a key it reads changes). So the store engine's rule,
+and the guarantees its tests prove, hold on etcd as they are.
+
+Where etcd differs from a c10d store, and what is done about it:
+
+- **Leases.** A member's own keys (``hb/<id>``, ``at/<id>``, ``srv/<id>``)
+  are held by its lease, renewed as it beats: a member gone for the
+  lease's TTL leaves none of them behind. A key of its gone (the process
+  was stopped that long) counts as still its own: the next write puts it
+  back, under a new lease, unless another incarnation created it first.
+  This is the store engine's rule, where a stopped member's key stays.
+- **A missing key.** ``multi_get`` answers ``b""`` for it (a c10d store
+  would wait for it): a heartbeat gone with its lease reads as no one's,
+  so its member is dead (``_watch.Watcher.alive``).
+- **Answers lost in a failover.** A call whose answer was lost is sent
+  again (``_etcd.Etcd.call``): ``compare_set`` then reads its own value
+  as its win, and ``append`` finds its line already there, so no line is
+  appended twice.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.client
+import json
+import logging
+import math
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+
+from .._etcd import (
+    Etcd,
+    EtcdError,
+    absent,
+    holds,
+    prefix_end,
+    put_op,
+    range_op,
+    ranged,
+    unchanged,
+)
+
+log = logging.getLogger("ftcomm")
+
+LEASED = ("hb/", "at/", "srv/")
+"""The keys a member's lease holds: its heartbeat, its listener's and its
+store's addresses."""
+
+MIN_TTL = 2
+"""etcd's shortest lease, in seconds (it grants no less than 1.5 election
+timeouts: 1.5 s at its defaults)."""
+
+
+def lease_ttl(heartbeat_timeout: float) -> int:
+    """A member's lease TTL: twice the heartbeat timeout (a member is
+    called dead by its silence first; the lease then clears its keys)."""
+    return max(MIN_TTL, math.ceil(2 * heartbeat_timeout))
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class Lease:
+    """One member's lease, shared by its clients (one lock): granted at
+    first use, renewed every third of its TTL as the member writes its
+    keys, and granted again after it ran out, with the keys it held put
+    back (each only where no one created it meanwhile)."""
+
+    def __init__(self, client: Etcd, ttl: int) -> None:
+        self._client = client
+        self.ttl = ttl
+        self._lock = threading.Lock()  # guards every field below
+        self._id = 0
+        self._renewed = 0.0
+        self._held: dict[bytes, bytes] = {}
+
+    def id(self) -> int:
+        """A live lease (granted or renewed now where due).
+
+        Raises:
+            EtcdUnavailable, EtcdError: etcd did not grant or renew it.
+        """
+        with self._lock:
+            now = time.monotonic()
+            if self._id and now - self._renewed < self.ttl / 3:
+                return self._id
+            if self._id and self._client.keepalive(self._id) > 0:
+                self._renewed = now
+                return self._id
+            self._grant(now)
+            return self._id
+
+    def _grant(self, now: float) -> None:
+        lapsed = bool(self._id)
+        self._id, self._renewed = self._client.grant(self.ttl), now
+        if lapsed:
+            log.warning("ftcomm: membership: a lease ran out; its keys are put back")
+        for key, value in self._held.items():
+            self._client.create(key, value, self._id)
+
+    def expired(self, lease: int) -> None:
+        """etcd said ``lease`` is gone: the next :meth:`id` grants another."""
+        with self._lock:
+            if self._id == lease:
+                self._renewed = -math.inf  # its keepalive answers 0: granted again
+
+    def held(self, key: bytes) -> bytes | None:
+        """What this lease's ``key`` held as last written (``None``: not one)."""
+        with self._lock:
+            return self._held.get(key)
+
+    def note(self, key: bytes, value: bytes | None) -> None:
+        """``key`` holds ``value`` under this lease now (``None``: no longer)."""
+        with self._lock:
+            if value is None:
+                self._held.pop(key, None)
+            else:
+                self._held[key] = value
+
+
+class EtcdStore:
+    """A c10d store's calls (those the store engine makes) on etcd, keys
+    under ``root``. ``lease``: the member's, for its own keys (:data:`LEASED`);
+    ``scope``: where :meth:`list_keys` looks, under ``root``.
+
+    Raises (every call): EtcdUnavailable (a ``ConnectionError``), EtcdError
+    (a ``RuntimeError``), as the store engine expects of a store.
+    """
+
+    def __init__(
+        self, client: Etcd, root: str, *, lease: Lease | None = None, scope: str = ""
+    ) -> None:
+        self._client = client
+        self._root = root.encode()
+        self._lease = lease
+        self._scope = scope.encode()
+
+    def __repr__(self) -> str:
+        return f"<EtcdStore {self._client!r} {self._root.decode()!r}>"
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._client.timeout = timeout.total_seconds()
+
+    def _leased(self, key: str) -> bool:
+        return self._lease is not None and key.startswith(LEASED)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        full, data = self._root + key.encode(), _bytes(value)
+        if not self._leased(key):
+            self._client.put(full, data)
+            return
+        assert self._lease is not None
+        lease = self._lease.id()
+        try:
+            self._client.put(full, data, lease)
+        except EtcdError as exc:
+            if "lease not found" not in str(exc):
+                raise
+            self._lease.expired(lease)
+            self._client.put(full, data, self._lease.id())
+        self._lease.note(full, data)
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """As a c10d store's: ``desired`` written where ``key`` holds
+        ``expected`` (``""``: where it does not exist); what ``key`` holds
+        after, or ``expected`` where it does not exist (nothing written).
+        A key of this member's lease that ran out counts as holding what
+        it held (see the module's notes)."""
+        full, want, new = self._root + key.encode(), _bytes(expected), _bytes(desired)
+        leased = self._leased(key)
+        for _ in range(2):  # once more where the lease ran out as it was used
+            lease = self._lease.id() if leased and self._lease is not None else 0
+            compare = absent(full) if want == b"" else holds(full, want)
+            try:
+                won, answers = self._client.txn(
+                    [compare], [put_op(full, new, lease)], [range_op(full)]
+                )
+                if not won:
+                    found = ranged(answers[0]) if answers else []
+                    if found:
+                        return found[0].value
+                    if self._lease is None or self._lease.held(full) != want:
+                        return want  # (c10d's answer for a missing key)
+                    won, held = self._client.create(full, new, lease)
+                    if not won:
+                        return held
+            except EtcdError as exc:
+                if not lease or "lease not found" not in str(exc):
+                    raise
+                assert self._lease is not None
+                self._lease.expired(lease)
+                continue
+            if self._lease is not None and leased:
+                self._lease.note(full, new)
+            return new
+        raise EtcdError(f"etcd: the lease of {key!r} ran out twice in a row")
+
+    def append(self, key: str, value: str | bytes) -> None:
+        """Add ``value`` at the end of ``key``'s (a read, then a write only
+        where no one wrote it between: again while others append)."""
+        full, line = self._root + key.encode(), _bytes(value)
+        while True:
+            kv = self._client.get(full)
+            old = kv.value if kv is not None else b""
+            compare = unchanged(full, kv.mod_revision) if kv is not None else absent(full)
+            won, answers = self._client.txn([compare], [put_op(full, old + line)], [range_op(full)])
+            if won:
+                return
+            found = ranged(answers[0]) if answers else []
+            if found and found[0].value.startswith(old + line):
+                return  # ours went in: its answer was lost, and the retry found it
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """Each key's value, ``b""`` where it does not exist; one round trip."""
+        if not keys:
+            return []
+        _, answers = self._client.txn([], [range_op(self._root + k.encode()) for k in keys], [])
+        values = []
+        for answer in answers:
+            found = ranged(answer)
+            values.append(found[0].value if found else b"")
+        if len(values) != len(keys):
+            raise EtcdError(f"etcd answered {len(values)} reads of {len(keys)}")
+        return values
+
+    def delete_key(self, key: str) -> bool:
+        return self._client.delete(self._root + key.encode()) > 0
+
+    def list_keys(self) -> list[str]:
+        """Every key under ``root`` + ``scope``, less ``root``."""
+        found = self._client.get_prefix(self._root + self._scope, keys_only=True)
+        return [kv.key[len(self._root) :].decode(errors="replace") for kv in found]
+
+
+class Changes:
+    """An etcd watch of every key under ``prefix`` but those under ``quiet``
+    (the heartbeats, which move every interval): :attr:`changed` is set
+    when one changes, and whenever the watch is (re)made, so that a reader
+    that waits on it never misses a change. On a thread of its own, from
+    one endpoint to the next; ``silence`` seconds without a word (not even
+    a heartbeat's) and it watches anew."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[tuple[str, int]],
+        prefix: bytes,
+        quiet: Sequence[bytes],
+        silence: float,
+        name: str,
+    ) -> None:
+        self._endpoints = list(endpoints)
+        self._prefix = prefix
+        self._quiet = tuple(quiet)
+        self._silence = silence
+        self.changed = threading.Event()
+        self._lock = threading.Lock()  # guards _closed and _conn
+        self._closed = False
+        self._conn: http.client.HTTPConnection | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait(self, stop: threading.Event, seconds: float) -> bool:
+        """Wait up to ``seconds`` for a change, looking at ``stop`` every
+        50 ms; whether ``stop`` was set. The change is then taken: a later
+        one wakes the next wait."""
+        until = time.monotonic() + seconds
+        while not stop.is_set():
+            left = until - time.monotonic()
+            if left <= 0 or self.changed.wait(min(left, 0.05)):
+                break
+        self.changed.clear()
+        return stop.is_set()
+
+    def _run(self) -> None:
+        at, pause = 0, 0.05
+        while True:
+            host, port = self._endpoints[at]
+            conn = http.client.HTTPConnection(host, port, timeout=self._silence)
+            with self._lock:
+                if self._closed:
+                    return
+                self._conn = conn
+            try:
+                self._watch(conn)
+                pause = 0.05
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                log.debug("ftcomm: membership: the etcd watch at %s:%d ended: %s", host, port, exc)
+            finally:
+                conn.close()
+            self.changed.set()  # what changed while no watch was made is not known
+            with self._lock:
+                if self._closed:
+                    return
+            at = (at + 1) % len(self._endpoints)
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
+    def _watch(self, conn: http.client.HTTPConnection) -> None:
+        create = {
+            "create_request": {
+                "key": _b64(self._prefix),
+                "range_end": _b64(prefix_end(self._prefix)),
+            }
+        }
+        conn.request("POST", "/v3/watch", json.dumps(create))
+        response = conn.getresponse()
+        if response.status != 200:
+            raise http.client.HTTPException(f"etcd answered {response.status}")
+        while True:
+            line = response.readline()
+            if not line:
+                return  # the endpoint closed it
+            result = json.loads(line).get("result", {})
+            if result.get("created") or result.get("canceled"):
+                self.changed.set()
+                if result.get("canceled"):
+                    return
+            for event in result.get("events", []):
+                key = _unb64(event.get("kv", {}).get("key", ""))[len(self._prefix) :]
+                if not key.startswith(self._quiet):
+                    self.changed.set()
+
+    def close(self) -> None:
+        """End the watch and its thread (a read in flight is cut off)."""
+        with self._lock:
+            self._closed = True
+            conn = self._conn
+        if conn is not None and conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+        if self._thread.ident is not None:
+            self._thread.join()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
