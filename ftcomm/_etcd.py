@@ -33,6 +33,13 @@ RETRY_PAUSE = 0.05
 """Seconds before a call tries the next endpoint (doubling, up to 0.5 s)."""
 
 
+FIRST_WAIT = 1.0
+"""Seconds a call's first try waits for its endpoint, doubling with each
+try that ran out. A node that lost its leader holds a request until its
+own timeout (5 s) rather than refusing it; the next node may have a new
+leader already (an election takes about one election timeout)."""
+
+
 class EtcdError(RuntimeError):
     """etcd answered with an error that a retry does not mend (a bad
     request, a lease that expired)."""
@@ -181,15 +188,17 @@ class Etcd:
     def call(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """POST ``body`` to ``path`` (``/v3/...``) on the cluster: its answer."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        pause, last = RETRY_PAUSE, "no endpoint tried"
+        pause, last, wait = RETRY_PAUSE, "no endpoint tried", FIRST_WAIT
         while True:
             host, port = self.endpoints[self._current]
             left = deadline - time.monotonic()
             try:
-                return self._post(host, port, path, body, max(left, 0.01))
+                return self._post(host, port, path, body, max(min(left, wait), 0.01))
             except (OSError, http.client.HTTPException, _Retry) as exc:
                 last = f"{host}:{port}: {exc}"
                 self._current = (self._current + 1) % len(self.endpoints)
+                if isinstance(exc, TimeoutError):
+                    wait *= 2  # (slow rather than stuck: the next waits longer)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise EtcdUnavailable(
