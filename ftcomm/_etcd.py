@@ -34,10 +34,18 @@ RETRY_PAUSE = 0.05
 
 
 FIRST_WAIT = 1.0
-"""Seconds a call's first try waits for its endpoint, doubling with each
-try that ran out. A node that lost its leader holds a request until its
+"""Seconds a try waits for its endpoint, twice that once a call tried them
+all, and so on. A node that lost its leader holds a request until its
 own timeout (5 s) rather than refusing it; the next node may have a new
 leader already (an election takes about one election timeout)."""
+
+
+class Route:
+    """Which endpoint a cluster's clients try first (shared by those of
+    :meth:`Etcd.sharing`). A race of two updates costs a try, no more."""
+
+    def __init__(self) -> None:
+        self.current = 0
 
 
 class EtcdError(RuntimeError):
@@ -173,12 +181,20 @@ class Etcd:
         EtcdError: etcd refused the request.
     """
 
-    def __init__(self, endpoints: Sequence[tuple[str, int]], timeout: float) -> None:
+    def __init__(
+        self, endpoints: Sequence[tuple[str, int]], timeout: float, *, route: Route | None = None
+    ) -> None:
         if not endpoints:
             raise ValueError("etcd needs at least one endpoint")
         self.endpoints = list(endpoints)
         self.timeout = timeout
-        self._current = 0
+        self._route = route if route is not None else Route()
+
+    def sharing(self, timeout: float) -> Etcd:
+        """Another client of the same cluster (a deadline of its own) that
+        goes where this one goes: one that found an endpoint gone spares
+        the others the wait."""
+        return Etcd(self.endpoints, timeout, route=self._route)
 
     def __repr__(self) -> str:
         return f"etcd {','.join(f'{h}:{p}' for h, p in self.endpoints)}"
@@ -188,17 +204,19 @@ class Etcd:
     def call(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """POST ``body`` to ``path`` (``/v3/...``) on the cluster: its answer."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        pause, last, wait = RETRY_PAUSE, "no endpoint tried", FIRST_WAIT
+        pause, last, wait, tries = RETRY_PAUSE, "no endpoint tried", FIRST_WAIT, 0
         while True:
-            host, port = self.endpoints[self._current]
+            at = self._route.current % len(self.endpoints)
+            host, port = self.endpoints[at]
             left = deadline - time.monotonic()
             try:
                 return self._post(host, port, path, body, max(min(left, wait), 0.01))
             except (OSError, http.client.HTTPException, _Retry) as exc:
                 last = f"{host}:{port}: {exc}"
-                self._current = (self._current + 1) % len(self.endpoints)
-                if isinstance(exc, TimeoutError):
-                    wait *= 2  # (slow rather than stuck: the next waits longer)
+                self._route.current = (at + 1) % len(self.endpoints)
+                tries += 1
+                if tries % len(self.endpoints) == 0:
+                    wait *= 2  # every one tried: slow rather than stuck, it seems
             left = deadline - time.monotonic()
             if left <= 0:
                 raise EtcdUnavailable(

@@ -5,12 +5,14 @@ no node answers."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 
 import pytest
 
 from ftcomm._etcd import Etcd, EtcdError, EtcdUnavailable, prefix_end
-from ftcomm.testing import EtcdCluster, etcd_missing
+from ftcomm.testing import EtcdCluster, etcd_missing, partition_missing
 
 
 def test_keys_are_set_read_and_deleted(ftcomm_etcd: EtcdCluster) -> None:
@@ -149,3 +151,42 @@ def test_a_missing_etcd_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "/nonexistent/etcd" in why
     with pytest.raises(RuntimeError, match="/nonexistent/etcd"), EtcdCluster(1):
         pass
+
+
+def _tables() -> str:
+    return subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.ftcomm_etcd(nodes=3)
+def test_a_partitioned_leader_is_cut_off_and_healed(ftcomm_etcd: EtcdCluster) -> None:
+    """The leader, partitioned: its clients' calls go on within their
+    deadline on the others, which elect a new leader; healed, it answers
+    again and follows."""
+    why = partition_missing()
+    if why is not None:
+        pytest.skip(why)
+    first = ftcomm_etcd.leader()
+    ordered = [ftcomm_etcd.endpoints[first]] + [
+        e for i, e in enumerate(ftcomm_etcd.endpoints) if i != first
+    ]
+    etcd = Etcd(ordered, timeout=10.0)
+    etcd.put(b"k", b"before")
+    ftcomm_etcd.partition(first)
+    table = f"ftcomm_etcd_{os.getpid()}_{first}"
+    assert table in _tables()
+    started = time.monotonic()
+    etcd.put(b"k", b"during")
+    assert time.monotonic() - started < 10.0
+    with pytest.raises(TimeoutError, match="no answer"):  # silent, not refused
+        etcd.status(*ftcomm_etcd.endpoints[first], timeout=0.5)
+    assert ftcomm_etcd.leader() != first
+    ftcomm_etcd.heal(first)
+    assert table not in _tables()
+    back = Etcd([ftcomm_etcd.endpoints[first]], timeout=10.0)
+    deadline = time.monotonic() + 10.0
+    while _get_or_none(back, b"k") != b"during":
+        assert time.monotonic() < deadline, "the node never caught up"
+        time.sleep(0.05)
+    ftcomm_etcd.partition(first)
+    ftcomm_etcd.close()  # a partition left at the close goes with it
+    assert f"ftcomm_etcd_{os.getpid()}_" not in _tables()

@@ -1,8 +1,9 @@
 """Membership on a 3-node etcd cluster: the faults only this engine meets.
 Its leader killed during training, then the member that hosts the world's
 group store: the survivors train on, each within 5 s, one world per
-generation. (The faults every engine meets run on etcd too: the ``engine``
-fixture in test_membership.py.)"""
+generation. Its leader partitioned: the world trains on as it was. (The
+faults every engine meets run on etcd too: the ``engine`` fixture in
+test_membership.py.)"""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import itertools
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -18,7 +20,15 @@ import torch
 from helpers import engine_key
 
 import ftcomm
-from ftcomm.testing import EtcdCluster, Fault, FaultPlan, RankContext, run_world
+from ftcomm._etcd import Etcd, parse_etcd_addr
+from ftcomm.testing import (
+    EtcdCluster,
+    Fault,
+    FaultPlan,
+    RankContext,
+    partition_missing,
+    run_world,
+)
 
 STEPS = 40
 STEP_PAUSE = 0.05  # between two steps: the leader's kill is seen mid-training
@@ -108,3 +118,87 @@ def test_etcds_leader_then_the_store_host_killed_the_survivors_train_on(
         )
     # etcd lost its leader for good: a new one leads
     assert ftcomm_etcd.leader() != leader
+
+
+PARTITION_AT = 5
+PARTITION_FOR = 5.0  # seconds the leader stays cut off
+
+
+async def _train_through(ctx: RankContext, address: str, key: bytes) -> dict[str, Any]:
+    """Three members train; at step 5, m0 says so in etcd (``key``: the
+    test then cuts etcd's leader off for 5 s, and says when it healed it):
+    the world trains on as it was, until 5 steps after the heal."""
+    ftcomm.serve_store().close()  # torch keeps a pipe once a store server ran
+    ctx.baseline()
+    good: list[float] = []
+    errors: list[str] = []
+    etcd = Etcd(parse_etcd_addr(address).endpoints, 10.0)
+    async with (
+        ftcomm.Membership(
+            address, "job", f"m{ctx.rank}", min_size=3, max_size=3, join_window=5.0, timeout=30
+        ) as members,
+        ftcomm.Group("gloo", timeout=10) as group,
+    ):
+        world = await members.join(group)
+        step, end = 0, 1000  # (a bound, should the heal never be seen)
+        while step < end:
+            healed = 0.0
+            if ctx.rank == 0 and step == PARTITION_AT:
+                await asyncio.to_thread(etcd.put, key, b"cut it")
+            if ctx.rank == 0 and step > PARTITION_AT:
+                said = await asyncio.to_thread(etcd.get, key)
+                healed = float(said is not None and said.value == b"healed")
+            try:
+                if await members.pending():
+                    errors.append("pending")
+                    world = await members.recover(group)
+                total = await group.allreduce(torch.tensor([1.0, healed]), timeout=5)
+                good.append(time.monotonic())
+                step += 1
+                if total[1].item() > 0 and end == 1000:
+                    end = step + 5
+            except ftcomm.CommError as exc:
+                errors.append(type(exc).__name__)
+                world = await members.recover(group)
+            await asyncio.sleep(STEP_PAUSE)
+    return {"generation": world.generation, "good": good, "errors": errors}
+
+
+@pytest.mark.slow
+@pytest.mark.ftcomm_etcd(nodes=3)
+def test_etcds_leader_partitioned_the_world_trains_on(ftcomm_etcd: EtcdCluster) -> None:
+    why = partition_missing()
+    if why is not None:
+        pytest.skip(why)
+    key = b"t-partition-now"
+    cut: list[float] = []
+
+    def partition_when_told() -> None:
+        client = ftcomm_etcd.client(timeout=10.0)
+        deadline = time.monotonic() + 60
+        while client.get(key) is None:  # etcd's state: nothing to await
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+        leader = ftcomm_etcd.leader()
+        ftcomm_etcd.partition(leader)
+        cut.append(time.monotonic())
+        time.sleep(PARTITION_FOR)  # the fault's length
+        ftcomm_etcd.heal(leader)
+        cut.append(time.monotonic())
+        client.put(key, b"healed")
+
+    fault = threading.Thread(target=partition_when_told)
+    fault.start()
+    try:
+        results = run_world(_train_through, 3, args=(ftcomm_etcd.address("t"), key), timeout=120)
+    finally:
+        fault.join()
+    assert len(cut) == 2, "the partition never happened"
+    for log in results:
+        assert log["errors"] == []  # no member was lost, no op failed
+        assert log["generation"] == 1  # the world it began with
+        assert any(cut[0] < t < cut[1] for t in log["good"])  # it trained while cut
+        gaps = [b - a for a, b in itertools.pairwise(log["good"])]
+        assert max(gaps) < 5.0, gaps
+        print(f"ftcomm-figure: etcd's leader partitioned: a step took {max(gaps):.2f} s at most")

@@ -92,19 +92,20 @@ class EtcdEngine(StoreEngine):
         endpoints = self.etcd.endpoints
         base = self._base()
         root = f"{base}ftcomm/members/{self.job}/"
+        etcd = Etcd(endpoints, timeout)  # the member's clients go where one went
         try:
-            lease = Lease(Etcd(endpoints, timeout), lease_ttl(self._timeout))
+            lease = Lease(etcd, lease_ttl(self._timeout))
             lease.id()  # (a grant needs a leader: a cluster without quorum fails here)
-            self._store = EtcdStore(Etcd(endpoints, timeout), root, lease=lease)
+            self._store = EtcdStore(etcd.sharing(timeout), root, lease=lease)
             self.watcher = Watcher(
-                EtcdStore(Etcd(endpoints, timeout), root, lease=lease),
+                EtcdStore(etcd.sharing(timeout), root, lease=lease),
                 self.me,
                 interval=self._interval,
                 timeout=self._timeout,
             )
             scope = f"ftcomm/members/{self.job}/"
             self.watcher.sweeper = _sweep.Sweeper(
-                lambda: EtcdStore(Etcd(endpoints, SWEEP_CONNECT), base, scope=scope),
+                lambda: EtcdStore(etcd.sharing(SWEEP_CONNECT), base, scope=scope),
                 "",
                 self.job,
                 name=f"sweep-{self.me.id}",
@@ -112,6 +113,7 @@ class EtcdEngine(StoreEngine):
             self._claim(stop)
             for client in (self._store, self.watcher.store):
                 client.set_timeout(timedelta(seconds=OP_TIMEOUT))
+            etcd.timeout = OP_TIMEOUT  # (the lease's)
         except (RuntimeError, OSError) as exc:
             exc.with_traceback(None)  # its frames hold the clients
             raise MembershipError(f"{self.etcd} does not answer: {exc}") from exc

@@ -12,6 +12,7 @@ from ._base import RankFailure as RankFailure
 from ._base import WorldError as WorldError
 from ._etcd import EtcdCluster as EtcdCluster
 from ._etcd import etcd_missing as etcd_missing
+from ._etcd import partition_missing as partition_missing
 from ._faults import Fault as Fault
 from ._faults import FaultPlan as FaultPlan
 from ._faults import Kind as Kind
@@ -29,6 +30,7 @@ __all__ = [
     "RankFailure",
     "WorldError",
     "etcd_missing",
+    "partition_missing",
     "network_missing",
     "run_world",
 ]

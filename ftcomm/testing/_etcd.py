@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -52,6 +53,53 @@ def etcd_missing() -> str | None:
     return None
 
 
+def partition_missing() -> str | None:
+    """Why :meth:`EtcdCluster.partition` cannot run here (``None``: it can)."""
+    if sys.platform != "linux":
+        return "partitioning an etcd node needs Linux (nftables)"
+    if os.geteuid() != 0:
+        return "partitioning an etcd node needs root (nftables, and a uid for each node)"
+    if shutil.which("nft") is None:
+        return "nft is not installed (apt-get install nftables; make install does it as root)"
+    return None
+
+
+_TABLE = "ftcomm_etcd_"
+"""The nftables tables (family ``inet``, in this namespace) of partitions:
+``ftcomm_etcd_<pid>_<node>``, removed by :meth:`EtcdCluster.heal`, at the
+cluster's close, and by the next cluster where their process is gone."""
+
+
+def _node_uid(i: int) -> int:
+    """The uid node ``i`` of this process's clusters runs as (root only): a
+    partition's rule tells that node's packets from every other's by it."""
+    return 200_000 + (os.getpid() % 1_000_000) * 4 + i
+
+
+def _nft(script: str) -> None:
+    proc = subprocess.run(
+        ["nft", "-f", "-"], input=script, capture_output=True, text=True, timeout=20, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"nft: {(proc.stderr or proc.stdout).strip()}")
+
+
+def _sweep_tables() -> None:
+    """Delete partition tables whose process is gone (killed before its close)."""
+    try:
+        listed = subprocess.run(
+            ["nft", "list", "tables"], capture_output=True, text=True, timeout=20, check=False
+        ).stdout
+    except OSError:
+        return
+    for line in listed.splitlines():
+        name = line.split()[-1] if line.startswith("table inet ") else ""
+        pid = name[len(_TABLE) :].split("_")[0] if name.startswith(_TABLE) else ""
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(RuntimeError, OSError):
+                _nft(f"delete table inet {name}\n")
+
+
 def _free_ports(count: int) -> list[int]:
     socks = []
     try:
@@ -74,6 +122,7 @@ class EtcdNode:
     peer_port: int
     proc: subprocess.Popen[bytes] | None = None
     log: str = ""
+    partitioned: bool = False
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -85,8 +134,10 @@ class EtcdCluster:
     """``nodes`` etcd processes on loopback (1 or 3), as a context manager.
 
     ``address(prefix)`` is what ``Membership`` takes; ``kill(i)`` and
-    ``start_node(i)`` take a node down and back; ``leader()`` is the
-    index of the node that leads now.
+    ``start_node(i)`` take a node down and back; ``partition(i)`` and
+    ``heal(i)`` cut it off and back (root and nftables:
+    :func:`partition_missing`); ``leader()`` is the index of the node that
+    leads now.
 
     Raises (on entering):
         RuntimeError: etcd is missing (:func:`etcd_missing`), or the
@@ -104,6 +155,8 @@ class EtcdCluster:
             raise RuntimeError(why)
         if self.nodes < 1:
             raise ValueError(f"an etcd cluster needs at least one node, got {self.nodes}")
+        if partition_missing() is None:
+            _sweep_tables()
         self._folder = tempfile.mkdtemp(prefix="ftcomm-etcd-")
         ports = _free_ports(2 * self.nodes)
         self.members = [
@@ -161,9 +214,23 @@ class EtcdCluster:
             "--election-timeout", str(ELECTION_MS),
             "--log-level", "error",
         ]  # fmt: skip
+        # as root, each node runs as a uid of its own (partition() tells its
+        # packets apart by it), in a data folder it owns
+        uid = _node_uid(i) if os.geteuid() == 0 else None
+        if uid is not None:
+            data = os.path.join(self._folder, node.name)
+            os.makedirs(data, mode=0o700, exist_ok=True)
+            os.chown(data, uid, uid)
+            os.chmod(self._folder, 0o711)
         with open(node.log, "ab") as log:
             node.proc = subprocess.Popen(
-                argv, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
+                argv,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                start_new_session=True,
+                user=uid,
+                group=uid,
+                extra_groups=[] if uid is not None else None,
             )
 
     def kill(self, i: int) -> None:
@@ -174,6 +241,37 @@ class EtcdCluster:
                 node.proc.send_signal(signal.SIGKILL)
             node.proc.wait()
             node.proc = None
+
+    def partition(self, i: int) -> None:
+        """Cut node ``i`` off: no packet reaches it, from its peers or its
+        clients, and none leaves it (they vanish: no reset, no error), until
+        :meth:`heal`. Its process runs on, as a node behind a cut link does.
+
+        Raises:
+            RuntimeError: it cannot be done here (:func:`partition_missing`).
+        """
+        why = partition_missing()
+        if why is not None:
+            raise RuntimeError(why)
+        node = self.members[i]
+        ports = f"{node.client_port}, {node.peer_port}"
+        _nft(
+            f"table inet {_TABLE}{os.getpid()}_{i} {{\n"
+            "  chain out {\n"
+            "    type filter hook output priority filter; policy accept;\n"
+            f"    meta skuid {_node_uid(i)} drop\n"
+            f"    tcp dport {{ {ports} }} drop\n"
+            "  }\n"
+            "}\n"
+        )
+        node.partitioned = True
+
+    def heal(self, i: int) -> None:
+        """Undo :meth:`partition` of node ``i`` (none: nothing)."""
+        node = self.members[i]
+        if node.partitioned:
+            _nft(f"delete table inet {_TABLE}{os.getpid()}_{i}\n")
+            node.partitioned = False
 
     def leader(self, timeout: float = 5.0) -> int:
         """The index of the node that leads now (waits for an election).
@@ -214,7 +312,11 @@ class EtcdCluster:
 
     def close(self) -> None:
         for i in range(len(self.members)):
+            with contextlib.suppress(RuntimeError, OSError):
+                self.heal(i)
             self.kill(i)
+        if partition_missing() is None:
+            _sweep_tables()
         if self._folder:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = ""
