@@ -173,7 +173,8 @@ class Etcd:
     """A client of the cluster at ``endpoints`` (``(host, port)`` pairs).
 
     Every call takes ``timeout`` seconds at most: it goes to the endpoint
-    that last answered, and on a refused or silent connection, or an
+    that last answered (over a connection kept from the last call, with
+    ``keep``: :meth:`close` closes them), and on a refused or silent connection, or an
     endpoint without a leader, to the next, until then.
 
     Raises (every call):
@@ -182,19 +183,37 @@ class Etcd:
     """
 
     def __init__(
-        self, endpoints: Sequence[tuple[str, int]], timeout: float, *, route: Route | None = None
+        self,
+        endpoints: Sequence[tuple[str, int]],
+        timeout: float,
+        *,
+        route: Route | None = None,
+        keep: bool = False,
     ) -> None:
         if not endpoints:
             raise ValueError("etcd needs at least one endpoint")
         self.endpoints = list(endpoints)
         self.timeout = timeout
         self._route = route if route is not None else Route()
+        # with keep, connections kept per endpoint (until close()): a call is
+        # a request, not a handshake too. A call takes one out while it uses
+        # it (a client's calls on two threads at once each use their own)
+        self.keep = keep
+        self._conns: dict[tuple[str, int], http.client.HTTPConnection] = {}
 
-    def sharing(self, timeout: float) -> Etcd:
+    def close(self) -> None:
+        """Close the connections it keeps (the next call opens one again)."""
+        conns, self._conns = self._conns, {}
+        for conn in conns.values():
+            conn.close()
+
+    def sharing(self, timeout: float, *, keep: bool | None = None) -> Etcd:
         """Another client of the same cluster (a deadline of its own) that
         goes where this one goes: one that found an endpoint gone spares
-        the others the wait."""
-        return Etcd(self.endpoints, timeout, route=self._route)
+        the others the wait. ``keep``: as this one's, unless given."""
+        return Etcd(
+            self.endpoints, timeout, route=self._route, keep=self.keep if keep is None else keep
+        )
 
     def __repr__(self) -> str:
         return f"etcd {','.join(f'{h}:{p}' for h, p in self.endpoints)}"
@@ -229,15 +248,34 @@ class Etcd:
     def _post(
         self, host: str, port: int, path: str, body: dict[str, Any], timeout: float
     ) -> dict[str, Any]:
-        conn = http.client.HTTPConnection(host, port, timeout=timeout)
-        try:
-            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            data = response.read()
-        except TimeoutError as exc:
-            raise TimeoutError(f"no answer within {timeout:.2f} s") from exc
-        finally:
-            conn.close()
+        payload = json.dumps(body)
+        for _ in range(2):  # again, on a fresh connection, where a kept one was stale
+            kept = self._conns.pop((host, port), None)
+            conn = kept or http.client.HTTPConnection(host, port, timeout=timeout)
+            try:
+                if conn.sock is not None:
+                    conn.sock.settimeout(timeout)
+                else:
+                    conn.timeout = timeout
+                conn.request("POST", path, payload, {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                data = response.read()
+            except TimeoutError as exc:
+                conn.close()
+                raise TimeoutError(f"no answer within {timeout:.2f} s") from exc
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                conn.close()
+                if kept is None:
+                    raise
+                continue  # the endpoint closed a kept connection: not its fault
+            except BaseException:
+                conn.close()
+                raise
+            if response.will_close or not self.keep:
+                conn.close()
+            else:
+                self._conns[(host, port)] = conn  # kept for the next call
+            break
         try:
             answer: dict[str, Any] = json.loads(data) if data else {}
         except ValueError:

@@ -33,6 +33,7 @@ from ftcomm._bench import (
     state_copy,
     torchft_rows,
 )
+from ftcomm.testing import etcd_missing
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -143,7 +144,8 @@ def test_bench_runs_and_prints_ratios(tmp_path: Path) -> None:
     assert rows[("allreduce 1xfp32", "ftcomm")]["gb_per_s"] is None
     assert "dead worker noticed" in {r["what"] for r in doc["recovery"]}
     kinds = [(r["system"], r["fault"], r["trials"]) for r in doc["membership"]["rows"]]
-    assert kinds == [("ftcomm store", "kill", 1), ("ftcomm store", "hang", 1)]
+    engines = ["store"] if etcd_missing() else ["store", "etcd"]
+    assert kinds == [(f"ftcomm {e}", f, 1) for e in engines for f in ("kill", "hang")]
     assert doc["failures"] == []
 
     # --plot: a PNG of a plausible size (two panels of 7 cases).
@@ -337,25 +339,27 @@ def test_the_small_op_row_takes_turns_every_50_ops() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_trial_of_each_membership_row_kills_and_stops_a_member() -> None:
-    """One trial per row of the store engine (torchft's rows and the
-    lighthouse engine skipped): the SIGKILLed member is found at once (its
-    listener refuses), the SIGSTOPped one by its heartbeat (before the op
-    deadline), and the survivors are back in a world of two soon after."""
+    """One trial per row of the store and etcd engines (torchft's rows and
+    the lighthouse engine skipped; etcd where it is installed): the
+    SIGKILLed member is found at once (its listener refuses), the
+    SIGSTOPped one by its heartbeat (before the op deadline), and the
+    survivors are back in a world of two soon after."""
     rows, notes = membership.measure(1, "asyncio", "--no-torchft")
+    engines = ["store"] if etcd_missing() else ["store", "etcd"]
     assert [(row.system, row.fault, row.failed) for row in rows] == [
-        ("ftcomm store", "kill", None),
-        ("ftcomm store", "hang", None),
+        (f"ftcomm {e}", f, None) for e in engines for f in ("kill", "hang")
     ]
-    (kill,), (hang,) = rows[0].totals, rows[1].totals
     interval = membership.HEARTBEAT_TIMEOUT / 5  # the last beat was up to one before the kill
-    # Up to the survivors' first allreduce: after their configure, whose store
-    # connect can wait 1 s on a reverse DNS lookup (tests/conftest.py).
-    assert 0 < kill < membership.HEARTBEAT_TIMEOUT + 2
-    assert membership.HEARTBEAT_TIMEOUT - 2 * interval < hang < membership.OP_DEADLINE + 2
-    assert notes == [
-        "lighthouse engine skipped: --no-torchft",
-        "torchft Manager rows skipped: --no-torchft",
-    ]
+    for kill_row, hang_row in zip(rows[::2], rows[1::2], strict=True):
+        (kill,), (hang,) = kill_row.totals, hang_row.totals
+        # Up to the survivors' first allreduce: after their configure, whose store
+        # connect can wait 1 s on a reverse DNS lookup (tests/conftest.py).
+        assert 0 < kill < membership.HEARTBEAT_TIMEOUT + 2
+        assert membership.HEARTBEAT_TIMEOUT - 2 * interval < hang < membership.OP_DEADLINE + 2
+    skipped = ["lighthouse engine skipped: --no-torchft"]
+    if etcd_missing():
+        skipped.append(f"etcd engine skipped: {etcd_missing()}")
+    assert notes == [*skipped, "torchft Manager rows skipped: --no-torchft"]
 
 
 def _rows() -> list[membership.Row]:
@@ -426,8 +430,9 @@ def test_a_failed_membership_row_is_reported_and_exits_1(
 
 def test_an_engine_whose_module_is_not_there_is_skipped_with_a_note() -> None:
     """Adding an engine is a line of ENGINES; one whose module is missing is skipped."""
-    assert [engine.name for engine in membership.ENGINES][:1] == ["store"]
+    assert [engine.name for engine in membership.ENGINES] == ["store", "lighthouse", "etcd"]
     assert membership.ENGINES[0].missing() is None
+    assert membership.ENGINES[2].missing() == etcd_missing()  # a program, not a module
     absent = membership.Engine("nowhere", membership._serve_store, needs=("ftcomm._no_such",))
     assert absent.missing() == "ftcomm._no_such is not there (yet)"
     deeper = membership.Engine("nowhere", membership._serve_store, needs=("no_such_pkg.sub",))

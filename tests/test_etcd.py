@@ -190,3 +190,34 @@ def test_a_partitioned_leader_is_cut_off_and_healed(ftcomm_etcd: EtcdCluster) ->
     ftcomm_etcd.partition(first)
     ftcomm_etcd.close()  # a partition left at the close goes with it
     assert f"ftcomm_etcd_{os.getpid()}_" not in _tables()
+
+
+def _sockets() -> int:
+    return sum(
+        os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        for fd in os.listdir("/proc/self/fd")
+        if os.path.exists(f"/proc/self/fd/{fd}")
+    )
+
+
+def test_a_kept_connection_is_used_again_and_one_gone_stale_is_made_anew(
+    ftcomm_etcd: EtcdCluster,
+) -> None:
+    before = _sockets()
+    plain = ftcomm_etcd.client()
+    plain.put(b"k", b"1")
+    assert _sockets() == before  # each call its own connection, closed after
+    etcd = Etcd(ftcomm_etcd.endpoints, timeout=10.0, keep=True)
+    etcd.put(b"k", b"2")
+    assert _sockets() == before + 1
+    etcd.get(b"k")
+    assert _sockets() == before + 1  # the same one
+    ftcomm_etcd.kill(0)  # the node closes it: stale, not the node's fault
+    ftcomm_etcd.start_node(0)
+    ftcomm_etcd.leader(timeout=10.0)
+    got = etcd.get(b"k")
+    assert got is not None
+    assert got.value == b"2"
+    assert _sockets() == before + 1
+    etcd.close()
+    assert _sockets() == before

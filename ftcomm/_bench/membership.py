@@ -114,20 +114,42 @@ def _serve_lighthouse() -> Iterator[str]:
         server.shutdown()
 
 
+@contextlib.contextmanager
+def _serve_etcd() -> Iterator[str]:
+    """The etcd engine: a 3-node etcd cluster on loopback (the members host
+    their groups' stores)."""
+    from ..testing import EtcdCluster
+
+    with EtcdCluster(3) as cluster:
+        yield cluster.address("bench")
+
+
+def _etcd_missing() -> str | None:
+    from ..testing import etcd_missing
+
+    return etcd_missing()
+
+
 @dataclass(frozen=True)
 class Engine:
     """Where a trial's members agree: ``serve`` (a module-level function: it
     runs in the engine's host process) serves one and yields its address
-    for ``ftcomm.Membership``. ``needs``: modules that must be importable
-    (else the engine's rows are skipped, with a note); ``torchft``: skipped
-    with ``--no-torchft`` too."""
+    for ``ftcomm.Membership``. ``needs``: modules that must be importable,
+    and ``unavailable`` says what else is missing (else the engine's rows
+    are skipped, with a note); ``torchft``: skipped with ``--no-torchft`` too."""
 
     name: str
     serve: Callable[[], AbstractContextManager[str]]
     needs: tuple[str, ...] = ()
     torchft: bool = False
+    unavailable: Callable[[], str | None] | None = None
+    """Why it cannot run here (a program that is not installed), or ``None``."""
 
     def missing(self) -> str | None:
+        if self.unavailable is not None:
+            why = self.unavailable()
+            if why is not None:
+                return why
         for module in self.needs:
             try:
                 found = importlib.util.find_spec(module) is not None
@@ -146,6 +168,7 @@ ENGINES: tuple[Engine, ...] = (
         needs=("torchft.coordination", "ftcomm._membership._lighthouse"),
         torchft=True,
     ),
+    Engine("etcd", _serve_etcd, unavailable=_etcd_missing),
 )
 
 
@@ -362,16 +385,24 @@ class _Procs:
         return got
 
     def close(self) -> None:
-        for proc in self._procs.values():
+        """The members killed; then the engine's host told to stop (its
+        pipe closed), so that it stops what it started (etcd's nodes), and
+        killed only if it does not within 15 s."""
+        for name, proc in self._procs.items():
             proc.join(0.0)
-            if proc.exitcode is None:
+            if proc.exitcode is None and name != "engine":
                 proc.kill()
+        for conn in self._conns.values():
+            conn.close()
+        host = self._procs.get("engine")
+        if host is not None:
+            host.join(15.0)
+            if host.exitcode is None:
+                host.kill()
         for proc in self._procs.values():
             proc.join(10.0)
             with contextlib.suppress(ValueError):  # still running: left to the daemon flag
                 proc.close()
-        for conn in self._conns.values():
-            conn.close()
 
 
 StartMember = Callable[[_Procs, str, str, int], None]

@@ -38,8 +38,10 @@ from ._store_engine import OP_TIMEOUT, SWEEP_CONNECT, StoreEngine, failed
 from ._watch import Watcher, beat_key, read
 
 WATCH_CAP = 0.25
-"""Seconds an agreeing member waits at most between two looks at etcd: a
-change wakes it sooner (the heartbeats it reads on its own thread)."""
+"""Seconds an agreeing member waits at most between two looks at etcd, and
+no longer than a heartbeat interval: a change of a key wakes it sooner, and
+what it learns on its own (a member found dead by its heartbeat, or its
+listener refusing) is learnt at that pace anyway."""
 
 
 def srv_key(member_id: str) -> str:
@@ -71,6 +73,7 @@ class EtcdEngine(StoreEngine):
         self._server: StoreServer | None = None
         self._changes: Changes | None = None
         self._hosts: dict[int, str] = {}  # generation -> its store's host:port
+        self._clients: list[Etcd] = []  # closed at close()
 
     def __repr__(self) -> str:
         return str(self.etcd)
@@ -92,20 +95,22 @@ class EtcdEngine(StoreEngine):
         endpoints = self.etcd.endpoints
         base = self._base()
         root = f"{base}ftcomm/members/{self.job}/"
-        etcd = Etcd(endpoints, timeout)  # the member's clients go where one went
+        etcd = Etcd(endpoints, timeout, keep=True)  # its clients go where one went
         try:
             lease = Lease(etcd, lease_ttl(self._timeout))
             lease.id()  # (a grant needs a leader: a cluster without quorum fails here)
-            self._store = EtcdStore(etcd.sharing(timeout), root, lease=lease)
+            calls, beats = etcd.sharing(timeout), etcd.sharing(timeout)
+            self._clients = [etcd, calls, beats]
+            self._store = EtcdStore(calls, root, lease=lease)
             self.watcher = Watcher(
-                EtcdStore(etcd.sharing(timeout), root, lease=lease),
+                EtcdStore(beats, root, lease=lease),
                 self.me,
                 interval=self._interval,
                 timeout=self._timeout,
             )
             scope = f"ftcomm/members/{self.job}/"
             self.watcher.sweeper = _sweep.Sweeper(
-                lambda: EtcdStore(etcd.sharing(SWEEP_CONNECT), base, scope=scope),
+                lambda: EtcdStore(etcd.sharing(SWEEP_CONNECT, keep=False), base, scope=scope),
                 "",
                 self.job,
                 name=f"sweep-{self.me.id}",
@@ -159,6 +164,9 @@ class EtcdEngine(StoreEngine):
         """Stop beating, say this member left, stop watching and hosting.
         Its lease is left to run out: its ``left`` beat stays that long."""
         super().close()
+        clients, self._clients = self._clients, []
+        for client in clients:  # (their last calls are done: the watcher's thread ended)
+            client.close()
         changes, self._changes = self._changes, None
         if changes is not None:
             changes.close()
@@ -174,7 +182,7 @@ class EtcdEngine(StoreEngine):
         return self._changes.wait(stop, seconds)
 
     def _poll_cap(self, members: int) -> float:
-        return WATCH_CAP
+        return min(WATCH_CAP, self._interval)
 
     def agree(
         self,

@@ -149,6 +149,10 @@ class EtcdStore:
     def __repr__(self) -> str:
         return f"<EtcdStore {self._client!r} {self._root.decode()!r}>"
 
+    def close(self) -> None:
+        """Close the connections its client keeps."""
+        self._client.close()
+
     def set_timeout(self, timeout: timedelta) -> None:
         self._client.timeout = timeout.total_seconds()
 
