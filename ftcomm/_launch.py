@@ -7,8 +7,8 @@ opposite: it restarts the member that died, under its old id (with a
 backoff, up to ``--max-restarts`` times), and never signals a survivor.
 Each member finds the engine, its job and its id in its environment
 (:meth:`ftcomm.Membership.from_env`); the engine is a store this launcher
-hosts on loopback, unless ``--engine`` names one (a store or a torchft
-lighthouse) that the launchers of several hosts share.
+hosts on loopback, unless ``--engine`` names one (a store, a torchft
+lighthouse or an etcd cluster) that the launchers of several hosts share.
 
 Owns: the command line, one supervisor task per member, the embedded
 store, the stop on SIGINT/SIGTERM. Imports: ``ftcomm._server``,
@@ -29,6 +29,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._etcd import SCHEME as ETCD_SCHEME
+from ._etcd import parse_etcd_addr
 from ._membership._lighthouse import host_port as lighthouse_host_port
 from ._membership._lighthouse import is_lighthouse
 from ._membership._names import check_name
@@ -78,9 +80,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine",
         help=(
-            "the engine every host's launcher shares: a store's host:port[/prefix] or a "
-            "torchft lighthouse's http://host:port (default: a store this launcher hosts "
-            "on loopback, for a job on this host only)"
+            "the engine every host's launcher shares: a store's host:port[/prefix], a "
+            "torchft lighthouse's http://host:port, or an etcd cluster's "
+            "etcd://host:port[,host:port...][/prefix] (default: a store this launcher "
+            "hosts on loopback, for a job on this host only)"
         ),
     )
     p.add_argument("--job", default="job", help="the job's name (default 'job')")
@@ -167,6 +170,8 @@ def _check(opts: argparse.Namespace) -> str:
     try:
         if lighthouse:
             lighthouse_host_port(opts.engine)
+        elif opts.engine is not None and opts.engine.startswith(ETCD_SCHEME):
+            parse_etcd_addr(opts.engine, "--engine")
         elif opts.engine is not None:
             parse_store_addr(opts.engine, "--engine")
     except ValueError as exc:

@@ -11,6 +11,7 @@ import pytest
 from helpers import ENGINE_ENV, StoreServer
 from torch._C._distributed_c10d import TCPStore
 
+from ftcomm import serve_store
 from ftcomm._runtime.loop import get_runtime, new_event_loop
 from ftcomm.testing import EtcdCluster, etcd_missing
 from ftcomm.testing._base import _children, _fds, _segments, _threads
@@ -141,11 +142,13 @@ def engine(
 
 
 @pytest.fixture
-def engine_addr(engine: str, request: pytest.FixtureRequest) -> Iterator[str]:
+def engine_addr(engine: str) -> Iterator[str]:
     """An address of ``engine`` for one test's memberships: a store of its
     own, or a prefix of its own in etcd."""
     if engine == "etcd":
         yield f"{os.environ[ENGINE_ENV]}/{uuid.uuid4().hex[:12]}"
         return
-    server = request.getfixturevalue("store")
+    server = serve_store()
     yield server.address
+    get_runtime().control.wait_idle(30.0)  # (as the store fixture's close)
+    server.close()

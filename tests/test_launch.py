@@ -262,9 +262,9 @@ def _wait_for_pids(where: Path, ids: list[str], proc: subprocess.Popen[str]) -> 
 
 
 @pytest.mark.slow
-def test_launchers_on_two_hosts_share_one_engine(tmp_path: Path) -> None:
-    """One launcher per host, each given the engine: their members form one
-    world (ids from the host name by default, or --id-prefix)."""
+def test_launchers_on_two_hosts_share_one_engine(tmp_path: Path, engine_addr: str) -> None:
+    """One launcher per host, each given the engine (a store, or etcd): their
+    members form one world (ids from the host name by default, or --id-prefix)."""
     member = script(
         tmp_path,
         """
@@ -280,29 +280,28 @@ def test_launchers_on_two_hosts_share_one_engine(tmp_path: Path) -> None:
         asyncio.run(main())
         """,
     )
-    with ftcomm.serve_store() as server:
-        common = ["--engine", f"{server.address}/jobs", "--max-size", "2", "--job", "two"]
-        procs = [
-            subprocess.Popen(
-                [*RUN, *common, *extra, member],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                cwd=ROOT,
-            )
-            for extra in ([], ["--id-prefix", "b"])
-        ]
-        outs = []
-        try:
-            for proc in procs:
-                out, err = proc.communicate(timeout=90)
-                assert proc.returncode == 0, err
-                outs.append(out.split())
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.communicate()  # and its pipes closed
+    common = ["--engine", f"{engine_addr}/jobs", "--max-size", "2", "--job", "two"]
+    procs = [
+        subprocess.Popen(
+            [*RUN, *common, *extra, member],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for extra in ([], ["--id-prefix", "b"])
+    ]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=90)
+            assert proc.returncode == 0, err
+            outs.append(out.split())
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()  # and its pipes closed
     assert outs == [[f"{socket.gethostname()}-m0", "2", "2"], ["b0", "2", "2"]]
 
 
@@ -314,6 +313,7 @@ def test_launchers_on_two_hosts_share_one_engine(tmp_path: Path) -> None:
         (["--max-restarts", "-1", "x.py"], "--max-restarts must be >= 0"),
         (["--backoff", "nan", "x.py"], "--backoff must be a number of seconds"),
         (["--engine", "http//x", "x.py"], "--engine 'http//x' has no port"),
+        (["--engine", "etcd://h", "x.py"], "--engine: each endpoint must be host:port"),
         (["--id-prefix", "a b", "x.py"], "--id-prefix 'a b' must not contain whitespace"),
         (["--job", "a/b", "x.py"], "--job 'a/b' must not contain whitespace or '/'"),
         (["--nproc", "2", "--min-size", "3", "x.py"], "--min-size (3) must not exceed --nproc"),
