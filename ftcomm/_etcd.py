@@ -199,10 +199,13 @@ class Etcd:
         # a request, not a handshake too. A call takes one out while it uses
         # it (a client's calls on two threads at once each use their own)
         self.keep = keep
+        self._closed = False
         self._conns: dict[tuple[str, int], http.client.HTTPConnection] = {}
 
     def close(self) -> None:
-        """Close the connections it keeps (the next call opens one again)."""
+        """Close the connections it keeps; from now on it keeps none (a
+        call still works, on a connection of its own)."""
+        self._closed = True
         conns, self._conns = self._conns, {}
         for conn in conns.values():
             conn.close()
@@ -271,10 +274,12 @@ class Etcd:
             except BaseException:
                 conn.close()
                 raise
-            if response.will_close or not self.keep:
+            if response.will_close or not self.keep or self._closed:
                 conn.close()
-            else:
-                self._conns[(host, port)] = conn  # kept for the next call
+            elif self._conns.setdefault((host, port), conn) is not conn:
+                conn.close()  # a call on another thread kept one first: one is enough
+            elif self._closed:  # (close() came meanwhile: it may have missed it)
+                self.close()
             break
         try:
             answer: dict[str, Any] = json.loads(data) if data else {}

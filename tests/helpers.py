@@ -178,6 +178,24 @@ def engine_key(address: str, job: str, key: str) -> bytes | None:
         del client
 
 
+def engine_set(address: str, job: str, key: str, value: str | bytes) -> None:
+    """Set job ``job``'s key ``key`` in the engine at ``address`` (a test's
+    own writes: a key as another member would write it)."""
+    data = value.encode() if isinstance(value, str) else value
+    if address.startswith("etcd://"):
+        etcd = parse_etcd_addr(address)
+        base = f"{etcd.prefix}/" if etcd.prefix else ""
+        Etcd(etcd.endpoints, 5.0).put(f"{base}ftcomm/members/{job}/{key}".encode(), data)
+        return
+    addr = parse_store_addr(address)
+    client = TCPStore(addr.host, addr.port, is_master=False, wait_for_workers=False)
+    base = f"{addr.prefix}/" if addr.prefix else ""
+    try:
+        client.set(f"{base}ftcomm/members/{job}/{key}", data)
+    finally:
+        del client
+
+
 def memberships(store: Any, *ids: str, **kw: Any) -> list[ftcomm.Membership]:
     """A ``Membership`` of job ``job`` for each of ``ids`` on ``store`` (a
     ``serve_store()``), with the tests' defaults: 2 to ``len(ids)``

@@ -5,12 +5,16 @@ no node answers."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import subprocess
+import threading
 import time
+from typing import Any
 
 import pytest
 
+from ftcomm import _etcd as _etcd_module
 from ftcomm._etcd import Etcd, EtcdError, EtcdUnavailable, prefix_end
 from ftcomm.testing import EtcdCluster, etcd_missing, partition_missing
 
@@ -219,5 +223,36 @@ def test_a_kept_connection_is_used_again_and_one_gone_stale_is_made_anew(
     assert got is not None
     assert got.value == b"2"
     assert _sockets() == before + 1
+    etcd.close()
+    assert _sockets() == before
+
+
+def test_two_calls_at_once_each_use_a_connection_and_one_is_kept(
+    ftcomm_etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forced: a call paused in its request while another on another thread
+    completes and keeps its connection; the first then closes its own
+    rather than drop the kept one unclosed (a ResourceWarning, an fd)."""
+    paused, go = threading.Event(), threading.Event()
+    real = http.client.HTTPConnection
+
+    class Pausing(real):  # type: ignore[misc,valid-type]
+        def request(self, *args: Any, **kwargs: Any) -> None:
+            if not paused.is_set():
+                paused.set()
+                go.wait(10)
+            super().request(*args, **kwargs)
+
+    before = _sockets()
+    etcd = Etcd(ftcomm_etcd.endpoints, timeout=10.0, keep=True)
+    monkeypatch.setattr(_etcd_module.http.client, "HTTPConnection", Pausing)
+    first = threading.Thread(target=etcd.put, args=(b"a", b"1"))
+    first.start()
+    assert paused.wait(10)
+    etcd.put(b"b", b"2")  # the other call: kept its connection
+    go.set()
+    first.join(10)
+    assert not first.is_alive()
+    assert _sockets() == before + 1  # one kept, the other closed
     etcd.close()
     assert _sockets() == before

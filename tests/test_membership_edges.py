@@ -1,4 +1,5 @@
-"""ftcomm.Membership at its edges, in one process over a real store: calls
+"""ftcomm.Membership at its edges, in one process over a real engine (a
+store, then etcd): calls
 cancelled or closed at the worst moment, members slow to read, resumed
 after their id was taken, newcomers that cannot come in yet, and states
 that cannot be sent. Each race is forced (a store client paused at a
@@ -16,8 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import memberships
-from torch.distributed import TCPStore
+from helpers import engine_key, engine_set, memberships
 
 import ftcomm
 from ftcomm._membership._rule import Member, WorldRecord, parse_ready, parse_roster
@@ -25,23 +25,39 @@ from ftcomm._membership._rule import Member, WorldRecord, parse_ready, parse_ros
 pytestmark = pytest.mark.asyncio
 
 
+class Engine:
+    """Where a test's memberships agree (``address``: a store, or etcd),
+    with a plain client of its job's keys (``set``/``read``)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def set(self, name: str, value: str | bytes) -> None:
+        engine_set(self.address, "job", name, value)
+
+    def read(self, name: str) -> bytes | None:
+        return engine_key(self.address, "job", name)
+
+
 @pytest.fixture
-def store() -> Any:
+def store(engine_addr: str) -> Engine:
+    """The test's engine: a store of its own, then a prefix in etcd."""
+    return Engine(engine_addr)
+
+
+@pytest.fixture
+def tcp_store() -> Any:
+    """A store only (a test of how the store engine connects)."""
     with ftcomm.serve_store() as server:
         yield server
 
 
-def _client(store: Any) -> Any:
-    """A plain client of ``store``, for reading and writing the job's keys."""
-    return TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
+def _client(store: Engine) -> Engine:
+    return store
 
 
-def _key(name: str) -> str:
-    return f"ftcomm/members/job/{name}"
-
-
-def _read(client: Any, name: str) -> bytes | None:
-    return client.get(_key(name)) if client.check([_key(name)]) else None
+def _read(client: Engine, name: str) -> bytes | None:
+    return client.read(name)
 
 
 def _members(store: Any, *ids: str, **kw: Any) -> list[ftcomm.Membership]:
@@ -312,7 +328,7 @@ async def test_a_recover_retried_after_a_cancelled_one_is_told_it_was_dropped(
 
 
 async def test_close_during_open_leaves_it_closed(
-    store: Any, monkeypatch: pytest.MonkeyPatch
+    tcp_store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from ftcomm._membership import _store_engine
 
@@ -325,7 +341,7 @@ async def test_close_during_open_leaves_it_closed(
         return real(*args)
 
     monkeypatch.setattr(_store_engine, "connect_store", slow_connect)
-    (m,) = _members(store, "m")
+    (m,) = _members(tcp_store, "m")
     opening = asyncio.ensure_future(m.open())
     await asyncio.to_thread(connecting.wait, 10)
     closing = asyncio.ensure_future(m.close())
@@ -351,10 +367,10 @@ async def test_a_member_slow_to_read_is_evicted_from_the_latest_generation(store
         me = c._me  # type: ignore[attr-defined]
         c._engine.register()  # type: ignore[attr-defined]
         one = WorldRecord(1, (a_, b_, me), seen=3)
-        client.set(_key("world/1"), one.encode())
-        client.set(_key("world/2"), WorldRecord(2, (a_, b_, me), seen=3).encode())
-        client.set(_key("world/3"), WorldRecord(3, (a_, b_), seen=3).encode())
-        client.set(_key("gen"), "3")
+        client.set("world/1", one.encode())
+        client.set("world/2", WorldRecord(2, (a_, b_, me), seen=3).encode())
+        client.set("world/3", WorldRecord(3, (a_, b_), seen=3).encode())
+        client.set("gen", "3")
         engine: Any = c._engine  # type: ignore[attr-defined]
         with pytest.raises(ftcomm.Evicted, match="generation 3 was formed without it") as info:
             engine.agree(
@@ -377,7 +393,7 @@ async def test_an_incarnation_whose_id_was_taken_stops_and_says_so(store: Any) -
     client = _client(store)
     async with m, ftcomm.Group("gloo") as group:
         await m.join(group)
-        client.set(_key("hb/m"), "newer 0")
+        client.set("hb/m", "newer 0")
         engine: Any = m._engine  # type: ignore[attr-defined]
         await _until(lambda: engine.broken() is not None, "m saw its id taken")
         assert _read(client, "hb/m") == b"newer 0"
