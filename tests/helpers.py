@@ -198,11 +198,12 @@ def engine_set(address: str, job: str, key: str, value: str | bytes) -> None:
 
 def memberships(store: Any, *ids: str, **kw: Any) -> list[ftcomm.Membership]:
     """A ``Membership`` of job ``job`` for each of ``ids`` on ``store`` (a
-    ``serve_store()``), with the tests' defaults: 2 to ``len(ids)``
+    ``serve_store()``, or an engine's address), with the tests' defaults: 2 to ``len(ids)``
     members, a heartbeat timeout of 1 s, a join window of 5 s, 20 s a call."""
     kw.setdefault("min_size", 2)
     kw.setdefault("max_size", len(ids))
     kw.setdefault("heartbeat_timeout", 1.0)
     kw.setdefault("join_window", 5.0)
     kw.setdefault("timeout", 20.0)
-    return [ftcomm.Membership(store.address, "job", i, **kw) for i in ids]
+    address = store if isinstance(store, str) else store.address
+    return [ftcomm.Membership(address, "job", i, **kw) for i in ids]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from torch.distributed import TCPStore
 
 import ftcomm
 from ftcomm._membership import _sweep
+from ftcomm.testing import etcd_missing
 
 lists_keys = pytest.mark.skipif(
     not hasattr(TCPStore, "list_keys"), reason="the sweep lists keys: torch 2.10 and later"
@@ -472,3 +474,50 @@ async def test_a_newcomer_whose_world_was_swept_is_told_not_left_waiting(store: 
                 deadline=time.monotonic() + 20,
             )
         assert time.monotonic() - started < 5.0
+
+
+@lists_keys
+@pytest.mark.asyncio
+async def test_on_etcd_a_job_keeps_its_last_three_generations_keys_and_groups(
+    engine_etcd: Any,
+) -> None:
+    """The same on etcd: the job's keys in etcd, and the groups' in the
+    store that rank 0 hosts (its generations' groups meet there), are
+    those of the last three generations once the eighth is kept."""
+    if engine_etcd is None:
+        pytest.skip(str(etcd_missing()))
+    address = engine_etcd.address(f"sweep-{uuid.uuid4().hex[:8]}")
+    prefix = address.rsplit("/", 1)[1] + "/"
+    client = engine_etcd.client()
+
+    def job_generations() -> set[int]:
+        keys = [kv.key.decode() for kv in client.get_prefix((prefix + JOB).encode())]
+        found = {_sweep.generation_of(k[len(prefix + JOB) :]) for k in keys}
+        return {g for g in found if g is not None}
+
+    members = memberships(address, "a", "b", "c", join_window=0.5)
+    groups = [ftcomm.Group("gloo", timeout=15) for _ in members]
+    async with members[0], members[1], members[2], groups[0], groups[1], groups[2]:
+        worlds = await asyncio.gather(*(m.join(g) for m, g in zip(members, groups, strict=True)))
+        host = next(m for m in members if m.member_id == worlds[0].members[0])
+        served = host._engine._server._store  # type: ignore[attr-defined]
+
+        def group_generations() -> set[int]:
+            keys = [k for k in served.list_keys() if k.startswith(prefix + GROUPS)]
+            found = {_sweep.group_generation_of(k[len(prefix + GROUPS) :]) for k in keys}
+            return {g for g in found if g is not None}
+
+        for _ in range(7):
+            worlds = await asyncio.gather(
+                *(m.recover(g) for m, g in zip(members, groups, strict=True))
+            )
+        last = worlds[0].generation
+        assert last == 8
+        assert worlds[0].members[0] == host.member_id  # rank 0 throughout
+        deadline = time.monotonic() + 15.0
+        want = {last - 2, last - 1, last}
+        while job_generations() != want or group_generations() != want:  # (etcd's state)
+            assert time.monotonic() < deadline, (job_generations(), group_generations())
+            await asyncio.sleep(0.05)
+        sums = await asyncio.gather(*(g.allreduce(torch.ones(1)) for g in groups))
+        assert [s.item() for s in sums] == [3.0] * 3

@@ -28,7 +28,7 @@ from datetime import timedelta
 
 from .._etcd import Etcd, EtcdAddr
 from .._server import StoreServer, serve_store
-from .._store import StoreAddr
+from .._store import StoreAddr, connect_store
 from ..errors import MembershipError
 from . import _sweep
 from ._etcd_store import Changes, EtcdStore, Lease, lease_ttl
@@ -47,6 +47,26 @@ listener refusing) is learnt at that pace anyway."""
 def srv_key(member_id: str) -> str:
     """Where member ``member_id`` says where its store is (held by its lease)."""
     return f"srv/{member_id}"
+
+
+class _Sweepers:
+    """A rank 0's sweeps (``_sweep``): the job's keys in etcd, and the old
+    generations' groups in the store it hosts (those it was rank 0 of: a
+    member stays rank 0 from one generation to the next while it lives)."""
+
+    def __init__(self, *sweepers: _sweep.Sweeper) -> None:
+        self._all = list(sweepers)
+
+    def add(self, sweeper: _sweep.Sweeper) -> None:
+        self._all.append(sweeper)
+
+    def request(self, floor_to: int) -> None:
+        for sweeper in self._all:
+            sweeper.request(floor_to)
+
+    def close(self) -> None:
+        for sweeper in self._all:
+            sweeper.close()
 
 
 class EtcdEngine(StoreEngine):
@@ -109,12 +129,13 @@ class EtcdEngine(StoreEngine):
                 timeout=self._timeout,
             )
             scope = f"ftcomm/members/{self.job}/"
-            self.watcher.sweeper = _sweep.Sweeper(
+            swept = _sweep.Sweeper(
                 lambda: EtcdStore(etcd.sharing(SWEEP_CONNECT, keep=False), base, scope=scope),
                 "",
                 self.job,
                 name=f"sweep-{self.me.id}",
             )
+            self.watcher.sweeper = _Sweepers(swept)
             self._claim(stop)
             for client in (self._store, self.watcher.store):
                 client.set_timeout(timedelta(seconds=OP_TIMEOUT))
@@ -129,6 +150,16 @@ class EtcdEngine(StoreEngine):
             raise MembershipError(
                 f"member {self.me.id!r} cannot host a store on {host!r}: {exc}"
             ) from None
+        served = StoreAddr(self._server.host, self._server.port, "")
+        assert self.watcher is not None
+        self.watcher.sweeper.add(  # its old groups' keys, in its own store (as rank 0)
+            _sweep.Sweeper(
+                lambda: connect_store(served, SWEEP_CONNECT),
+                base,
+                self.job,
+                name=f"sweep-groups-{self.me.id}",
+            )
+        )
         self._start(host)
         self._changes = Changes(
             endpoints,
