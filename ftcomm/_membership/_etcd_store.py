@@ -182,6 +182,12 @@ class EtcdStore:
         A key of this member's lease that ran out counts as holding what
         it held (see the module's notes)."""
         full, want, new = self._root + key.encode(), _bytes(expected), _bytes(desired)
+        if want == new and want:
+            # a read (``_watch.read``): what it would write is what it
+            # compares with, so it changes nothing. A range is a read for
+            # etcd; a transaction that may write goes through raft.
+            kv = self._client.get(full)
+            return kv.value if kv is not None else want
         leased = self._leased(key)
         for _ in range(2):  # once more where the lease ran out as it was used
             lease = self._lease.id() if leased and self._lease is not None else 0
