@@ -281,6 +281,8 @@ class Etcd:
             elif self._closed:  # (close() came meanwhile: it may have missed it)
                 self.close()
             break
+        else:  # (two kept connections gone stale in a row: another call's)
+            raise http.client.RemoteDisconnected(f"{host}:{port} closed the connection")
         try:
             answer: dict[str, Any] = json.loads(data) if data else {}
         except ValueError:

@@ -161,6 +161,17 @@ def engine_address(host: str, port: int, world_id: str) -> str:
     return f"{etcd}/{world_id}" if etcd else f"{host}:{port}/{world_id}"
 
 
+def engine_for(ctx: Any) -> str:
+    """A rank's engine address (:func:`engine_address` of its world). On
+    etcd each member hosts a store, and torch keeps a pipe once one ran:
+    one is run first, outside the rank's leak check (``ctx.baseline()``)."""
+    address = engine_address(ctx.host, ctx.port, ctx.world_id)
+    if address.startswith("etcd://"):
+        ftcomm.serve_store().close()
+        ctx.baseline()
+    return address
+
+
 def engine_key(address: str, job: str, key: str) -> bytes | None:
     """Job ``job``'s key ``key`` (``ready/1``...) in the engine at ``address``
     (a store's ``host:port[/prefix]`` or ``etcd://...``), as it holds it now."""

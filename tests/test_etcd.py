@@ -256,3 +256,33 @@ def test_two_calls_at_once_each_use_a_connection_and_one_is_kept(
     assert _sockets() == before + 1  # one kept, the other closed
     etcd.close()
     assert _sockets() == before
+
+
+class _Stale:
+    """A kept connection the endpoint closed."""
+
+    sock = None
+    timeout = 1.0
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        raise http.client.RemoteDisconnected("closed by the endpoint (the test)")
+
+    def close(self) -> None:
+        pass
+
+
+class _AlwaysStale(dict):  # type: ignore[type-arg]
+    """Kept connections that are always stale (another call keeps one)."""
+
+    def pop(self, key: Any, default: Any = None) -> Any:
+        return _Stale()
+
+
+def test_kept_connections_stale_twice_in_a_row_fail_over_not_crash() -> None:
+    """Forced: both tries of a request find a kept connection gone stale:
+    the try fails as a refused endpoint does (before, an UnboundLocalError
+    escaped every handler)."""
+    etcd = Etcd([("127.0.0.1", 9)], timeout=0.3, keep=True)
+    etcd._conns = _AlwaysStale()  # type: ignore[assignment]
+    with pytest.raises(EtcdUnavailable, match="closed the connection"):
+        etcd.get(b"k")

@@ -5,6 +5,7 @@ watch wakes a waiting member."""
 
 from __future__ import annotations
 
+import http.client
 import threading
 import time
 from datetime import timedelta
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 from torch._C._distributed_c10d import TCPStore
 
-from ftcomm._etcd import Etcd
+from ftcomm._etcd import Etcd, EtcdError
 from ftcomm._membership._etcd_store import Changes, EtcdStore, Lease, lease_ttl
 from ftcomm._membership._rule import Member
 from ftcomm._membership._watch import MISSING, Superseded, Watcher, read
@@ -119,17 +120,107 @@ def test_a_key_another_incarnation_took_is_never_taken_back(ftcomm_etcd: EtcdClu
     assert raw.get(b"job/hb/m0").value == b"new 0"  # type: ignore[union-attr]
 
 
+class _CreatedFirst:
+    """An etcd client on which another incarnation creates ``key`` just
+    before this one's create (the race the take-back loses)."""
+
+    def __init__(self, client: Etcd, key: bytes, theirs: bytes) -> None:
+        self._client, self._key, self._theirs = client, key, theirs
+        self.armed = self.raced = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def create(self, key: bytes, value: bytes, lease: int = 0) -> tuple[bool, bytes]:
+        if key == self._key and self.armed and not self.raced:
+            self.raced = True
+            self._client.put(key, self._theirs)
+        return self._client.create(key, value, lease)  # type: ignore[no-any-return]
+
+
+def test_a_take_back_that_another_incarnation_beat_is_superseded(
+    ftcomm_etcd: EtcdCluster,
+) -> None:
+    """Forced: the key ran out, and another incarnation creates it between
+    this one's failed compare and its take-back: this one is superseded,
+    and the other's value stays."""
+    raw = ftcomm_etcd.client()
+    racing = _CreatedFirst(ftcomm_etcd.client(), b"job/hb/m0", b"new 0")
+    lease = Lease(racing, 2)  # type: ignore[arg-type]  # (its grant puts keys back too)
+    old = Watcher(
+        EtcdStore(racing, "job/", lease=lease),  # type: ignore[arg-type]
+        Member("m0", "old"),
+        interval=0.1,
+        timeout=1.0,
+    )
+    old.store.compare_set("hb/m0", "", "old 0")
+    held = raw.get(b"job/hb/m0")
+    assert held is not None
+    raw.revoke(held.lease)  # ran out: the next beat takes it back, or tries to
+    lease.expired(held.lease)
+    racing.armed = True
+    with pytest.raises(Superseded, match="'new 0'"):
+        old.beat()
+    assert racing.raced
+    assert raw.get(b"job/hb/m0").value == b"new 0"  # type: ignore[union-attr]
+    assert lease.held(b"job/hb/m0") == b"old 0"  # its note taken back: not its value
+
+
 def test_a_lease_is_renewed_as_its_member_writes(ftcomm_etcd: EtcdCluster) -> None:
     raw = ftcomm_etcd.client()
-    mine = EtcdStore(ftcomm_etcd.client(), "job/", lease=Lease(ftcomm_etcd.client(), 2))
+    lease = Lease(ftcomm_etcd.client(), 2)
+    mine = EtcdStore(ftcomm_etcd.client(), "job/", lease=lease)
     mine.set("hb/m0", "t 0")
+    first = lease.id()
     until = time.monotonic() + 4.0  # twice the TTL
     n = 0
     while time.monotonic() < until:
         n += 1
         mine.compare_set("hb/m0", f"t {n - 1}", f"t {n}")
         time.sleep(0.2)
-    assert raw.get(b"job/hb/m0").value == f"t {n}".encode()  # type: ignore[union-attr]
+    held = raw.get(b"job/hb/m0")
+    assert held is not None
+    assert held.value == f"t {n}".encode()
+    assert held.lease == first == lease.id()  # renewed, never granted again
+
+
+def test_a_key_of_a_live_lease_that_went_or_went_stale_is_put_back(
+    ftcomm_etcd: EtcdCluster,
+) -> None:
+    """A member's srv key deleted, or left holding an older value: its next
+    renewal puts the value it noted back (a failed write, a grant that put
+    back only some keys, leave a live member's key wrong)."""
+    raw = ftcomm_etcd.client()
+    lease = Lease(ftcomm_etcd.client(), 2)
+    mine = EtcdStore(ftcomm_etcd.client(), "job/", lease=lease)
+    mine.set("srv/m0", "t1 1.2.3.4:5")
+    raw.delete(b"job/srv/m0")
+    deadline = time.monotonic() + 5.0
+    while raw.get(b"job/srv/m0") is None:  # (etcd's state)
+        assert time.monotonic() < deadline, "never put back"
+        lease.id()
+        time.sleep(0.05)
+    assert raw.get(b"job/srv/m0").value == b"t1 1.2.3.4:5"  # type: ignore[union-attr]
+    raw.put(b"job/srv/m0", b"t0 1.2.3.4:5", lease=lease.id())  # stale, its own lease
+    while raw.get(b"job/srv/m0").value != b"t1 1.2.3.4:5":  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "never repaired"
+        lease.id()
+        time.sleep(0.05)
+    raw.put(b"job/srv/m0", b"other")  # no lease: not its own, left alone
+    for _ in range(3):
+        lease.id()
+        time.sleep(lease.ttl / 3)
+    assert raw.get(b"job/srv/m0").value == b"other"  # type: ignore[union-attr]
+
+
+def test_many_keys_are_read_in_transactions_etcd_takes(ftcomm_etcd: EtcdCluster) -> None:
+    """etcd refuses a transaction of more than 128 operations: a roster of
+    200 ids is read in two."""
+    store = EtcdStore(ftcomm_etcd.client(), "job/")
+    for i in range(0, 200, 3):
+        store.set(f"hb/m{i}", f"t {i}")
+    values = store.multi_get([f"hb/m{i}" for i in range(200)])
+    assert values == [f"t {i}".encode() if i % 3 == 0 else b"" for i in range(200)]
 
 
 class _LoseFirstAnswer:
@@ -190,3 +281,56 @@ def test_a_change_wakes_a_waiting_member_and_a_heartbeat_does_not(
         assert changes.wait(stop, 5.0)  # stop ends a wait at once
     finally:
         changes.close()
+
+
+def test_the_watch_compacts_etcds_history_older_than_it_keeps(ftcomm_etcd: EtcdCluster) -> None:
+    """Every heartbeat is a revision: the watch compacts those older than
+    its history (1 s here, 5 minutes by default)."""
+    raw = ftcomm_etcd.client()
+    first = raw.put(b"job/hb/m0", b"t 0")
+    changes = Changes(
+        ftcomm_etcd.endpoints,
+        b"job/",
+        (b"hb/",),
+        silence=5.0,
+        name="t-watch",
+        compact=ftcomm_etcd.client(),
+        keep_history=1.0,
+    )
+    changes.start()
+    try:
+        deadline = time.monotonic() + 10.0
+        n = 0
+        while changes.compacted < first:
+            assert time.monotonic() < deadline, "never compacted"
+            n += 1
+            raw.put(b"job/hb/m0", f"t {n}".encode())
+            time.sleep(0.05)
+    finally:
+        changes.close()
+    with pytest.raises(EtcdError, match="compacted"):
+        raw.call("/v3/kv/range", {"key": "am9iL2hiL20w", "revision": str(changes.compacted - 1)})
+
+
+def test_a_watch_closed_as_it_connects_ends_and_watches_nothing(
+    ftcomm_etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forced: close() comes while the watch's thread connects (before, it
+    then watched on, and close() waited for the stream to fall silent)."""
+    connecting, go = threading.Event(), threading.Event()
+    real = http.client.HTTPConnection.connect
+
+    def slow_connect(self: http.client.HTTPConnection) -> None:
+        connecting.set()
+        go.wait(10)
+        real(self)
+
+    monkeypatch.setattr(http.client.HTTPConnection, "connect", slow_connect)
+    changes = Changes(ftcomm_etcd.endpoints, b"job/", (b"hb/",), silence=5.0, name="t-watch")
+    changes.start()
+    assert connecting.wait(10)
+    closer = threading.Thread(target=changes.close)
+    closer.start()
+    go.set()
+    closer.join(5.0)
+    assert not closer.is_alive(), "close() hung"

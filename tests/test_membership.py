@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import engine_address, engine_key
+from helpers import engine_for, engine_key
 
 import ftcomm
 from ftcomm._membership._rule import parse_ready
@@ -37,11 +37,7 @@ def membership(
     kw.setdefault("heartbeat_timeout", HB)
     kw.setdefault("timeout", 30)
     if address is None:
-        address = engine_address(ctx.host, ctx.port, ctx.world_id)
-        if address.startswith("etcd://"):
-            # each member hosts a store: torch keeps a pipe once one ran
-            ftcomm.serve_store().close()
-            ctx.baseline()
+        address = engine_for(ctx)
     return ftcomm.Membership(address, "job", member_id or f"m{ctx.rank}", **kw)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import memberships
+from helpers import engine_for, memberships
 
 import ftcomm
 from ftcomm.testing import Fault, FaultPlan, RankContext, run_world
@@ -36,7 +36,7 @@ async def _train_through_a_kill(ctx: RankContext) -> dict[str, Any]:
     step, STEPS steps into a world of all the survivors."""
     n = ctx.world_size
     members = ftcomm.Membership(
-        f"{ctx.host}:{ctx.port}/{ctx.world_id}",
+        engine_for(ctx),
         "job",
         f"m{ctx.rank:02d}",
         min_size=n - 1,
@@ -110,8 +110,12 @@ def _check_survivors(results: list[Any], victim: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("n", "victim"), [(8, 5), (16, 11)])
-def test_survivors_of_a_kill_recover_and_train_on(n: int, victim: int) -> None:
+@pytest.mark.parametrize(
+    ("n", "victim", "engine"),
+    [(8, 5, "store"), (16, 11, "store"), (8, 5, "etcd")],  # (16 on etcd: the same rule)
+    indirect=["engine"],
+)
+def test_survivors_of_a_kill_recover_and_train_on(n: int, victim: int, engine: str) -> None:
     """n members train; one is SIGKILLed before its 4th op; the others
     recover (in one generation, or via an eviction and a join where one was
     still in its op), agree on the generation, its members and the weights,
@@ -277,7 +281,7 @@ STUCK_WINDOW = 4.0
 def _of_three(ctx: RankContext, timeout: float) -> ftcomm.Membership:
     """This rank's member of a job of two to three, a long join window."""
     return ftcomm.Membership(
-        f"{ctx.host}:{ctx.port}/{ctx.world_id}",
+        engine_for(ctx),
         "job",
         f"m{ctx.rank}",
         min_size=2,
@@ -310,7 +314,7 @@ async def _one_op_never_ends(ctx: RankContext) -> tuple[Any, ...]:
         return (outcome, waited, world.generation, world.members, total.item())
 
 
-def test_a_member_stuck_in_an_op_of_a_broken_world_is_released() -> None:
+def test_a_member_stuck_in_an_op_of_a_broken_world_is_released(engine: str) -> None:
     plan = FaultPlan.of(Fault.hang(2, 1))
     results = run_world(_one_op_never_ends, 3, mode="thread", plan=plan, timeout=60)
     waited = [r[1] for r in results]
@@ -356,7 +360,7 @@ async def _sender_dies_in_copy(ctx: RankContext) -> tuple[Any, ...]:
 
 
 @pytest.mark.slow
-def test_a_kill_in_the_state_copy_does_not_stall_the_survivors() -> None:
+def test_a_kill_in_the_state_copy_does_not_stall_the_survivors(engine: str) -> None:
     """Fails on b23c67a (the receivers sit out the copy's deadline); passes
     since b4082a7 (the world's watch aborts the group once its sender is
     seen dead) and with fix-4 (the copy sees its later receives fail)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from datetime import timedelta
 
 from .._etcd import Etcd, EtcdAddr
@@ -31,6 +32,7 @@ from .._server import StoreServer, serve_store
 from .._store import StoreAddr, connect_store
 from ..errors import MembershipError
 from . import _sweep
+from ._engine import Stopped
 from ._etcd_store import Changes, EtcdStore, Lease, lease_ttl
 from ._reach import listen_host
 from ._rule import Member, WorldRecord
@@ -116,11 +118,12 @@ class EtcdEngine(StoreEngine):
         base = self._base()
         root = f"{base}ftcomm/members/{self.job}/"
         etcd = Etcd(endpoints, timeout, keep=True)  # its clients go where one went
+        self._clients = [etcd]  # (closed by close(), after a failed open too)
         try:
             lease = Lease(etcd, lease_ttl(self._timeout))
             lease.id()  # (a grant needs a leader: a cluster without quorum fails here)
             calls, beats = etcd.sharing(timeout), etcd.sharing(timeout)
-            self._clients = [etcd, calls, beats]
+            self._clients += [calls, beats]
             self._store = EtcdStore(calls, root, lease=lease)
             self.watcher = Watcher(
                 EtcdStore(beats, root, lease=lease),
@@ -167,6 +170,7 @@ class EtcdEngine(StoreEngine):
             quiet=(beat_key("").encode(),),
             silence=max(5.0, 10 * self._interval),
             name=f"ftcomm-membership-watch-{self.me.id}",
+            compact=self._clients[0].sharing(OP_TIMEOUT, keep=False),
         )
         self._changes.start()
 
@@ -244,11 +248,15 @@ class EtcdEngine(StoreEngine):
             )
             host = record.members[0]
             try:
-                held = read(self._store, srv_key(host.id))
-            except (RuntimeError, OSError) as exc:
-                raise failed(exc) from None
-            token, _, where = (held or b"").decode(errors="replace").partition(" ")
-            if token == host.token and where:
+                where = self._host_of(host, stop, deadline)
+            except BaseException as exc:
+                self.abandon(record)  # (the others need not wait for this member)
+                if isinstance(exc, (RuntimeError, OSError)) and not isinstance(
+                    exc, MembershipError
+                ):
+                    raise failed(exc) from None
+                raise
+            if where:
                 self._hosts[record.generation] = where
                 for old in [g for g in self._hosts if g < record.generation - 1]:
                     del self._hosts[old]
@@ -259,6 +267,30 @@ class EtcdEngine(StoreEngine):
                     f"rank 0 ({host.id!r}) says of no store where its group meets"
                 )
             prev, member_of = record, record.generation
+
+    def _host_of(self, host: Member, stop: threading.Event, deadline: float) -> str:
+        """Where ``host``'s store is (``""``: it has none: it is dead). A
+        live one whose ``srv`` key is gone or stale puts it back within a
+        lease renewal (``_etcd_store.Lease``): it is waited for, a heartbeat
+        timeout at most.
+
+        Raises:
+            Stopped: ``stop`` was set.
+        """
+        if host == self.me:
+            server = self._server
+            return server.address if server is not None else ""
+        until = min(deadline, time.monotonic() + self._timeout)
+        while True:
+            held = read(self._store, srv_key(host.id))
+            token, _, where = (held or b"").decode(errors="replace").partition(" ")
+            if token == host.token and where:
+                return where
+            watcher = self.watcher
+            if watcher is None or not watcher.alive(host) or time.monotonic() >= until:
+                return ""
+            if stop.wait(0.05):
+                raise Stopped
 
     def group_addr(self, record: WorldRecord) -> str:
         """Where ``record``'s group meets: a prefix of its own in its rank

@@ -56,6 +56,13 @@ LEASED = ("hb/", "at/", "srv/")
 """The keys a member's lease holds: its heartbeat, its listener's and its
 store's addresses."""
 
+KEEP_HISTORY = 300.0
+"""Seconds of etcd's history a member's watch keeps when it compacts: what
+Kubernetes' API server keeps (it compacts every 5 minutes)."""
+
+MAX_TXN_OPS = 128
+"""Operations etcd takes in one transaction (its ``--max-txn-ops`` default)."""
+
 MIN_TTL = 2
 """etcd's shortest lease, in seconds (it grants no less than 1.5 election
 timeouts: 1.5 s at its defaults)."""
@@ -97,9 +104,28 @@ class Lease:
                 return self._id
             if self._id and self._client.keepalive(self._id) > 0:
                 self._renewed = now
+                self._repair()
                 return self._id
             self._grant(now)
             return self._id
+
+    def _repair(self) -> None:
+        """Put back each key this lease holds that is gone, or holds a value
+        older than the last noted (a write that failed, a grant that put
+        back some keys only): each only where no one wrote it since read,
+        and no other lease holds it."""
+        if not self._held:
+            return
+        keys = list(self._held)
+        _, answers = self._client.txn([], [range_op(k) for k in keys], [])
+        for key, answer in zip(keys, answers, strict=False):
+            found, value = ranged(answer), self._held[key]
+            if not found:
+                self._client.create(key, value, self._id)
+            elif found[0].value != value and found[0].lease == self._id:
+                self._client.txn(
+                    [unchanged(key, found[0].mod_revision)], [put_op(key, value, self._id)], []
+                )
 
     def _grant(self, now: float) -> None:
         lapsed = bool(self._id)
@@ -116,12 +142,14 @@ class Lease:
                 self._renewed = -math.inf  # its keepalive answers 0: granted again
 
     def held(self, key: bytes) -> bytes | None:
-        """What this lease's ``key`` held as last written (``None``: not one)."""
+        """What this lease's ``key`` holds, as last noted (``None``: not one)."""
         with self._lock:
             return self._held.get(key)
 
     def note(self, key: bytes, value: bytes | None) -> None:
-        """``key`` holds ``value`` under this lease now (``None``: no longer)."""
+        """``key`` is to hold ``value`` under this lease (``None``: no longer):
+        noted before it is written, so that a grant or a repair meanwhile
+        puts back this value, not the one before."""
         with self._lock:
             if value is None:
                 self._held.pop(key, None)
@@ -165,6 +193,7 @@ class EtcdStore:
             self._client.put(full, data)
             return
         assert self._lease is not None
+        self._lease.note(full, data)
         lease = self._lease.id()
         try:
             self._client.put(full, data, lease)
@@ -173,7 +202,6 @@ class EtcdStore:
                 raise
             self._lease.expired(lease)
             self._client.put(full, data, self._lease.id())
-        self._lease.note(full, data)
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """As a c10d store's: ``desired`` written where ``key`` holds
@@ -188,33 +216,43 @@ class EtcdStore:
             # etcd; a transaction that may write goes through raft.
             kv = self._client.get(full)
             return kv.value if kv is not None else want
-        leased = self._leased(key)
+        owner = self._lease if self._leased(key) else None
+        prior = owner.held(full) if owner is not None else None
+        if owner is not None:
+            owner.note(full, new)  # (taken back below where it is not ours)
+        held = new
+        try:
+            held = self._swap(full, want, new, owner, prior)
+        finally:
+            if owner is not None and held != new:
+                owner.note(full, prior)
+        return held
+
+    def _swap(
+        self, full: bytes, want: bytes, new: bytes, owner: Lease | None, prior: bytes | None
+    ) -> bytes:
         for _ in range(2):  # once more where the lease ran out as it was used
-            lease = self._lease.id() if leased and self._lease is not None else 0
+            lease = owner.id() if owner is not None else 0
             compare = absent(full) if want == b"" else holds(full, want)
             try:
                 won, answers = self._client.txn(
                     [compare], [put_op(full, new, lease)], [range_op(full)]
                 )
-                if not won:
-                    found = ranged(answers[0]) if answers else []
-                    if found:
-                        return found[0].value
-                    if self._lease is None or self._lease.held(full) != want:
-                        return want  # (c10d's answer for a missing key)
-                    won, held = self._client.create(full, new, lease)
-                    if not won:
-                        return held
+                if won:
+                    return new
+                found = ranged(answers[0]) if answers else []
+                if found:
+                    return found[0].value
+                if owner is None or prior != want:
+                    return want  # (c10d's answer for a missing key)
+                # this member's key, gone with a lease that ran out: taken
+                # back, unless another incarnation created it first
+                return self._client.create(full, new, lease)[1]
             except EtcdError as exc:
-                if not lease or "lease not found" not in str(exc):
+                if owner is None or "lease not found" not in str(exc):
                     raise
-                assert self._lease is not None
-                self._lease.expired(lease)
-                continue
-            if self._lease is not None and leased:
-                self._lease.note(full, new)
-            return new
-        raise EtcdError(f"etcd: the lease of {key!r} ran out twice in a row")
+                owner.expired(lease)
+        raise EtcdError(f"etcd: the lease of {full.decode(errors='replace')!r} ran out twice")
 
     def append(self, key: str, value: str | bytes) -> None:
         """Add ``value`` at the end of ``key``'s (a read, then a write only
@@ -232,16 +270,17 @@ class EtcdStore:
                 return  # ours went in: its answer was lost, and the retry found it
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        """Each key's value, ``b""`` where it does not exist; one round trip."""
-        if not keys:
-            return []
-        _, answers = self._client.txn([], [range_op(self._root + k.encode()) for k in keys], [])
-        values = []
-        for answer in answers:
-            found = ranged(answer)
-            values.append(found[0].value if found else b"")
-        if len(values) != len(keys):
-            raise EtcdError(f"etcd answered {len(values)} reads of {len(keys)}")
+        """Each key's value, ``b""`` where it does not exist; one round trip
+        per :data:`MAX_TXN_OPS` keys."""
+        values: list[bytes] = []
+        for at in range(0, len(keys), MAX_TXN_OPS):
+            part = keys[at : at + MAX_TXN_OPS]
+            _, answers = self._client.txn([], [range_op(self._root + k.encode()) for k in part], [])
+            if len(answers) != len(part):
+                raise EtcdError(f"etcd answered {len(answers)} reads of {len(part)}")
+            for answer in answers:
+                found = ranged(answer)
+                values.append(found[0].value if found else b"")
         return values
 
     def delete_key(self, key: str) -> bool:
@@ -259,7 +298,15 @@ class Changes:
     when one changes, and whenever the watch is (re)made, so that a reader
     that waits on it never misses a change. On a thread of its own, from
     one endpoint to the next; ``silence`` seconds without a word (not even
-    a heartbeat's) and it watches anew."""
+    a heartbeat's) and it watches anew.
+
+    With ``compact`` (a client), it also compacts etcd's history: every
+    revision older than ``keep_history`` seconds (as the watch saw them go
+    by) goes. Every heartbeat is a revision; without compaction etcd's
+    database grows until its quota stops every write. A revision already
+    compacted (by another member, or by etcd's own auto-compaction) is no
+    error.
+    """
 
     def __init__(
         self,
@@ -268,11 +315,18 @@ class Changes:
         quiet: Sequence[bytes],
         silence: float,
         name: str,
+        *,
+        compact: Etcd | None = None,
+        keep_history: float = KEEP_HISTORY,
     ) -> None:
         self._endpoints = list(endpoints)
         self._prefix = prefix
         self._quiet = tuple(quiet)
         self._silence = silence
+        self._compact = compact
+        self._keep_history = keep_history
+        self._seen: list[tuple[float, int]] = []  # (when, revision): samples, oldest first
+        self.compacted = 0  # the revision compacted to last (0: none yet)
         self.changed = threading.Event()
         self._lock = threading.Lock()  # guards _closed and _conn
         self._closed = False
@@ -298,12 +352,15 @@ class Changes:
         at, pause = 0, 0.05
         while True:
             host, port = self._endpoints[at]
-            conn = http.client.HTTPConnection(host, port, timeout=self._silence)
-            with self._lock:
-                if self._closed:
-                    return
-                self._conn = conn
+            conn = http.client.HTTPConnection(host, port, timeout=min(self._silence, 2.0))
             try:
+                conn.connect()  # before it is published: close() cuts what it sees
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._conn = conn
+                assert conn.sock is not None
+                conn.sock.settimeout(self._silence)
                 self._watch(conn)
                 pause = 0.05
             except (OSError, http.client.HTTPException, ValueError) as exc:
@@ -312,6 +369,7 @@ class Changes:
                 conn.close()
             self.changed.set()  # what changed while no watch was made is not known
             with self._lock:
+                self._conn = None
                 if self._closed:
                     return
             at = (at + 1) % len(self._endpoints)
@@ -329,7 +387,7 @@ class Changes:
         response = conn.getresponse()
         if response.status != 200:
             raise http.client.HTTPException(f"etcd answered {response.status}")
-        while True:
+        while not self._closed:
             line = response.readline()
             if not line:
                 return  # the endpoint closed it
@@ -342,9 +400,29 @@ class Changes:
                 key = _unb64(event.get("kv", {}).get("key", ""))[len(self._prefix) :]
                 if not key.startswith(self._quiet):
                     self.changed.set()
+            revision = int(result.get("header", {}).get("revision", 0))
+            if self._compact is not None and revision:
+                self._compact_history(time.monotonic(), revision)
+
+    def _compact_history(self, now: float, revision: int) -> None:
+        """Note ``revision`` (a sample every tenth of ``keep_history``), and
+        compact to the newest sample older than ``keep_history``."""
+        if not self._seen or now - self._seen[-1][0] >= self._keep_history / 10:
+            self._seen.append((now, revision))
+        old = [r for t, r in self._seen if now - t >= self._keep_history]
+        if not old:
+            return
+        self._seen = [(t, r) for t, r in self._seen if now - t < self._keep_history]
+        assert self._compact is not None
+        try:
+            self._compact.call("/v3/kv/compaction", {"revision": str(old[-1])})
+            self.compacted = old[-1]
+        except (EtcdError, ConnectionError) as exc:  # compacted already, or not now
+            log.debug("ftcomm: membership: etcd compaction to %d: %s", old[-1], exc)
 
     def close(self) -> None:
-        """End the watch and its thread (a read in flight is cut off)."""
+        """End the watch and its thread (a read in flight is cut off; a
+        connect in flight ends within 2 s, then sees it is closed)."""
         with self._lock:
             self._closed = True
             conn = self._conn
@@ -353,6 +431,8 @@ class Changes:
                 conn.sock.shutdown(socket.SHUT_RDWR)
         if self._thread.ident is not None:
             self._thread.join()
+        if self._compact is not None:
+            self._compact.close()
 
 
 def _b64(data: bytes) -> str:

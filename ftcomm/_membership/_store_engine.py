@@ -184,7 +184,8 @@ class StoreEngine:
         self._store.set(at_key(me.id), f"{me.token} {listener.address}")
 
     def _claim(self, stop: threading.Event) -> None:
-        """Take ``hb/<id>``: free, left, or silent for a whole timeout.
+        """Take ``hb/<id>``: free, left, gone (on etcd, its lease ran out),
+        or silent for a whole timeout.
 
         Raises:
             ValueError: its heartbeat moves (a live member has this id).
@@ -197,6 +198,9 @@ class StoreEngine:
                 if stop.wait(min(self._interval, 0.05)):
                     raise Stopped
                 now = read(self._store, key)
+                if now is None:
+                    held = None  # gone with its lease: its member is
+                    break
                 if now != held:
                     raise ValueError(
                         f"member_id {self.me.id!r} is in use in job {self.job!r}: a live "
@@ -205,7 +209,10 @@ class StoreEngine:
                     )
         mine = f"{self.me.token} 0"
         expected = held.decode(errors="replace") if held is not None else ""
-        if self._store.compare_set(key, expected, mine) != mine.encode():
+        got = self._store.compare_set(key, expected, mine)
+        if got != mine.encode() and expected and read(self._store, key) is None:
+            got = self._store.compare_set(key, "", mine)  # it went meanwhile
+        if got != mine.encode():
             raise ValueError(f"member_id {self.me.id!r} is in use in job {self.job!r}")
 
     def register(self) -> None:

@@ -25,6 +25,9 @@ from .._etcd import Etcd
 ETCD_ENV = "FTCOMM_ETCD"
 """The etcd binary to run (default: ``etcd`` on ``PATH``)."""
 
+MAX_NODES = 7
+"""Nodes a cluster may have (each runs under a uid of its own, as root)."""
+
 HEARTBEAT_MS = 100
 ELECTION_MS = 500
 """A leader's heartbeat and the election timeout: short, for tests (etcd's
@@ -73,7 +76,7 @@ cluster's close, and by the next cluster where their process is gone."""
 def _node_uid(i: int) -> int:
     """The uid node ``i`` of this process's clusters runs as (root only): a
     partition's rule tells that node's packets from every other's by it."""
-    return 200_000 + (os.getpid() % 1_000_000) * 4 + i
+    return 200_000 + (os.getpid() % 1_000_000) * MAX_NODES + i
 
 
 def _nft(script: str) -> None:
@@ -153,8 +156,8 @@ class EtcdCluster:
         why = etcd_missing()
         if why is not None:
             raise RuntimeError(why)
-        if self.nodes < 1:
-            raise ValueError(f"an etcd cluster needs at least one node, got {self.nodes}")
+        if not 1 <= self.nodes <= MAX_NODES:
+            raise ValueError(f"an etcd cluster here has 1 to {MAX_NODES} nodes, got {self.nodes}")
         if partition_missing() is None:
             _sweep_tables()
         self._folder = tempfile.mkdtemp(prefix="ftcomm-etcd-")
