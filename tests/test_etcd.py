@@ -97,11 +97,7 @@ def test_calls_go_on_through_the_leaders_death(ftcomm_etcd: EtcdCluster) -> None
     """A client whose endpoint is the leader: the leader is SIGKILLed, and
     each call still succeeds within its deadline, on another node, once the
     others elected a new leader; the node comes back with its data."""
-    first = ftcomm_etcd.leader()
-    ordered = [ftcomm_etcd.endpoints[first]] + [
-        e for i, e in enumerate(ftcomm_etcd.endpoints) if i != first
-    ]
-    etcd = Etcd(ordered, timeout=10.0)
+    first, etcd = _leader_first(ftcomm_etcd)
     etcd.put(b"k", b"before")
     ftcomm_etcd.kill(first)
     started = time.monotonic()
@@ -118,6 +114,15 @@ def test_calls_go_on_through_the_leaders_death(ftcomm_etcd: EtcdCluster) -> None
     while (kv := _get_or_none(back, b"k")) is None or kv != b"after":
         assert time.monotonic() < deadline, "the node never caught up"
         time.sleep(0.05)
+
+
+def _leader_first(cluster: EtcdCluster) -> tuple[int, Etcd]:
+    """The leader's index, and a client that tries the leader first."""
+    first = cluster.leader()
+    ordered = [cluster.endpoints[first]] + [
+        e for i, e in enumerate(cluster.endpoints) if i != first
+    ]
+    return first, Etcd(ordered, timeout=10.0)
 
 
 def _get_or_none(etcd: Etcd, key: bytes) -> bytes | None:
@@ -169,11 +174,7 @@ def test_a_partitioned_leader_is_cut_off_and_healed(ftcomm_etcd: EtcdCluster) ->
     why = partition_missing()
     if why is not None:
         pytest.skip(why)
-    first = ftcomm_etcd.leader()
-    ordered = [ftcomm_etcd.endpoints[first]] + [
-        e for i, e in enumerate(ftcomm_etcd.endpoints) if i != first
-    ]
-    etcd = Etcd(ordered, timeout=10.0)
+    first, etcd = _leader_first(ftcomm_etcd)
     etcd.put(b"k", b"before")
     ftcomm_etcd.partition(first)
     table = f"ftcomm_etcd_{os.getpid()}_{first}"

@@ -37,6 +37,13 @@ KILL_LEADER_AT = 5
 HOST_KILLED_AT_OP = 20  # the host's own op count (each step is one allreduce)
 
 
+def _member(ctx: RankContext, address: str, *, min_size: int) -> ftcomm.Membership:
+    """This rank's member (``m<rank>``) of a job of ``min_size`` to 3."""
+    return ftcomm.Membership(
+        address, "job", f"m{ctx.rank}", min_size=min_size, max_size=3, join_window=5.0, timeout=30
+    )
+
+
 def _leader_of(endpoints: list[tuple[str, int]]) -> int:
     """The index of the endpoint that leads now, as the nodes say."""
     probe = Etcd(endpoints, 5.0)
@@ -65,9 +72,7 @@ async def _train(ctx: RankContext, address: str, pids: list[int]) -> dict[str, A
     good: list[float] = []  # when each good step ended
     errors: list[tuple[str, float]] = []
     async with (
-        ftcomm.Membership(
-            address, "job", f"m{ctx.rank}", min_size=2, max_size=3, join_window=5.0, timeout=30
-        ) as members,
+        _member(ctx, address, min_size=2) as members,
         ftcomm.Group("gloo", timeout=10) as group,
     ):
         world = await members.join(group)
@@ -152,9 +157,7 @@ async def _train_through(ctx: RankContext, address: str, key: bytes) -> dict[str
     errors: list[str] = []
     etcd = Etcd(parse_etcd_addr(address).endpoints, 10.0)
     async with (
-        ftcomm.Membership(
-            address, "job", f"m{ctx.rank}", min_size=3, max_size=3, join_window=5.0, timeout=30
-        ) as members,
+        _member(ctx, address, min_size=3) as members,
         ftcomm.Group("gloo", timeout=10) as group,
     ):
         world = await members.join(group)
