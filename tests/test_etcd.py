@@ -237,7 +237,13 @@ def test_two_calls_at_once_each_use_a_connection_and_one_is_kept(
     paused, go = threading.Event(), threading.Event()
     real = http.client.HTTPConnection
 
+    made: list[http.client.HTTPConnection] = []
+
     class Pausing(real):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
         def request(self, *args: Any, **kwargs: Any) -> None:
             if not paused.is_set():
                 paused.set()
@@ -255,6 +261,9 @@ def test_two_calls_at_once_each_use_a_connection_and_one_is_kept(
     first.join(10)
     assert not first.is_alive()
     assert _sockets() == before + 1  # one kept, the other closed
+    kept = list(etcd._conns.values())
+    assert len(kept) == 1
+    assert [c.sock is None for c in made if c is not kept[0]] == [True]  # closed, not dropped
     etcd.close()
     assert _sockets() == before
 

@@ -141,12 +141,13 @@ class _CreatedFirst:
 def test_a_take_back_that_another_incarnation_beat_is_superseded(
     ftcomm_etcd: EtcdCluster,
 ) -> None:
-    """Forced: the key ran out, and another incarnation creates it between
-    this one's failed compare and its take-back: this one is superseded,
-    and the other's value stays."""
+    """Forced: this member's key is gone (its lease alive: no grant puts it
+    back), and another incarnation creates it between this one's failed
+    compare and its take-back: this one is superseded, the other's value
+    stays. Without the race, the take-back puts the key back."""
     raw = ftcomm_etcd.client()
+    lease = Lease(ftcomm_etcd.client(), 2)
     racing = _CreatedFirst(ftcomm_etcd.client(), b"job/hb/m0", b"new 0")
-    lease = Lease(racing, 2)  # type: ignore[arg-type]  # (its grant puts keys back too)
     old = Watcher(
         EtcdStore(racing, "job/", lease=lease),  # type: ignore[arg-type]
         Member("m0", "old"),
@@ -154,16 +155,19 @@ def test_a_take_back_that_another_incarnation_beat_is_superseded(
         timeout=1.0,
     )
     old.store.compare_set("hb/m0", "", "old 0")
+    lease.id()  # renewed now: the next beat's id() is the same lease, no repair
+    raw.delete(b"job/hb/m0")
+    old.beat()  # taken back: no one else had it
     held = raw.get(b"job/hb/m0")
     assert held is not None
-    raw.revoke(held.lease)  # ran out: the next beat takes it back, or tries to
-    lease.expired(held.lease)
+    assert (held.value, held.lease) == (b"old 1", lease.id())
+    raw.delete(b"job/hb/m0")
     racing.armed = True
     with pytest.raises(Superseded, match="'new 0'"):
         old.beat()
-    assert racing.raced
+    assert racing.raced  # (in the take-back's create: the lease was alive)
     assert raw.get(b"job/hb/m0").value == b"new 0"  # type: ignore[union-attr]
-    assert lease.held(b"job/hb/m0") == b"old 0"  # its note taken back: not its value
+    assert lease.held(b"job/hb/m0") == b"old 1"  # its note taken back: not its value
 
 
 def test_a_lease_is_renewed_as_its_member_writes(ftcomm_etcd: EtcdCluster) -> None:
@@ -296,6 +300,7 @@ def test_the_watch_compacts_etcds_history_older_than_it_keeps(ftcomm_etcd: EtcdC
         name="t-watch",
         compact=ftcomm_etcd.client(),
         keep_history=1.0,
+        compact_min=1,
     )
     changes.start()
     try:
@@ -334,3 +339,4 @@ def test_a_watch_closed_as_it_connects_ends_and_watches_nothing(
     go.set()
     closer.join(5.0)
     assert not closer.is_alive(), "close() hung"
+    assert changes._conn is None  # it never watched

@@ -45,16 +45,21 @@ def _member(ctx: RankContext, address: str, *, min_size: int) -> ftcomm.Membersh
 
 
 def _leader_of(endpoints: list[tuple[str, int]]) -> int:
-    """The index of the endpoint that leads now, as the nodes say."""
+    """The index of the endpoint that leads now, once every node that
+    answers names the same leader, itself among them (within 10 s)."""
     probe = Etcd(endpoints, 5.0)
-    said = {}
-    for i, (host, port) in enumerate(endpoints):
-        with contextlib.suppress(Exception):
-            status = probe.status(host, port, timeout=1.0)
-            said[int(status["header"]["member_id"])] = (i, int(status["leader"]))
-    leaders = {leader for _, leader in said.values()}
-    assert len(leaders) == 1, said
-    return said[leaders.pop()][0]
+    deadline = time.monotonic() + 10.0
+    while True:
+        said = {}
+        for i, (host, port) in enumerate(endpoints):
+            with contextlib.suppress(Exception):
+                status = probe.status(host, port, timeout=1.0)
+                said[int(status["header"]["member_id"])] = (i, int(status["leader"]))
+        leaders = {leader for _, leader in said.values()}
+        if len(leaders) == 1 and (leader := leaders.pop()) in said:
+            return said[leader][0]
+        assert time.monotonic() < deadline, f"no one leader: {said}"
+        time.sleep(0.05)
 
 
 async def _train(ctx: RankContext, address: str, pids: list[int]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from .._store import StoreAddr, connect_store
 from ..errors import MembershipError
 from . import _sweep
 from ._engine import Stopped
-from ._etcd_store import Changes, EtcdStore, Lease, lease_ttl
+from ._etcd_store import COMPACT_TIMEOUT, Changes, EtcdStore, Lease, lease_ttl
 from ._reach import listen_host
 from ._rule import Member, WorldRecord
 from ._store_engine import OP_TIMEOUT, SWEEP_CONNECT, StoreEngine, failed
@@ -170,7 +170,7 @@ class EtcdEngine(StoreEngine):
             quiet=(beat_key("").encode(),),
             silence=max(5.0, 10 * self._interval),
             name=f"ftcomm-membership-watch-{self.me.id}",
-            compact=self._clients[0].sharing(OP_TIMEOUT, keep=False),
+            compact=self._clients[0].sharing(COMPACT_TIMEOUT, keep=False),
         )
         self._changes.start()
 
@@ -191,9 +191,15 @@ class EtcdEngine(StoreEngine):
         raise MembershipError(f"{self.etcd} does not answer: {'; '.join(why)}")
 
     def _announce(self, me: Member) -> None:
+        """Say where incarnation ``me``'s listener and store are: both noted
+        first, so that a renewal puts back the one whose write failed."""
+        if self._server is None:
+            super()._announce(me)
+            return
+        where = f"{me.token} {self._server.address}"
+        self._store.note(srv_key(me.id), where)
         super()._announce(me)
-        if self._server is not None:
-            self._store.set(srv_key(me.id), f"{me.token} {self._server.address}")
+        self._store.set(srv_key(me.id), where)
 
     def close(self) -> None:
         """Stop beating, say this member left, stop watching and hosting.
@@ -249,7 +255,7 @@ class EtcdEngine(StoreEngine):
             host = record.members[0]
             try:
                 where = self._host_of(host, stop, deadline)
-            except BaseException as exc:
+            except Exception as exc:
                 self.abandon(record)  # (the others need not wait for this member)
                 if isinstance(exc, (RuntimeError, OSError)) and not isinstance(
                     exc, MembershipError
@@ -272,7 +278,7 @@ class EtcdEngine(StoreEngine):
         """Where ``host``'s store is (``""``: it has none: it is dead). A
         live one whose ``srv`` key is gone or stale puts it back within a
         lease renewal (``_etcd_store.Lease``): it is waited for, a heartbeat
-        timeout at most.
+        timeout or a renewal's time at most.
 
         Raises:
             Stopped: ``stop`` was set.
@@ -280,7 +286,9 @@ class EtcdEngine(StoreEngine):
         if host == self.me:
             server = self._server
             return server.address if server is not None else ""
-        until = min(deadline, time.monotonic() + self._timeout)
+        # (a renewal puts it back: every third of the lease's TTL, at a beat)
+        wait = max(self._timeout, lease_ttl(self._timeout) / 3 + 2 * self._interval)
+        until = min(deadline, time.monotonic() + wait)
         while True:
             held = read(self._store, srv_key(host.id))
             token, _, where = (held or b"").decode(errors="replace").partition(" ")

@@ -60,6 +60,14 @@ KEEP_HISTORY = 300.0
 """Seconds of etcd's history a member's watch keeps when it compacts: what
 Kubernetes' API server keeps (it compacts every 5 minutes)."""
 
+COMPACT_MIN = 1000
+"""Revisions a member's watch lets pass between two compactions of its own
+(each member compacts: the first one's is enough, the others' are no error)."""
+
+COMPACT_TIMEOUT = 2.0
+"""Seconds a compaction may take (it runs on the watch's thread, which
+close() joins)."""
+
 MAX_TXN_OPS = 128
 """Operations etcd takes in one transaction (its ``--max-txn-ops`` default)."""
 
@@ -91,6 +99,7 @@ class Lease:
         self._id = 0
         self._renewed = 0.0
         self._held: dict[bytes, bytes] = {}
+        self._repaired: set[bytes] = set()  # the keys a renewal puts back (not hb: beaten)
 
     def id(self) -> int:
         """A live lease (granted or renewed now where due).
@@ -114,9 +123,9 @@ class Lease:
         older than the last noted (a write that failed, a grant that put
         back some keys only): each only where no one wrote it since read,
         and no other lease holds it."""
-        if not self._held:
+        keys = [k for k in self._held if k in self._repaired]
+        if not keys:
             return
-        keys = list(self._held)
         _, answers = self._client.txn([], [range_op(k) for k in keys], [])
         for key, answer in zip(keys, answers, strict=False):
             found, value = ranged(answer), self._held[key]
@@ -146,15 +155,22 @@ class Lease:
         with self._lock:
             return self._held.get(key)
 
-    def note(self, key: bytes, value: bytes | None) -> None:
+    def note(self, key: bytes, value: bytes | None, *, repair: bool = True) -> None:
         """``key`` is to hold ``value`` under this lease (``None``: no longer):
         noted before it is written, so that a grant or a repair meanwhile
-        puts back this value, not the one before."""
+        puts back this value, not the one before. ``repair``: a renewal
+        puts it back where it went or holds another value (not for a key
+        its member rewrites every beat)."""
         with self._lock:
             if value is None:
                 self._held.pop(key, None)
+                self._repaired.discard(key)
+                return
+            self._held[key] = value
+            if repair:
+                self._repaired.add(key)
             else:
-                self._held[key] = value
+                self._repaired.discard(key)
 
 
 class EtcdStore:
@@ -180,6 +196,12 @@ class EtcdStore:
     def close(self) -> None:
         """Close the connections its client keeps."""
         self._client.close()
+
+    def note(self, key: str, value: str | bytes) -> None:
+        """``key`` (one of this member's) is to hold ``value``: its lease puts
+        it back from now on, should the write that follows fail."""
+        if self._lease is not None and self._leased(key):
+            self._lease.note(self._root + key.encode(), _bytes(value))
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._client.timeout = timeout.total_seconds()
@@ -219,13 +241,13 @@ class EtcdStore:
         owner = self._lease if self._leased(key) else None
         prior = owner.held(full) if owner is not None else None
         if owner is not None:
-            owner.note(full, new)  # (taken back below where it is not ours)
+            owner.note(full, new, repair=False)  # (taken back below where it is not ours)
         held = new
         try:
             held = self._swap(full, want, new, owner, prior)
         finally:
             if owner is not None and held != new:
-                owner.note(full, prior)
+                owner.note(full, prior, repair=False)
         return held
 
     def _swap(
@@ -302,8 +324,9 @@ class Changes:
 
     With ``compact`` (a client), it also compacts etcd's history: every
     revision older than ``keep_history`` seconds (as the watch saw them go
-    by) goes. Every heartbeat is a revision; without compaction etcd's
-    database grows until its quota stops every write. A revision already
+    by) goes, once ``compact_min`` revisions passed since its last. Every
+    heartbeat is a revision; without compaction etcd's database grows
+    until its quota stops every write. A revision already
     compacted (by another member, or by etcd's own auto-compaction) is no
     error.
     """
@@ -318,6 +341,7 @@ class Changes:
         *,
         compact: Etcd | None = None,
         keep_history: float = KEEP_HISTORY,
+        compact_min: int = COMPACT_MIN,
     ) -> None:
         self._endpoints = list(endpoints)
         self._prefix = prefix
@@ -325,6 +349,7 @@ class Changes:
         self._silence = silence
         self._compact = compact
         self._keep_history = keep_history
+        self._compact_min = compact_min
         self._seen: list[tuple[float, int]] = []  # (when, revision): samples, oldest first
         self.compacted = 0  # the revision compacted to last (0: none yet)
         self.changed = threading.Event()
@@ -410,15 +435,17 @@ class Changes:
         if not self._seen or now - self._seen[-1][0] >= self._keep_history / 10:
             self._seen.append((now, revision))
         old = [r for t, r in self._seen if now - t >= self._keep_history]
-        if not old:
+        if not old or self._closed:
             return
         self._seen = [(t, r) for t, r in self._seen if now - t < self._keep_history]
+        if old[-1] - self.compacted < self._compact_min:
+            return  # (a few revisions: not worth a cluster-wide compaction)
         assert self._compact is not None
         try:
             self._compact.call("/v3/kv/compaction", {"revision": str(old[-1])})
-            self.compacted = old[-1]
         except (EtcdError, ConnectionError) as exc:  # compacted already, or not now
             log.debug("ftcomm: membership: etcd compaction to %d: %s", old[-1], exc)
+        self.compacted = old[-1]  # (tried: the next try is COMPACT_MIN later)
 
     def close(self) -> None:
         """End the watch and its thread (a read in flight is cut off; a
