@@ -45,11 +45,28 @@ def pytest_configure(config: pytest.Config) -> None:
     TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``slow`` run first (otherwise in file order): with
     ``make test``'s workers (pytest-xdist) the longest start early, and the
-    short ones fill the gaps instead of a worker ending the run alone."""
+    short ones fill the gaps instead of a worker ending the run alone.
+
+    A test run on both engines and both loops runs on etcd with asyncio
+    only: an engine's calls run on ftcomm's control threads, never on the
+    caller's loop, which the store's runs cover on both."""
+    twice = [item for item in items if _engine_and_loop(item) == ("etcd", "uvloop")]
+    if twice:
+        config.hook.pytest_deselected(items=twice)
+        items[:] = [item for item in items if _engine_and_loop(item) != ("etcd", "uvloop")]
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def _engine_and_loop(item: pytest.Item) -> tuple[str, str] | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or "engine" not in callspec.params:
+        return None
+    name = item.name
+    loop = "uvloop" if "uvloop" in name else "asyncio"
+    return str(callspec.params["engine"]), loop
 
 
 def pytest_asyncio_loop_factories(
