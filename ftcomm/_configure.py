@@ -5,8 +5,7 @@ Owns: ``configure()`` -- its argument checks, the store address and ranks
 timeout, the op table of each configuration, and the one place a failed
 connect becomes an ftcomm error. The transitions themselves (begin, ready,
 fail) are ``GroupCore``'s (``_state.py``). :class:`Configuring` is a part of
-``Group``, not a class to use alone. Imports: ``_state``, ``_store``,
-``_validate``, ``_verify``, the runtime, the backends and ``ftcomm.errors``.
+``Group``, not a class to use alone.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ lock, the fault seam, the op table's record of each op, ``verify=True``'s
 agreement before an op, and fusion's entry points (``fuse=True``,
 ``batch()``, ``flush()``: the open batch and when it is sent). The batch
 itself is ``_runtime/fuse.py``'s. :class:`Issuing` is a part of ``Group``,
-not a class to use alone. Imports: ``_collectives``, ``_state``,
-``_verify``, the runtime, the backends and ``ftcomm.errors``.
+not a class to use alone.
 """
 
 from __future__ import annotations

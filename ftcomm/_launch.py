@@ -11,8 +11,7 @@ hosts on loopback, unless ``--engine`` names one (a store, a torchft
 lighthouse or an etcd cluster) that the launchers of several hosts share.
 
 Owns: the command line, one supervisor task per member, the embedded
-store, the stop on SIGINT/SIGTERM. Imports: ``ftcomm._server``,
-``ftcomm._store`` and the membership's lighthouse check.
+store, the stop on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations

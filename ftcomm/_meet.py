@@ -4,8 +4,7 @@ view of the store it is built through.
 Owns: :func:`meet` (each rank counted once, named when missing, stopped
 when given up), the rule of one native group per rank and prefix
 (``NATIVE_KEY``, ``REFUSED_KEY``: :class:`~ftcomm.errors.PrefixReused`),
-and :class:`StoppableStore`. Imports: ``ftcomm._store`` (the progress, the
-stop), ``ftcomm.errors``.
+and :class:`StoppableStore`.
 """
 
 from __future__ import annotations

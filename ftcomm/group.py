@@ -10,8 +10,7 @@ named states, a transition table), with one ``Config`` per
 blocks: in-flight ops end with ``CommAborted`` and the native group goes to
 the reaper thread. Its two working parts are mixed in, each in a module of
 its own: :class:`~ftcomm._configure.Configuring` (``configure()``) and
-:class:`~ftcomm._issue.Issuing` (every collective, fusion). Imports: those
-two, ``_state``, ``_validate``, the runtime, the backends, ``ftcomm.errors``.
+:class:`~ftcomm._issue.Issuing` (every collective, fusion).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """``python -m ftcomm bench``: ftcomm against raw c10d Gloo, measured in one run.
 
 This module owns the command line: :func:`main`, its options and what is
-checked before a run. Imports: every other module of this package (none of
-them imports this one), ftcomm's store server.
+checked before a run.
 
 Two ranks run on loopback as two spawned processes. The parent owns the
 ``TCPStore``; the children connect to it as clients. Every child builds one

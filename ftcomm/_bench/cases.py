@@ -4,9 +4,6 @@ Adding a row: add a :class:`Case` to :data:`CASES` (its ``open``, in the
 module of its family, builds a :class:`~ftcomm._bench.runner.Runner` on every
 rank). Adding an op: add a :class:`~ftcomm._bench.runner.Workload` in
 :func:`workloads` and the op's name to every runner's ``ops``.
-
-Imports: the families of cases (latency, fusion, subproc, torchft_rows) and
-the runner and report modules of this package.
 """
 
 from __future__ import annotations

@@ -9,10 +9,7 @@ or lighthouse, N member processes, a window of ``seconds``; with faults or
 not), and what is made of it (goodput, recovery gaps, generations, the
 check that every member ends with the same parameters; the table and JSON
 are ``chaos_report``'s).
-Imports: chaos_members (the processes), fleet (their table and hosts),
-membership (an engine's host process) and runner (``HOST``) of this
-package; ftcomm's store server; ftcomm.testing's fork server and network
-(``_net``); torchft only through importlib, in the processes that use it.
+torchft is imported only in the processes that use it.
 
 A phase: the members start (each a process from the fork server) and join;
 once every member is in one generation of the full size, the bench says

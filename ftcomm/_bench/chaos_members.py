@@ -4,11 +4,7 @@ and a replica training with torchft's Manager, on the same small model.
 Owns: :class:`Settings` (what every process of a soak runs with), the model a
 member trains (:class:`Model`: its state, a step's gradient and update, the
 digest of its parameters), what a member tells the bench and when (the
-messages below), and the two training loops. Imports: the runner
-(``HOST``, the loop variable), membership (a process's environment, its
-failure report, the filter of on-purpose aborts) and fleet (the stacks a
-member writes when the bench asks) modules of this package, ftcomm's
-public API; torchft only through importlib, in the processes that use it.
+messages below), and the two training loops.
 
 What a process sends the bench over its pipe (every time is
 ``time.monotonic()``, one clock for every process of the host):

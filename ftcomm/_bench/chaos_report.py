@@ -5,8 +5,6 @@ the recovery gaps, the time stalled, faults, generations, evictions, and
 whether every member ended with the same parameters; then each stall's
 message, and how a row with network faults ran) and :func:`chaos_json`
 (the same figures, every fault's with it).
-Imports: chaos (the rows and their settings) and report (``percentile``)
-of this package.
 """
 
 from __future__ import annotations

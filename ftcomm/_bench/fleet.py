@@ -7,8 +7,7 @@ reaped; cut off the network and healed, where they live on :class:`Hosts`),
 :class:`Incarnation` (one of them, and what the bench knows of it: the
 generation it said it is in, whether the bench stopped or killed it), and
 the stacks a member writes when asked (:func:`install_dumps`,
-:func:`dump`). Imports: ftcomm.testing's network (``_net``: a
-:class:`~ftcomm.testing._net.Network` made by the caller) and fault types.
+:func:`dump`).
 
 A process that the bench did not signal and that exits before it said it
 was done, or that sends ``("error", traceback)``, fails the run

@@ -7,8 +7,6 @@ torch's.
 Owns: the step (:func:`_step`), the two ranks' processes (spawned, each with
 a default group, as in a torchrun job) and the rows' table
 (:func:`format_fsdp`) and JSON (:func:`fsdp_json`).
-Imports: the runner (``HOST``) and report (``percentile``) modules of this
-package, ftcomm's c10d facade, torch's FSDP2 and DeviceMesh.
 """
 
 from __future__ import annotations

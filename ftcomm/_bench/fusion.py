@@ -1,8 +1,6 @@
 """The fused cases: ``Group(fuse=True)``, whose concurrent small
 allreduces are sent as one op, its burst awaited with ``asyncio.gather``
 (fused) or with ``ftcomm.gather``, no task per op (fused+fg, burst row only).
-
-Imports: the runner and groups modules of this package, ftcomm's public API.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The runners that several families of cases build on: an ftcomm
 :class:`~ftcomm.Group` awaited op by op (and its burst row), a c10d-style group
 blocking op by op, and the burst row's one-element views.
-
-Imports: the runner module of this package; ftcomm's public API, in the rank
-that opens a case.
 """
 
 from __future__ import annotations

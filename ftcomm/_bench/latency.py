@@ -1,8 +1,6 @@
 """The in-process cases: raw c10d Gloo (the baseline every ratio is
 against), ftcomm's Group (plain, with ``stats=False``, with ``verify=True``)
 and ftcomm's c10d facade, each issuing ops on the caller's thread.
-
-Imports: the runner and groups modules of this package, ftcomm's c10d facade.
 """
 
 from __future__ import annotations

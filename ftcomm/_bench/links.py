@@ -10,7 +10,6 @@ process), the members (``ip netns exec NS python -c ...``, one process
 each; rank 0 hosts their c10d store), the rows' table and JSON. Needs root
 and iproute2 (``ip``, ``tc``); :func:`missing` says why not where either
 is absent.
-Imports: ftcomm's public API, in the members only.
 """
 
 from __future__ import annotations

@@ -8,10 +8,7 @@ one is a line there), a trial (an engine host and three members, each a
 process of its own started from ftcomm.testing's fork server, one of them
 signalled by this process), torchft's Manager trial, and the rows' table
 (:func:`format_membership`) and JSON (:func:`membership_json`).
-Imports: the runner (``HOST``, the loop variable) and report
-(``percentile``) modules of this package, ftcomm's public API and store
-server, ftcomm.testing's fork server; torchft only through importlib, in
-the processes that use it.
+torchft is imported only in the processes that use it.
 
 The two ends of a figure are taken in two processes on one machine:
 ``time.monotonic()`` is ``CLOCK_MONOTONIC`` on Linux, one clock for every

@@ -2,9 +2,6 @@
 from configure to the end of the first op (in-process, with a new worker,
 with a spare worker, torchft's baby) and from a worker's SIGKILL to its
 group's WorkerDied; and its table.
-
-Imports: the runner, report and torchft_rows modules of this package,
-ftcomm's public API.
 """
 
 from __future__ import annotations

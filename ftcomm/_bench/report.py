@@ -2,9 +2,6 @@
 against :data:`BASELINE` (raw Gloo), the same figures as one JSON object
 (:func:`results`), and the plot of each case's latencies (:func:`write_plot`;
 matplotlib, imported when drawing).
-
-Imports: the runner module of this package (the plan, the report and the
-world size), ftcomm's version.
 """
 
 from __future__ import annotations

@@ -6,11 +6,8 @@ Owns what is measured and what comes back (:class:`Workload`, :class:`Plan`,
 parent spawns the ranks and collects their reports (:func:`_run_children`);
 each rank opens the plan's cases, checks them, then times every workload in
 rounds, alternating the order of the cases, with a store barrier before every
-phase (:func:`_measure`).
-
-Imports: ftcomm's store server only, nothing of this package: a case reaches
-the ranks in the plan, as the module-level function that opens it
-(:attr:`Plan.opens`, pickled by name).
+phase (:func:`_measure`). A case reaches the ranks in the plan, as the
+module-level function that opens it (:attr:`Plan.opens`, pickled by name).
 """
 
 from __future__ import annotations

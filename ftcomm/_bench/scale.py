@@ -5,11 +5,7 @@ started from ftcomm.testing's fork server; they join together, one is
 SIGKILLed, the others recover), its member process, the count of the
 store's operations and bytes in one heartbeat round (a counting wrapper
 around the member's heartbeat client: :class:`Counting`), and the rows'
-table (:func:`format_scale`) and JSON (:func:`scale_json`). Imports: fleet
-(the processes, their stacks), chaos (the store's host), membership
-(a process's environment, its failure report, the filter of on-purpose
-aborts), report (``percentile``) of this package; ftcomm's public API;
-ftcomm.testing's fork server.
+table (:func:`format_scale`) and JSON (:func:`scale_json`).
 
 Per trial: every process starts and says it is ready (torch imported by
 the fork server, ftcomm by itself); then the bench says ``go`` to all at

@@ -7,9 +7,6 @@ extra memory (RSS) of the sender and of the receiver.
 Owns: the three ranks' processes (spawned; rank 2 takes part in the
 two-behind rows only), the cases, taking turns round by round, and the
 rows' table (:func:`format_state_copy`) and JSON (:func:`state_copy_json`).
-Imports: the runner (``HOST``, ``end_children``) and report (``percentile``)
-modules of this package, ftcomm's public API and store server; torchft only
-through importlib, in the ranks.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The cases whose collectives run in a worker process: ftcomm's
 subprocess backend (subproc), the same moving large storages into shared
 memory (sub+move), and the c10d facade's ProcessGroupBabyGloo (baby).
-
-Imports: the runner and groups modules of this package, ftcomm's c10d facade.
 """
 
 from __future__ import annotations

@@ -3,9 +3,6 @@ and its ProcessGroupBabyGloo (tft-baby), and how the bench shuts the latter
 down without its worker's tracebacks (:func:`close_torchft_baby`, which the
 recovery part uses too); and a replica of torchft's Manager as the
 membership and chaos rows run it (:func:`manager_replica`).
-
-Imports: the runner and groups modules of this package; torchft only through
-importlib, when a case is opened.
 """
 
 from __future__ import annotations

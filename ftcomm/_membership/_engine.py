@@ -2,7 +2,7 @@
 
 Owns: :class:`Engine`, the calls :class:`~ftcomm.Membership` makes of an
 engine; all of them block (they run on ftcomm's control threads) and each
-long one looks at a ``stop`` event at every poll. Imports: ``_rule``'s records.
+long one looks at a ``stop`` event at every poll.
 """
 
 from __future__ import annotations

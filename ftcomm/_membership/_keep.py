@@ -6,8 +6,6 @@ world's paths, the watch for a member dead or a verdict that gave the
 world up), and the verdict that keeps it (then the engine watches the
 world). A part of ``Membership`` (it reads its settings and calls through
 its control threads), not a module to use alone.
-Imports: ``ftcomm.group``, ``ftcomm.errors``, the runtime, and the
-package's ``_reach``/``_rule``.
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@
 Owns: one member's client of a lighthouse (``torchft.coordination``, the
 optional ``torchft`` extra), its heartbeat thread, the store this member
 hosts for its groups, and how a lighthouse quorum becomes a generation.
-Imports: ``ftcomm._server`` (the store it hosts), ``ftcomm.errors``,
-``_rule``/``_engine``; torchft only when it is opened.
 
 A lighthouse decides quorums itself: who is in one is whoever asked for it
 and beats its heartbeat, once the previous quorum's members are all there,

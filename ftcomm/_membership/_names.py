@@ -3,7 +3,6 @@ checked, and the :class:`World` a generation is to one member.
 
 Owns: :class:`World`, :func:`check_name` (a job's or member's name, also
 the launcher's), the size checks, and the environment ``from_env`` reads.
-Imports: nothing of ftcomm.
 """
 
 from __future__ import annotations

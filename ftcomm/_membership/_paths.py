@@ -6,7 +6,7 @@ them: where members listen, a configure's check of every path of its
 world and the verdict on who is left out, a newcomer's wait until it
 reaches the world, and a recover's probes of members that are not there
 (a refusal is a death). Store errors go up as they are (the engine turns
-them into ``MembershipError``). Imports: ``_reach``, ``_rule``, ``_watch``.
+them into ``MembershipError``).
 
 Why a check, and why this one. A member cut off from its peers but not
 from the store (a gray failure) keeps its heartbeat: the rule would form

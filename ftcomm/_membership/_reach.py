@@ -20,7 +20,6 @@ handshake. A probe closes its connection with a reset (``SO_LINGER`` 0),
 so that no ``TIME_WAIT`` piles up on either side. One lost SYN costs TCP
 a second (its first retransmission), so a probe's time is longer than
 that (:data:`PROBE_TIMEOUT`), and one silent probe alone never decides.
-Imports: ``ftcomm.backends.gloo`` (the variable its Gloo host is named by).
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 Owns: :class:`Member`, :class:`WorldRecord` (what the engine stores for one
 generation, and its text form), the roster and ready-list codecs, and
 :func:`decide`, the one rule every member applies to the same inputs.
-Imports: nothing of ftcomm.
 
 The rule, stated once. The next generation ``t`` is formed from the
 previous world ``W`` (none before the first) and the members that want in:

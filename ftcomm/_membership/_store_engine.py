@@ -2,8 +2,6 @@
 
 Owns: the keys of one job in the store, and the blocking calls that read
 and write them (run on ftcomm's control threads, never on a loop).
-Imports: ``ftcomm._store`` (addresses, the client), ``ftcomm.errors``, and
-``_rule``/``_watch``.
 
 Its keys, under ``ftcomm/members/<job>/``, who writes each and how, and
 why ``world/<g>`` is written once: docs/membership.md, "The store

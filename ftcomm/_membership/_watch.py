@@ -2,7 +2,7 @@
 
 Owns: :class:`Watcher`, the only writer of this member's heartbeat key and
 the only reader of everyone else's, and what it concludes (who is alive,
-the roster as last read). Imports: ``_rule``'s records.
+the roster as last read).
 
 A heartbeat is a key ``hb/<id>`` holding ``"<token> <count>"``, the count
 moving every ``interval``; ``"<token> left"`` once the member left. A member

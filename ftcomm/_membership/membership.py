@@ -6,8 +6,6 @@ generation to a configured group (with a watch that gives up a configure
 whose member died). The agreement itself is the engine's
 (``_store_engine``, ``_lighthouse``); each of its blocking calls runs on a
 control thread of its own (spawned, so that waits never queue).
-Imports: ``ftcomm.group``, ``ftcomm._store``, ``ftcomm._runtime``,
-``ftcomm.errors`` and the package's own modules.
 """
 
 from __future__ import annotations

@@ -4,10 +4,7 @@ Owns: the fields of one issued op that decide its end (its native op, its
 published outcome, its waiters) and every step of that end. What a caller
 does with an op (``await``, ``wait()``, done-callbacks, ``cancel()``) is the
 :class:`~ftcomm.Work` handle over it, in ``work.py``; the ops in flight and
-their deadline timer are ``table.py``'s. Imports: ``table``, ``observe``
-and ``ftcomm.errors`` (nothing of fusion: a fused op's batch is reached
-through :class:`CutPoint` and its native op's ``member_failed()`` hook, see
-``NativeOp``).
+their deadline timer are ``table.py``'s.
 
 Rules this module keeps:
 

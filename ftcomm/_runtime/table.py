@@ -6,8 +6,7 @@ group's ERRORED state, under the group's lock), then every op in flight ends,
 and the native group is handed over, once. How each op ends is
 ``settle.py``'s; what a caller holds is ``work.py``'s. Also the two shapes
 of a done-callback (:class:`LoopCall`, :class:`ThreadCall`) and
-:func:`wake_all`, which runs the wake-ups an end collects. Imports:
-``loop``, ``native`` and ``ftcomm.errors``.
+:func:`wake_all`, which runs the wake-ups an end collects.
 
 Rule this module keeps (rules 1-2 are ``settle.py``'s):
 

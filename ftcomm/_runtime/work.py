@@ -4,9 +4,7 @@ Owns: every way of looking at an op -- ``await``, ``wait()``, ``done()``,
 ``result()``/``exception()``, done-callbacks, ``cancel()``, asyncio's future
 protocol -- and how a look waits: the await's spin, the loop's poll, a
 thread's block. How the op ends (its record, rules 1-2) is ``settle.py``'s;
-its table and deadline timer (rule 3) are ``table.py``'s. Imports: the
-runtime's lower modules (``settle``, ``table``, ``fuse``, ``loop``,
-``driven``, ``native``, ``deadline``) and ``ftcomm.errors``.
+its table and deadline timer (rule 3) are ``table.py``'s.
 
 Rule this module keeps (the others are numbered in ``settle.py`` and
 ``table.py``):

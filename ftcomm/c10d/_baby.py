@@ -2,7 +2,6 @@
 group runs in a worker process (``Group(subprocess=True)``).
 
 Owns: the Baby classes (their own option, ``share_min_bytes``).
-Imports: ``ftcomm.c10d._groups`` (the classes they extend).
 """
 
 from __future__ import annotations

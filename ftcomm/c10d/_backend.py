@@ -11,7 +11,6 @@ A creator gets the group's store from torch (a ``PrefixStore`` over the
 job's ``TCPStore``); the facade meets at the ``TCPStore``'s address under a
 prefix of its own, which rank 0 draws and hands the others through that
 store.
-Imports: ``ftcomm.c10d._groups`` and ``_baby`` (the classes), ``ftcomm._store``.
 """
 
 from __future__ import annotations

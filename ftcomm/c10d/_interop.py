@@ -8,7 +8,7 @@ the ftcomm error's ("Got the following error when running the
 callback: CommTimeout: ..."): the type is gone, and so is ``__cause__``.
 The facade group still knows the typed error (``errored()``). Owns:
 :func:`check_view` (what ``of`` accepts) and :func:`raising`, which puts the
-two back together. Imports: ``ftcomm.errors``, ``ftcomm.group``.
+two back together.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ world's store (which a fault plan may break; in a network world it listens
 in the hub namespace, and hands network faults to ``_net.Network``), the
 leak checks a rank's end is held to, and :class:`WorldError`. The process
 world (``_world.py``) and the thread world (``_thread_world.py``) both build
-on it; it imports neither. Imports: ``ftcomm.testing._faults``'s and
-``_net``'s types only, and torch's store.
+on it; it imports neither.
 """
 
 from __future__ import annotations

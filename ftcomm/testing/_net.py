@@ -8,7 +8,6 @@ made by the harness, and removed whatever happened), entering a namespace
 network fault (:func:`rules`), their application, the timers that heal
 them, and healing one at once (:meth:`Network.heal`, for the chaos bench).
 Needs Linux, root, iproute2 (``ip``) and nftables (``nft``).
-Imports: ``_faults``'s types.
 
 The layout (``T`` is ``ftcw<pid>x<n>``, unique per world of this machine)::
 

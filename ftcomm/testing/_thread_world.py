@@ -5,8 +5,6 @@ its ftcomm groups are ordinary Gloo groups (torch allows one per thread). No
 process starts, so a world costs milliseconds instead of seconds. What a
 thread cannot do: be killed or stopped, so plans with those faults are
 refused. A rank still running at the world's bound has its task cancelled.
-Imports: ``_base`` (what both kinds of world share) and ``_faults``; never
-``_world``, which imports this.
 """
 
 from __future__ import annotations

@@ -3,9 +3,7 @@
 Owns: :func:`run_world` (which hands ``mode="thread"`` to
 ``_thread_world.py``), the fork server ranks start from, a rank process's
 main, and the teardown that joins or kills every rank (and removes a
-network world's namespaces). Imports: ``_base`` (what both kinds of world
-share), ``_thread_world``, ``_faults``, ``_net``, and the name of Gloo's
-listening-address variable.
+network world's namespaces).
 
 A fresh TCPStore per world on loopback, a wall-clock bound on the whole world
 (a hang fails the test, not the suite), each rank's return value or exception

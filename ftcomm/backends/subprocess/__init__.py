@@ -1,6 +1,6 @@
 """The subprocess backend: the native group runs in a child process.
 
-On Gloo an in-process abort does nothing (DESIGN.md); here abort is total:
+On Gloo an in-process abort does nothing (docs/design.md); here abort is total:
 the group's worker process is killed, and nothing writes anywhere any more.
 Pieces, each in its own module:
 
@@ -19,9 +19,7 @@ Pieces, each in its own module:
 :class:`Launcher` is what :class:`~ftcomm.Group` holds with
 ``subprocess=True``: every ``configure()`` gets a fresh worker, by default
 one started ahead of time (a *spare*), since starting Python and importing
-torch takes 1.5-2 s on the CI machine. Imports: its own modules, the
-backends' contract (``backends/_base.py``), the runtime, ``_protocol`` and
-``ftcomm.errors``.
+torch takes 1.5-2 s on the CI machine.
 """
 
 from __future__ import annotations
