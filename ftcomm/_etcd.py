@@ -108,14 +108,15 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def _unb64(text: str) -> bytes:
+def unb64(text: str) -> bytes:
+    """A key or value as etcd's JSON gives it (base64), as bytes."""
     return base64.b64decode(text)
 
 
 def _kv(raw: dict[str, Any]) -> KeyValue:
     return KeyValue(
-        key=_unb64(raw["key"]),
-        value=_unb64(raw.get("value", "")),
+        key=unb64(raw["key"]),
+        value=unb64(raw.get("value", "")),
         mod_revision=int(raw.get("mod_revision", 0)),
         lease=int(raw.get("lease", 0)),
     )
@@ -152,6 +153,11 @@ def holds(key: bytes, value: bytes) -> dict[str, Any]:
 def unchanged(key: bytes, mod_revision: int) -> dict[str, Any]:
     """A transaction's compare: ``key`` was last written at ``mod_revision``."""
     return {"key": _b64(key), "target": "MOD", "mod_revision": str(mod_revision)}
+
+
+def prefix_range(prefix: bytes) -> dict[str, Any]:
+    """A request's ``key`` and ``range_end`` for every key under ``prefix``."""
+    return {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -301,7 +307,7 @@ class Etcd:
         return _kv(kvs[0]) if kvs else None
 
     def get_prefix(self, prefix: bytes, *, keys_only: bool = False) -> list[KeyValue]:
-        body: dict[str, Any] = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
+        body = prefix_range(prefix)
         if keys_only:
             body["keys_only"] = True
         return [_kv(raw) for raw in self.call("/v3/kv/range", body).get("kvs", [])]
@@ -343,8 +349,7 @@ class Etcd:
         return int(self.call("/v3/kv/deleterange", {"key": _b64(key)}).get("deleted", 0))
 
     def delete_prefix(self, prefix: bytes) -> int:
-        body = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
-        return int(self.call("/v3/kv/deleterange", body).get("deleted", 0))
+        return int(self.call("/v3/kv/deleterange", prefix_range(prefix)).get("deleted", 0))
 
     # -- leases ---------------------------------------------------------------
 

@@ -4,6 +4,7 @@ real code under test) and an in-process TCPStore server."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -16,6 +17,7 @@ from torch.distributed import PrefixStore, TCPStore
 import ftcomm
 from ftcomm._etcd import Etcd, parse_etcd_addr
 from ftcomm._meet import MEET_COUNT, MEET_KEY
+from ftcomm._membership._etcd_store import EtcdStore
 from ftcomm._membership._watch import read
 from ftcomm._runtime.native import Done
 from ftcomm._runtime.table import OpTable
@@ -172,39 +174,39 @@ def engine_for(ctx: Any) -> str:
     return address
 
 
-def engine_key(address: str, job: str, key: str) -> bytes | None:
-    """Job ``job``'s key ``key`` (``ready/1``...) in the engine at ``address``
-    (a store's ``host:port[/prefix]`` or ``etcd://...``), as it holds it now."""
+def _job_store(address: str, job: str) -> Any:
+    """A client of job ``job``'s keys in the engine at ``address`` (a
+    store's ``host:port[/prefix]`` or ``etcd://...``): a c10d store scoped
+    to them, or the etcd engine's own adapter."""
     if address.startswith("etcd://"):
         etcd = parse_etcd_addr(address)
         base = f"{etcd.prefix}/" if etcd.prefix else ""
-        held = Etcd(etcd.endpoints, 5.0).get(f"{base}ftcomm/members/{job}/{key}".encode())
-        return held.value if held is not None else None
+        return EtcdStore(Etcd(etcd.endpoints, 5.0), f"{base}ftcomm/members/{job}/")
     addr = parse_store_addr(address)
-    client = TCPStore(addr.host, addr.port, is_master=False, wait_for_workers=False)
     base = f"{addr.prefix}/" if addr.prefix else ""
-    try:
-        return read(client, f"{base}ftcomm/members/{job}/{key}")
-    finally:
-        del client
+    client = TCPStore(addr.host, addr.port, is_master=False, wait_for_workers=False)
+    return PrefixStore(f"{base}ftcomm/members/{job}", client)
+
+
+def engine_key(address: str, job: str, key: str) -> bytes | None:
+    """Job ``job``'s key ``key`` (``ready/1``...) in the engine at ``address``,
+    as it holds it now."""
+    return read(_job_store(address, job), key)
 
 
 def engine_set(address: str, job: str, key: str, value: str | bytes) -> None:
     """Set job ``job``'s key ``key`` in the engine at ``address`` (a test's
     own writes: a key as another member would write it)."""
-    data = value.encode() if isinstance(value, str) else value
-    if address.startswith("etcd://"):
-        etcd = parse_etcd_addr(address)
-        base = f"{etcd.prefix}/" if etcd.prefix else ""
-        Etcd(etcd.endpoints, 5.0).put(f"{base}ftcomm/members/{job}/{key}".encode(), data)
-        return
-    addr = parse_store_addr(address)
-    client = TCPStore(addr.host, addr.port, is_master=False, wait_for_workers=False)
-    base = f"{addr.prefix}/" if addr.prefix else ""
-    try:
-        client.set(f"{base}ftcomm/members/{job}/{key}", data)
-    finally:
-        del client
+    _job_store(address, job).set(key, value)
+
+
+def open_sockets() -> int:
+    """Sockets this process has open now."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
 
 
 def memberships(store: Any, *ids: str, **kw: Any) -> list[ftcomm.Membership]:

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import pytest
+from helpers import open_sockets
 
 from ftcomm import _etcd as _etcd_module
 from ftcomm._etcd import Etcd, EtcdError, EtcdUnavailable, prefix_end
@@ -197,35 +198,27 @@ def test_a_partitioned_leader_is_cut_off_and_healed(ftcomm_etcd: EtcdCluster) ->
     assert f"ftcomm_etcd_{os.getpid()}_" not in _tables()
 
 
-def _sockets() -> int:
-    return sum(
-        os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        for fd in os.listdir("/proc/self/fd")
-        if os.path.exists(f"/proc/self/fd/{fd}")
-    )
-
-
 def test_a_kept_connection_is_used_again_and_one_gone_stale_is_made_anew(
     ftcomm_etcd: EtcdCluster,
 ) -> None:
-    before = _sockets()
+    before = open_sockets()
     plain = ftcomm_etcd.client()
     plain.put(b"k", b"1")
-    assert _sockets() == before  # each call its own connection, closed after
+    assert open_sockets() == before  # each call its own connection, closed after
     etcd = Etcd(ftcomm_etcd.endpoints, timeout=10.0, keep=True)
     etcd.put(b"k", b"2")
-    assert _sockets() == before + 1
+    assert open_sockets() == before + 1
     etcd.get(b"k")
-    assert _sockets() == before + 1  # the same one
+    assert open_sockets() == before + 1  # the same one
     ftcomm_etcd.kill(0)  # the node closes it: stale, not the node's fault
     ftcomm_etcd.start_node(0)
     ftcomm_etcd.leader(timeout=10.0)
     got = etcd.get(b"k")
     assert got is not None
     assert got.value == b"2"
-    assert _sockets() == before + 1
+    assert open_sockets() == before + 1
     etcd.close()
-    assert _sockets() == before
+    assert open_sockets() == before
 
 
 def test_two_calls_at_once_each_use_a_connection_and_one_is_kept(
@@ -250,7 +243,7 @@ def test_two_calls_at_once_each_use_a_connection_and_one_is_kept(
                 go.wait(10)
             super().request(*args, **kwargs)
 
-    before = _sockets()
+    before = open_sockets()
     etcd = Etcd(ftcomm_etcd.endpoints, timeout=10.0, keep=True)
     monkeypatch.setattr(_etcd_module.http.client, "HTTPConnection", Pausing)
     first = threading.Thread(target=etcd.put, args=(b"a", b"1"))
@@ -260,12 +253,12 @@ def test_two_calls_at_once_each_use_a_connection_and_one_is_kept(
     go.set()
     first.join(10)
     assert not first.is_alive()
-    assert _sockets() == before + 1  # one kept, the other closed
+    assert open_sockets() == before + 1  # one kept, the other closed
     kept = list(etcd._conns.values())
     assert len(kept) == 1
     assert [c.sock is None for c in made if c is not kept[0]] == [True]  # closed, not dropped
     etcd.close()
-    assert _sockets() == before
+    assert open_sockets() == before
 
 
 class _Stale:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import engine_key
+from helpers import engine_key, open_sockets
 
 import ftcomm
 from ftcomm._etcd import Etcd, EtcdUnavailable, parse_etcd_addr
@@ -261,11 +261,11 @@ async def test_an_open_that_fails_leaves_no_connection(ftcomm_etcd: EtcdCluster)
     and the clients it made are closed (not left to the collector)."""
     ftcomm_etcd.kill(1)
     ftcomm_etcd.kill(2)
-    before = _sockets()
+    before = open_sockets()
     members = ftcomm.Membership(ftcomm_etcd.address("q"), "job", "a")
     with pytest.raises(ftcomm.MembershipError, match="does not answer"):
         await members.open(timeout=2.0)
-    assert _sockets() == before
+    assert open_sockets() == before
 
 
 @pytest.mark.asyncio
@@ -345,11 +345,3 @@ async def test_a_member_that_cannot_read_where_its_world_meets_gives_it_up(
         assert sum(f.failed for f in failing) == 1
         sums = await asyncio.gather(ga.allreduce(torch.ones(1)), gb.allreduce(torch.ones(1)))
         assert [s.item() for s in sums] == [2.0, 2.0]
-
-
-def _sockets() -> int:
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-    return count

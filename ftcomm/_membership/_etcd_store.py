@@ -26,7 +26,6 @@ Where etcd differs from a c10d store, and what is done about it:
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import http.client
 import json
@@ -43,10 +42,11 @@ from .._etcd import (
     EtcdError,
     absent,
     holds,
-    prefix_end,
+    prefix_range,
     put_op,
     range_op,
     ranged,
+    unb64,
     unchanged,
 )
 
@@ -113,17 +113,16 @@ class Lease:
                 return self._id
             if self._id and self._client.keepalive(self._id) > 0:
                 self._renewed = now
-                self._repair()
+                self._put_back([k for k in self._held if k in self._repaired])
                 return self._id
             self._grant(now)
             return self._id
 
-    def _repair(self) -> None:
-        """Put back each key this lease holds that is gone, or holds a value
-        older than the last noted (a write that failed, a grant that put
-        back some keys only): each only where no one wrote it since read,
-        and no other lease holds it."""
-        keys = [k for k in self._held if k in self._repaired]
+    def _put_back(self, keys: list[bytes]) -> None:
+        """Put back each of ``keys`` (held by this lease) that is gone, or
+        holds a value older than the last noted (a write that failed, a
+        grant that put back some keys only): each only where no one wrote
+        it since read, and no other lease holds it. Under ``_lock``."""
         if not keys:
             return
         _, answers = self._client.txn([], [range_op(k) for k in keys], [])
@@ -141,8 +140,7 @@ class Lease:
         self._id, self._renewed = self._client.grant(self.ttl), now
         if lapsed:
             log.warning("ftcomm: membership: a lease ran out; its keys are put back")
-        for key, value in self._held.items():
-            self._client.create(key, value, self._id)
+        self._put_back(list(self._held))
 
     def expired(self, lease: int) -> None:
         """etcd said ``lease`` is gone: the next :meth:`id` grants another."""
@@ -402,12 +400,7 @@ class Changes:
             pause = min(pause * 2, 1.0)
 
     def _watch(self, conn: http.client.HTTPConnection) -> None:
-        create = {
-            "create_request": {
-                "key": _b64(self._prefix),
-                "range_end": _b64(prefix_end(self._prefix)),
-            }
-        }
+        create = {"create_request": prefix_range(self._prefix)}
         conn.request("POST", "/v3/watch", json.dumps(create))
         response = conn.getresponse()
         if response.status != 200:
@@ -422,7 +415,7 @@ class Changes:
                 if result.get("canceled"):
                     return
             for event in result.get("events", []):
-                key = _unb64(event.get("kv", {}).get("key", ""))[len(self._prefix) :]
+                key = unb64(event.get("kv", {}).get("key", ""))[len(self._prefix) :]
                 if not key.startswith(self._quiet):
                     self.changed.set()
             revision = int(result.get("header", {}).get("revision", 0))
@@ -460,11 +453,3 @@ class Changes:
             self._thread.join()
         if self._compact is not None:
             self._compact.close()
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text)
