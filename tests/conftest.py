@@ -125,7 +125,7 @@ def no_leaks() -> Iterator[None]:
         f"fds left behind: {[os.path.realpath(f'/proc/self/fd/{fd}') for fd in leaked]}"
     )
     if rt.watchdog is not None:
-        assert len(rt.watchdog.stalls) == stalls, rt.watchdog.stalls[-1].stack
+        assert len(rt.watchdog.stalls) == stalls, str(rt.watchdog.stalls[-1])
 
 
 @pytest.fixture(scope="session")

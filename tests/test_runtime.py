@@ -208,6 +208,46 @@ def test_watchdog_excuses_time_the_owner_thread_queued_for_a_cpu() -> None:
         rt.close()
 
 
+def test_watchdog_excuses_the_main_threads_cpu_queueing_while_the_owner_is_off_the_cpu() -> None:
+    # The trainer's main thread, preempted mid-bytecode, keeps the GIL: the
+    # owner loop waits for it, off the CPU and not queued itself. The
+    # counters are mocked: the owner neither runs nor queues, the main
+    # thread queues the whole time, so a 0.3 s late beat is the machine's.
+    rt = Runtime("asyncio")
+    try:
+        rt.set_debug(0.05)
+        watchdog = rt.watchdog
+        assert watchdog is not None
+        owner = watchdog._watched[rt.thread_id or -1]
+        owner.clock.read = lambda: (0.0, 0.0)  # type: ignore[method-assign]
+        owner.holder.read = lambda: (0.0, time.monotonic())  # type: ignore[method-assign]
+        done = threading.Event()
+        rt.call_soon(lambda: (time.sleep(0.3), done.set()))
+        assert done.wait(5)
+        assert watchdog.stalls == []
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize(
+    ("base", "now", "excused"),
+    [
+        # off the CPU 1 s, the holder queued 0.4 s of it: 0.4 s excused
+        ((0.0, 0.0, 0.0, 0.0), (1.0, 0.0, 0.0, 0.4), 0.4),
+        # on a CPU the whole second: the holder's queueing did not delay it
+        ((0.0, 0.0, 0.0, 0.0), (1.0, 1.0, 0.0, 0.9), 0.0),
+        # queued itself 0.5 s, off the CPU 0.3 s, holder queued 0.9 s
+        ((0.0, 0.0, 0.0, 0.0), (1.0, 0.2, 0.5, 0.9), 0.8),
+        # no counters (not Linux): nothing excused
+        ((5.0, 0.0, 0.0, 0.0), (6.0, 0.0, 0.0, 0.0), 0.0),
+    ],
+)
+def test_watchdog_excuses_only_the_machines_part_of_a_late_beat(
+    base: tuple[float, float, float, float], now: tuple[float, float, float, float], excused: float
+) -> None:
+    assert loop_mod._excused(base, now) == pytest.approx(excused)
+
+
 def test_watchdog_reports_a_blocked_callback_while_another_thread_holds_the_gil() -> None:
     # Waiting for the GIL is not excused: it cannot be told apart from a
     # callback blocked with the GIL released (here time.sleep), the very

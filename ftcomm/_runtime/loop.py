@@ -194,14 +194,23 @@ def wake_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -
 class Stall:
     """The owner loop was held by one callback for longer than the threshold.
 
-    ``seconds`` is how late the loop's heartbeat was, less ``queued``: the time
-    the owner thread was runnable but waiting for a CPU (the machine's delay,
-    not the callback's; Linux only, else 0).
+    ``seconds`` is how late the loop's heartbeat was, less ``queued``: the
+    machine's delay, not the callback's (Linux only, else 0). That is the
+    time the owner thread was runnable but waiting for a CPU, plus the time
+    the process's main thread waited for one while the owner thread was
+    off the CPU: a Python thread preempted mid-bytecode keeps the GIL, and
+    the trainer's main thread is the one that holds it most.
     """
 
     seconds: float
     stack: str
     queued: float = 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"held for {self.seconds:.3f} s (and {self.queued:.3f} s the machine's) by:\n"
+            f"{self.stack}"
+        )
 
 
 class CpuClock:
@@ -252,31 +261,65 @@ def _idle(frame: types.FrameType) -> bool:
     )
 
 
+def _excused(
+    base: tuple[float, float, float, float], now: tuple[float, float, float, float]
+) -> float:
+    """The machine's part of a late beat between two samples of a loop's
+    counters (:meth:`_Watched.sample`): the loop thread's own run-queue wait,
+    plus the GIL holder's run-queue wait while the loop thread was neither on
+    a CPU nor queued for one (waiting for the GIL, or blocked: from outside
+    the two look the same, so only the holder's queueing is excused, which a
+    callback blocked in ``time.sleep`` beside a running holder does not earn)."""
+    elapsed = now[0] - base[0]
+    on_cpu, queued, holder = (max(0.0, n - b) for n, b in zip(now[1:], base[1:], strict=True))
+    off = max(0.0, elapsed - on_cpu - queued)
+    return queued + min(holder, off)
+
+
 class _Watched:
     """One event loop the watchdog watches: its thread and its heartbeat."""
 
     __slots__ = (
+        "base",
         "beat",
         "clock",
+        "holder",
         "loop",
         "owner",
         "previous",
-        "queued_at",
         "reported",
         "thread_id",
         "window",
     )
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, thread_id: int, native_id: int | None, owner: bool
+        self,
+        loop: asyncio.AbstractEventLoop,
+        thread_id: int,
+        native_id: int | None,
+        owner: bool,
+        holder: int | None = None,
     ) -> None:
         self.loop = weakref.ref(loop)  # a caller's loop dropped unclosed is not kept
         self.thread_id = thread_id
         self.owner = owner
-        self.clock = CpuClock(native_id)  # read by the watchdog thread only
+        # Read by the watchdog thread only: this loop's thread's counters, and
+        # those of the thread most likely to hold the GIL it waits for.
+        self.clock = CpuClock(native_id)
+        self.holder = CpuClock(holder)
         self.beat = self.window = time.monotonic()
         self.reported = 0.0
-        self.queued_at = self.previous = self.clock.read()[1]
+        # (time, on_cpu, queued, holder's queued) at the watchdog's last wake,
+        # and at the last wake before the current beat was seen.
+        self.base = self.previous = self.sample()
+
+    def sample(self) -> tuple[float, float, float, float]:
+        on_cpu, queued = self.clock.read()
+        return time.monotonic(), on_cpu, queued, self.holder.read()[1]
+
+    def close(self) -> None:
+        self.clock.close()
+        self.holder.close()
 
 
 class Watchdog:
@@ -310,13 +353,20 @@ class Watchdog:
         self._period = threshold / 4
         self._lock = threading.Lock()
         # thread id -> its watched loop; the owner's first. Replaced whole.
-        owner = _Watched(runtime.loop, runtime.thread_id or -1, runtime.native_id, owner=True)
+        main = threading.main_thread().native_id
+        owner = _Watched(
+            runtime.loop,
+            runtime.thread_id or -1,
+            runtime.native_id,
+            owner=True,
+            holder=main if main != runtime.native_id else None,
+        )
         self._watched: dict[int, _Watched] = {owner.thread_id: owner}
         self._thread = threading.Thread(target=self._watch, name="ftcomm-watchdog", daemon=True)
         try:
             self._thread.start()
         except BaseException:
-            owner.clock.close()
+            owner.close()
             raise
         try:
             runtime.call_soon(self._tick, owner)
@@ -339,7 +389,7 @@ class Watchdog:
             old = self._watched.get(thread_id)
             self._watched = {**self._watched, thread_id: new}
         if old is not None:
-            old.clock.close()  # that thread's earlier loop: not run any more
+            old.close()  # that thread's earlier loop: not run any more
         loop.call_soon(self._tick, new)
 
     def _tick(self, watched: _Watched) -> None:
@@ -370,31 +420,31 @@ class Watchdog:
                 del frames
         finally:
             for watched in self._watched.values():
-                watched.clock.close()
+                watched.close()
 
     def _forget(self, watched: _Watched) -> None:
         with self._lock:
             if self._watched.get(watched.thread_id) is watched:
                 self._watched = {k: w for k, w in self._watched.items() if w is not watched}
-        watched.clock.close()
+        watched.close()
 
     def _check(self, w: _Watched, frames: dict[int, types.FrameType]) -> None:
-        queued_now = w.clock.read()[1]
+        now = w.sample()
         beat = w.beat
         if beat != w.window:
-            # The thread's run-queue wait at the last wake before this beat
-            # was seen: a period at most before the beat, so the excuse may
-            # come out a little long (by what the thread queued in that period).
-            w.window, w.queued_at = beat, w.previous
-        w.previous = queued_now
-        late = time.monotonic() - beat
+            # The counters at the last wake before this beat was seen: a
+            # period at most before the beat, so the excuse may come out a
+            # little long (by what the threads queued in that period).
+            w.window, w.base = beat, w.previous
+        w.previous = now
+        late = now[0] - beat
         if late <= self.threshold or beat == w.reported:
             return
         thread_id = w.thread_id
         frame = frames.get(thread_id)
         if frame is None or _idle(frame):
             return  # a late beat, not a callback holding the loop
-        queued = max(0.0, queued_now - w.queued_at)
+        queued = _excused(w.base, now)
         if late - queued <= self.threshold:
             return
         w.reported = beat
@@ -402,7 +452,7 @@ class Watchdog:
         if w.owner:
             self.stalls.append(Stall(late - queued, stack, queued))
             log.error(
-                "ftcomm owner loop held for %.3f s (and %.3f s queued for a CPU) by:\n%s",
+                "ftcomm owner loop held for %.3f s (and %.3f s the machine's) by:\n%s",
                 late - queued,
                 queued,
                 stack,

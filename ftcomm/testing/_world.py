@@ -190,7 +190,7 @@ def _rank_main(
         else:
             value = asyncio.run(rank_coroutine(fn, ctx, args))
         ctx._store = None  # the harness's own signalling client
-        stalls = [s.stack for s in rt.watchdog.stalls] if rt.watchdog else []
+        stalls = [str(s) for s in rt.watchdog.stalls] if rt.watchdog else []
         if stalls:
             raise AssertionError(f"owner loop stalled {len(stalls)} time(s):\n{stalls[0]}")
         leaked = _leaks(rt, fds, threads, children)
