@@ -4,10 +4,10 @@ Each step a trainer wants, say, the squared norm of every parameter's
 gradient summed over the ranks: 200 one-float allreduces, issued together
 and awaited with ``asyncio.gather``. Unfused, each is its own native op.
 With ``Group(fuse=True)`` they wait in one batch, sent as one allreduce
-when the first of them is awaited (docs/design.md, "Fusing small
-collectives"). A ``Work`` is an asyncio future, so ``asyncio.gather``
-makes no task per op; ``ftcomm.gather`` awaits them in the calling task,
-without even a done-callback each. Both ranks check every sum; rank 0
+when the first of them is awaited (docs/fusion.md). A ``Work`` is an
+asyncio future, so ``asyncio.gather`` makes no task per op;
+``ftcomm.gather`` awaits them in the calling task, without even a
+done-callback each. Both ranks check every sum; rank 0
 prints the three times::
 
     python examples/fused_statistics.py [--params 200] [--steps 20] [--json]

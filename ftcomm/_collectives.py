@@ -1,86 +1,71 @@
 """The collectives of :class:`~ftcomm.Group`: argument checks, then one issue.
 
-Each method checks its arguments (``TypeError``/``ValueError`` naming the
-argument, before anything is sent: the group stays usable) and hands the
-native call to ``Group._issue``, which issues it on the calling thread at
-once, so issue order is call order on every rank. ``Group.allreduce`` takes
-the plain small op by a short path of its own, and hands every other call to
-:meth:`Collectives.allreduce`.
+:class:`Collectives`, ``Group``'s base class, is what a group offers to
+issue. Each method checks its arguments (``TypeError``/``ValueError``
+naming the argument, before anything is sent: the group stays usable) and
+hands the native call to the group's :class:`~ftcomm._issue.Issuer`, which
+issues it on the calling thread at once, so issue order is call order on
+every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import torch
 from torch.distributed import ReduceOp
 
 from . import _validate as v
+from ._issue import BatchScope, Issuer
 from ._runtime.deadline import Timeout
-from ._runtime.native import NativeOp
 from ._runtime.work import Work
-from ._state import Config
 from ._verify import dtype_code, reduce_code
-from .backends import Backend
 
-R = TypeVar("R")
 _SUM = ReduceOp.SUM
 
 
 class Collectives:
-    """What :class:`~ftcomm.Group` offers to issue; it provides the two hooks."""
+    """What a :class:`~ftcomm.Group` offers to issue, through its issuer.
 
-    backend: str
+    Args:
+        issuer: the group's issue path (lock, fusion, default deadline).
+        backend: the backend's name, for error messages.
+    """
 
-    def _configured(self, op: str) -> Config:
-        raise NotImplementedError
+    def __init__(self, issuer: Issuer, backend: str) -> None:
+        self._issuer = issuer
+        self.backend = backend
 
-    def _fusing(self, tensor: torch.Tensor) -> bool:
-        """Whether an allreduce of ``tensor`` joins the open batch."""
-        return False
+    def flush(self) -> None:
+        """Send the open batch of fused allreduces now (``fuse=True``, or in a
+        :meth:`batch` block), as one native op; a no-op without one. A point
+        of the program's order: call it at the same place on every rank.
+        Any thread.
 
-    def _enqueue(
-        self, cfg: Config, tensor: torch.Tensor, rop: v.ReduceOpArg, timeout: Timeout | None
-    ) -> Work[torch.Tensor]:
-        """Add an allreduce to the open batch (``fuse=True``)."""
-        raise NotImplementedError
+        Raises:
+            Nothing: a batch the group refuses fails its ops (their awaits
+            raise), as an op refused at issue would.
+        """
+        self._issuer.flush()
 
-    def _issue(
-        self,
-        cfg: Config,
-        op: str,
-        timeout: Timeout | None,
-        result: R,
-        start: Callable[[Backend, float], NativeOp],
-        check: Sequence[torch.Tensor] | None = (),
-        extra: int = 0,
-        cut: bool = True,
-    ) -> Work[R]:
-        """Issue ``start``; with ``verify=True``, after the ranks agreed on
-        ``check``'s dtypes and shapes and on ``extra`` (``None``: unchecked).
-        ``cut``: the op is a cut point of fusion (not a fusible op going alone)."""
-        raise NotImplementedError
+    def batch(self) -> BatchScope:
+        """A block whose small allreduces are fused, on a group made without
+        ``fuse=True`` (with it, a block that ends with a flush)::
 
-    def _issue_allreduce(
-        self,
-        cfg: Config,
-        tensor: torch.Tensor,
-        rop: v.ReduceOpArg,
-        timeout: Timeout | None,
-        cut: bool = True,
-    ) -> Work[torch.Tensor]:
-        """One allreduce of ``tensor``, on its own (see :meth:`_issue`)."""
-        return self._issue(
-            cfg,
-            "allreduce",
-            timeout,
-            tensor,
-            lambda b, s: b.allreduce([tensor], rop, s),
-            (tensor,),
-            0 if cfg.chain is None else reduce_code(rop),  # only a verified op sends it
-            cut,
-        )
+            async with group.batch():
+                works = [group.allreduce(t) for t in stats]
+            await asyncio.gather(*works)   # sent at the block's end, as one op
+
+        The block ends with :meth:`flush`; inside it, looking at an op sends
+        its batch as ``fuse=True`` does. It applies to the task (context)
+        that entered it, and to tasks started inside it while it lasts:
+        ops other tasks issue meanwhile cut the batch (an op that cannot
+        join it). ``with`` works too, from a thread.
+
+        Raises:
+            RuntimeError: the same block object entered twice.
+        """
+        return BatchScope(self._issuer)
 
     def allreduce(
         self,
@@ -106,7 +91,11 @@ class Collectives:
             OSError: ``subprocess=True`` and ``/dev/shm`` has no room for the
                 op's tensors (nothing was sent; the group stays usable).
         """
-        cfg = self._configured("allreduce")
+        if op is _SUM and timeout is None:  # the common small op: one frame
+            work = self._issuer.short_allreduce(tensor)
+            if work is not None:
+                return work
+        cfg = self._issuer.configured("allreduce")
         v.check_tensor(tensor, "tensor", cfg.backend)
         if op is _SUM and cfg.sum_ok:
             # The default, valid for every dtype: each check is a few calls
@@ -116,9 +105,7 @@ class Collectives:
         else:
             rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
             v.check_reduce_dtype(rop, tensor, "tensor", int_avg=cfg.backend.int_avg)
-        if self._fusing(tensor):
-            return self._enqueue(cfg, tensor, rop, timeout)
-        return self._issue_allreduce(cfg, tensor, rop, timeout)
+        return self._issuer.allreduce(cfg, tensor, rop, timeout)
 
     def allreduce_coalesced(
         self,
@@ -131,7 +118,7 @@ class Collectives:
 
         Raises: as :meth:`allreduce`.
         """
-        cfg = self._configured("allreduce_coalesced")
+        cfg = self._issuer.configured("allreduce_coalesced")
         ts = v.check_tensor_list(tensors, "tensors", cfg.backend)
         for i, t in enumerate(ts[1:], 1):
             v.check_dtype(t, f"tensors[{i}]", ts[0], "tensors[0]")
@@ -139,7 +126,7 @@ class Collectives:
         v.check_reduce_dtype(rop, ts[0], "tensors[0]", int_avg=cfg.backend.int_avg)
         if v.scaled_in_place(rop, cfg.backend.int_avg):
             v.check_apart(ts, "tensors")
-        return self._issue(
+        return self._issuer.issue(
             cfg,
             "allreduce_coalesced",
             timeout,
@@ -161,7 +148,7 @@ class Collectives:
 
         Raises: as :meth:`allreduce`.
         """
-        cfg = self._configured("allgather")
+        cfg = self._issuer.configured("allgather")
         rules, ws = cfg.backend, cfg.backend.world_size
         v.check_tensor(tensor, "tensor", rules)
         if out is None:
@@ -170,7 +157,7 @@ class Collectives:
             outs = v.check_tensor_list(out, "out", rules, length=ws)
             for i, o in enumerate(outs):
                 v.check_like(o, f"out[{i}]", tensor, "tensor")
-        return self._issue(
+        return self._issuer.issue(
             cfg, "allgather", timeout, outs, lambda b, s: b.allgather(outs, tensor, s), (tensor,)
         )
 
@@ -186,13 +173,13 @@ class Collectives:
 
         Raises: as :meth:`allreduce`.
         """
-        cfg = self._configured("allgather_into_tensor_coalesced")
+        cfg = self._issuer.configured("allgather_into_tensor_coalesced")
         rules, ws = cfg.backend, cfg.backend.world_size
         outs = v.check_tensor_list(outputs, "outputs", rules)
         ins = v.check_tensor_list(inputs, "inputs", rules, length=len(outs))
         for i, (o, t) in enumerate(zip(outs, ins, strict=True)):
             v.check_stacked(o, f"outputs[{i}]", t, f"inputs[{i}]", ws)
-        return self._issue(
+        return self._issuer.issue(
             cfg,
             "allgather_into_tensor_coalesced",
             timeout,
@@ -208,10 +195,10 @@ class Collectives:
 
         Raises: as :meth:`allreduce`.
         """
-        cfg = self._configured("broadcast")
+        cfg = self._issuer.configured("broadcast")
         v.check_tensor(tensor, "tensor", cfg.backend)
         root = v.check_rank(root, "root", cfg.backend.world_size)
-        return self._issue(
+        return self._issuer.issue(
             cfg,
             "broadcast",
             timeout,
@@ -234,7 +221,7 @@ class Collectives:
 
         Raises: as :meth:`allreduce`.
         """
-        cfg = self._configured("reduce_scatter")
+        cfg = self._issuer.configured("reduce_scatter")
         rules, ws = cfg.backend, cfg.backend.world_size
         v.check_tensor(output, "output", rules)
         ins = v.check_tensor_list(inputs, "inputs", rules, length=ws)
@@ -242,7 +229,7 @@ class Collectives:
             v.check_like(t, f"inputs[{i}]", output, "output")
         rop = v.check_reduce_op(op, cfg.backend.reduce_ops, self.backend)
         v.check_reduce_dtype(rop, output, "output", int_avg=cfg.backend.int_avg)
-        return self._issue(
+        return self._issuer.issue(
             cfg,
             "reduce_scatter",
             timeout,
@@ -265,7 +252,7 @@ class Collectives:
 
         Raises: as :meth:`allreduce`.
         """
-        cfg = self._configured("reduce_scatter_tensor_coalesced")
+        cfg = self._issuer.configured("reduce_scatter_tensor_coalesced")
         rules, ws = cfg.backend, cfg.backend.world_size
         outs = v.check_tensor_list(outputs, "outputs", rules)
         ins = v.check_tensor_list(inputs, "inputs", rules, length=len(outs))
@@ -276,7 +263,7 @@ class Collectives:
             v.check_reduce_dtype(rop, o, f"outputs[{i}]", int_avg=cfg.backend.int_avg)
         if v.scaled_in_place(rop, cfg.backend.int_avg):
             v.check_apart(outs, "outputs")
-        return self._issue(
+        return self._issuer.issue(
             cfg,
             "reduce_scatter_tensor_coalesced",
             timeout,
@@ -301,7 +288,7 @@ class Collectives:
 
         Raises: as :meth:`allreduce`.
         """
-        cfg = self._configured("alltoall_base")
+        cfg = self._issuer.configured("alltoall_base")
         rules, ws = cfg.backend, cfg.backend.world_size
         v.check_tensor(output, "output", rules)
         v.check_tensor(tensor, "tensor", rules)
@@ -317,7 +304,7 @@ class Collectives:
         ins = v.check_splits(input_split_sizes, "input_split_sizes", ws, tensor.shape[0], "tensor")
         if not outs and not ins and output.shape[0] != tensor.shape[0]:
             raise ValueError("output and tensor must have the same shape[0] with equal splits")
-        return self._issue(
+        return self._issuer.issue(
             cfg,
             "alltoall_base",
             timeout,
@@ -332,8 +319,8 @@ class Collectives:
 
         Raises: as :meth:`allreduce`.
         """
-        cfg = self._configured("barrier")
-        return self._issue(cfg, "barrier", timeout, None, lambda b, s: b.barrier(s))
+        cfg = self._issuer.configured("barrier")
+        return self._issuer.issue(cfg, "barrier", timeout, None, lambda b, s: b.barrier(s))
 
     def send(
         self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: Timeout | None = None
@@ -342,11 +329,11 @@ class Collectives:
 
         Raises: as :meth:`allreduce`.
         """
-        cfg = self._configured("send")
+        cfg = self._issuer.configured("send")
         v.check_tensor(tensor, "tensor", cfg.backend)
         dst = v.check_rank(dst, "dst", cfg.backend.world_size, not_self=cfg.backend.rank)
         tag = v.check_int(tag, "tag", minimum=0)
-        return self._issue(
+        return self._issuer.issue(
             cfg, "send", timeout, None, lambda b, s: b.send(tensor, dst, tag, s), None
         )
 
@@ -357,10 +344,10 @@ class Collectives:
 
         Raises: as :meth:`allreduce`.
         """
-        cfg = self._configured("recv")
+        cfg = self._issuer.configured("recv")
         v.check_tensor(tensor, "tensor", cfg.backend)
         src = v.check_rank(src, "src", cfg.backend.world_size, not_self=cfg.backend.rank)
         tag = v.check_int(tag, "tag", minimum=0)
-        return self._issue(
+        return self._issuer.issue(
             cfg, "recv", timeout, tensor, lambda b, s: b.recv(tensor, src, tag, s), None
         )

@@ -1,11 +1,11 @@
-"""How a :class:`~ftcomm.Group` builds, rebuilds and gives up its native group.
+"""The connect step: how a :class:`~ftcomm.Group` builds, rebuilds and gives
+up its native group.
 
-Owns: ``configure()`` -- its argument checks, the store address and ranks
+Owns ``configure()``: its argument checks, the store address and ranks
 (``env://`` included), the connect on a control thread within the configure
 timeout, the op table of each configuration, and the one place a failed
 connect becomes an ftcomm error. The transitions themselves (begin, ready,
-fail) are ``GroupCore``'s (``_state.py``). :class:`Configuring` is a part of
-``Group``, not a class to use alone.
+fail) are ``GroupCore``'s (``_state.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.distributed import ReduceOp
 from . import _validate as v
 from ._runtime.deadline import Timeout, resolve
 from ._runtime.fuse import AloneMark
-from ._runtime.loop import Runtime, require_asyncio, wake_threadsafe
+from ._runtime.loop import get_runtime, require_asyncio, wake_threadsafe
 from ._runtime.observe import Observer
 from ._runtime.table import OpTable
 from ._state import Attempt, Config, GroupCore
@@ -112,7 +112,7 @@ def _configure_timeout(
     )
 
 
-def _connect_in_process(
+def connect_in_process(
     cls: type[Backend], spec: ConnectSpec, cancel: concurrent.futures.Future[Any]
 ) -> Backend:
     """Build the group in this process; ``cancel`` stops a backend that can
@@ -140,18 +140,40 @@ def _finish(fut: concurrent.futures.Future[Any]) -> None:
         fut.set_result(None)
 
 
-class Configuring:
-    """``Group``'s configuration part: :meth:`configure` and its steps."""
+class Configurer:
+    """A group's connect step: :meth:`configure` and its steps.
 
-    backend: str
-    _backend_cls: type[Backend]
-    _configure_timeout: float
-    _connect: Callable[[ConnectSpec, concurrent.futures.Future[Any]], Backend]
-    _core: GroupCore
-    _launcher: Launcher | None
-    _observer: Observer
-    _runtime: Runtime
-    _verify: bool
+    Args:
+        core: the group's state, whose transitions a configure drives.
+        observer: the group's stats and events.
+        backend: the backend's name.
+        backend_cls: the backend's class.
+        connect: builds the native group (blocks; run on a control thread).
+        launcher: the worker processes' launcher (``subprocess=True``), or ``None``.
+        verify: whether each collective is checked first (``verify=True``).
+        configure_timeout: the default deadline of a configure, in seconds.
+    """
+
+    def __init__(
+        self,
+        core: GroupCore,
+        observer: Observer,
+        backend: str,
+        backend_cls: type[Backend],
+        connect: Callable[[ConnectSpec, concurrent.futures.Future[Any]], Backend],
+        launcher: Launcher | None,
+        verify: bool,
+        configure_timeout: float,
+    ) -> None:
+        self._core = core
+        self._observer = observer
+        self.backend = backend
+        self.backend_cls = backend_cls
+        self._connect = connect
+        self.launcher = launcher
+        self._verify = verify
+        self._configure_timeout = configure_timeout
+        self._runtime = get_runtime()
 
     async def configure(
         self,
@@ -167,38 +189,7 @@ class Configuring:
         timeout: Timeout | None = None,
         device_id: int | torch.device | None = None,
     ) -> None:
-        """(Re)build the native group; every rank calls it with the same store address.
-
-        Use a fresh store prefix each time (``host:port/prefix``; IPv6 as
-        ``[::1]:port/prefix``). A previous configuration is torn down first
-        without blocking: its in-flight ops end with ``CommAborted``.
-        Someone must host the store: ``python -m ftcomm store``,
-        :func:`ftcomm.serve_store`, or torchrun's agent.
-
-        ``store_addr="env://prefix"`` (or ``"env://"``: prefix ``ftcomm``)
-        takes the store from ``MASTER_ADDR``/``MASTER_PORT`` and, where
-        ``rank``/``world_size`` are not given, ``RANK``/``WORLD_SIZE``: under
-        ``torchrun`` its agent hosts that store. Pass ``rank`` and
-        ``world_size`` to reconfigure with the survivors.
-
-        ``device_id`` (NCCL/XCCL only): the device index the communicator
-        uses; by default the calling thread's current device
-        (``torch.cuda.set_device``).
-
-        Raises:
-            TypeError, ValueError: a bad argument (checked before anything is
-                torn down: the previous configuration stays as it was), a
-                ``device_id`` for a backend without devices, or ``env://``
-                with ``MASTER_ADDR``/``MASTER_PORT`` (or ``RANK``/``WORLD_SIZE``,
-                where not given) missing from the environment.
-            CommTimeout: the store or the peers did not answer within the
-                configure timeout.
-            CommFailed: the store or the native group construction failed.
-            PrefixReused: this rank built a group at this prefix before, or
-                another rank of this configuration was refused there.
-            CommAborted: ``shutdown()`` or another ``configure()`` superseded this one.
-            RuntimeError: awaited without a running asyncio loop (trio).
-        """
+        """:meth:`ftcomm.Group.configure` (its docstring says what it raises)."""
         require_asyncio("configure()")
         self._runtime.watch_caller()  # debug mode: is the caller's loop ever held?
         addr, given_rank, given_world = _store_and_ranks(store_addr, rank, world_size)
@@ -309,7 +300,7 @@ class Configuring:
                 live.break_(error._located(rank, None, None))
 
         backend.watch(on_break)
-        if self._launcher is not None and self._launcher.keep_spare:
+        if self.launcher is not None and self.launcher.keep_spare:
             self._runtime.run_control(self._refill_for, config)
 
     def _device_index(self, device_id: object) -> int | None:
@@ -317,12 +308,12 @@ class Configuring:
         device where not given, read on this thread: the connect runs on
         another)."""
         if device_id is None:
-            return self._backend_cls.caller_device()
+            return self.backend_cls.caller_device()
         if self.backend not in ("nccl", "xccl"):
             raise ValueError(f"device_id is for the nccl and xccl backends, not {self.backend!r}")
         if isinstance(device_id, torch.device):
             if device_id.index is None:
-                return self._backend_cls.caller_device()
+                return self.backend_cls.caller_device()
             return device_id.index
         return v.check_int(device_id, "device_id", minimum=0)
 
@@ -346,7 +337,7 @@ class Configuring:
         # nothing can stop this backend's construction (XCCL): then the
         # bounded pool, so that retries cannot pile up threads for good.
         control = self._runtime.control
-        if self._backend_cls.stoppable_connect:
+        if self.backend_cls.stoppable_connect:
             cf = control.spawn(_begin_connect, self._connect, spec, stop, until=until)
         else:
             cf = control.submit(_begin_connect, self._connect, spec, stop, until=until)
@@ -386,7 +377,7 @@ class Configuring:
 
     def _refill_for(self, config: Config) -> None:
         """Start a spare worker if ``config`` is still the group's (a control thread)."""
-        launcher = self._launcher
+        launcher = self.launcher
         if launcher is None:
             return
         # Read before the check: shutdown() clears the configuration before it

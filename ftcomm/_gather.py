@@ -18,8 +18,8 @@ def gather(*works: Work[Any], return_exceptions: bool = False) -> Gathering:
     ``asyncio.gather`` takes works as futures (no task per op), but still
     registers a done-callback on each and runs it on the loop: for 1000
     one-float allreduces fused into one native op (``Group(fuse=True)``)
-    that is a third of the time they take (docs/design.md, "Fusing small
-    collectives"). This awaits them in the calling task instead.
+    that is a third of the time they take (docs/fusion.md). This awaits
+    them in the calling task instead.
 
     The call itself looks at every op, in argument order: each batch an op
     waits in is sent now (the same cut points on every rank running the same

@@ -1,12 +1,11 @@
-"""How a :class:`~ftcomm.Group` puts an op on the wire: one at a time, in call order.
+"""The issuer: how a :class:`~ftcomm.Group` puts an op on the wire, one at a
+time, in call order.
 
-Owns: the issue path of every collective -- the short path of the plain
-small allreduce, the checks that the group is open and configured, the issue
-lock, the fault seam, the op table's record of each op, ``verify=True``'s
-agreement before an op, and fusion's entry points (``fuse=True``,
-``batch()``, ``flush()``: the open batch and when it is sent). The batch
-itself is ``_runtime/fuse.py``'s. :class:`Issuing` is a part of ``Group``,
-not a class to use alone.
+Owns the issue lock, fusion (``fuse=True``, ``batch()``, ``flush()``: the
+open batch and when it is sent; the batch itself is ``_runtime/fuse.py``'s),
+the default deadline, and the one issue path: the open and configured
+checks, the fault seam, ``verify=True``'s agreement, the op table's record
+of each op, and the short path of the plain small allreduce.
 """
 
 from __future__ import annotations
@@ -16,15 +15,14 @@ import contextvars
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 import torch
 from torch.distributed import ReduceOp
 
-from ._collectives import Collectives
 from ._runtime import faults
 from ._runtime.deadline import Timeout, to_seconds
-from ._runtime.fuse import Batch, MemberOp, copy_back_cpu
+from ._runtime.fuse import MAX_OP_FRACTION, Batch, MemberOp, copy_back_cpu
 from ._runtime.native import NativeOp, without_tracebacks
 from ._runtime.settle import aborted_by
 from ._runtime.table import Broken, OpTable
@@ -34,9 +32,6 @@ from ._validate import ReduceOpArg
 from ._verify import Chain, VerifiedOp, describe, reduce_code
 from .backends import Backend
 from .errors import CommAborted, CommError, CommFailed, NotConfigured
-
-if TYPE_CHECKING:
-    from ._runtime.loop import Runtime
 
 R = TypeVar("R")
 _SUM = ReduceOp.SUM
@@ -57,10 +52,10 @@ class BatchScope:
         RuntimeError: entered again while entered.
     """
 
-    __slots__ = ("_token", "active", "group")
+    __slots__ = ("_token", "active", "issuer")
 
-    def __init__(self, group: Issuing) -> None:
-        self.group = group
+    def __init__(self, issuer: Issuer) -> None:
+        self.issuer = issuer
         self.active = False  # cleared at the block's end: tasks started in it see it
         self._token: contextvars.Token[tuple[BatchScope, ...]] | None = None
 
@@ -75,7 +70,7 @@ class BatchScope:
         token, self._token = self._token, None
         self.active = False
         try:
-            self.group.flush()
+            self.issuer.flush()
         finally:
             if token is not None:
                 # An exit in another context (an async generator finalised
@@ -90,160 +85,155 @@ class BatchScope:
         self.__exit__(*exc)
 
 
-class Issuing(Collectives):
-    """``Group``'s op-issuing part: the collectives and their one issue path."""
+class Issuer:
+    """A group's issue path: ops go from checked to on the wire one at a time,
+    in call order, under the issue lock (not the state lock: issuing may
+    wait on a native call, and transitions never wait)."""
 
-    _core: GroupCore
-    _fuse: bool
-    _fuse_bytes: int
-    _fuse_op_bytes: int
-    _issue_lock: threading.Lock
-    _runtime: Runtime
-    _timeout: float
+    def __init__(self, core: GroupCore, timeout: float, fuse: bool, fuse_bytes: int) -> None:
+        self.core = core
+        self.timeout = timeout
+        """The default deadline of ops issued from now on, in seconds."""
+        self.fuse = fuse
+        self.fuse_bytes = fuse_bytes
+        self.fuse_op_bytes = fuse_bytes // MAX_OP_FRACTION
+        self._lock = threading.Lock()
 
     def flush(self) -> None:
-        """Send the open batch of fused allreduces now (``fuse=True``, or in a
-        :meth:`batch` block), as one native op; a no-op without one. A point
-        of the program's order: call it at the same place on every rank.
-        Any thread.
-
-        Raises:
-            Nothing: a batch the group refuses fails its ops (their awaits
-            raise), as an op refused at issue would.
-        """
-        cfg = self._core.config
+        """:meth:`ftcomm.Group.flush`: send the open batch, or mark a cut point."""
+        cfg = self.core.config
         if cfg is None:
             return
         batch = cfg.batch
         if batch is not None:
             self._flush_batch(cfg, batch)
         else:
-            with self._issue_lock:
+            with self._lock:
                 cfg.fuse_alone = True  # a cut point, with nothing to send
 
-    def batch(self) -> BatchScope:
-        """A block whose small allreduces are fused, on a group made without
-        ``fuse=True`` (with it, a block that ends with a flush)::
+    def short_allreduce(self, tensor: torch.Tensor) -> Work[torch.Tensor] | None:
+        """The short path: issue a plain small allreduce (the default op and
+        deadline) in one frame, or return ``None`` for the long path.
 
-            async with group.batch():
-                works = [group.allreduce(t) for t in stats]
-            await asyncio.gather(*works)   # sent at the block's end, as one op
+        It takes a dense contiguous CPU tensor of a dtype the backend sends,
+        with no verify and no ``batch()`` block; with ``fuse=True``, one that
+        goes on its own. It does what the long path does for such an op, in
+        one frame and one call into the backend (through the fault seam where
+        a test set one): the layers it skips cost ~10 µs on a ~120 µs op
+        (tests/test_short_path.py holds the two paths to one outcome).
 
-        The block ends with :meth:`flush`; inside it, looking at an op sends
-        its batch as ``fuse=True`` does. It applies to the task (context)
-        that entered it, and to tasks started inside it while it lasts:
-        ops other tasks issue meanwhile cut the batch (an op that cannot
-        join it). ``with`` works too, from a thread.
-
-        Raises:
-            RuntimeError: the same block object entered twice.
+        The batch and ``fuse_alone`` are read here without the issue lock, as
+        hints that send an op that will join a batch to the long path early
+        (once a batch is open, its members skip the checks below); both are
+        read again under the lock before the short path issues.
         """
-        return BatchScope(self)
+        cfg = self.core.config
+        if (
+            cfg is None
+            or (dtypes := cfg.short_dtypes) is None
+            or cfg.batch is not None
+            or _BATCH_SCOPES.get()
+            or type(tensor) is not torch.Tensor
+            or not tensor.is_cpu
+            or tensor.is_nested
+            or tensor.layout is not _STRIDED
+            or tensor.dtype not in dtypes
+            or not tensor.is_contiguous()
+            or tensor.is_conj()
+            or tensor.is_neg()
+        ):
+            return None
+        fusible = self.fuse and tensor.nelement() * tensor.element_size() <= self.fuse_op_bytes
+        if fusible and not cfg.fuse_alone:
+            return None  # it joins a batch
+        table = cfg.table
+        not_issued: tuple[CommError, Broken] | None = None
+        with self._lock:
+            # On the long path: an open batch (it goes first), a fusible op
+            # that joins a batch (not the first since a cut point), and an
+            # errored table (it refuses).
+            if cfg.batch is not None or table.error is not None or (fusible and not cfg.fuse_alone):
+                return None
+            # A fusible op goes on its own, and the next one joins a batch
+            # until its first look; any other op is a cut point.
+            cfg.fuse_alone = not fusible
+            seconds = self.timeout
+            issued = time.perf_counter()  # for its latency
+            deadline = time.monotonic() + seconds
+            backend = cfg.backend
+            inject = faults.injector  # tests: the fault seam, as on the long path
+            try:
+                if inject is None:
+                    native = backend.allreduce_sum(tensor, seconds)
+                else:
+                    native = inject(
+                        "allreduce", lambda: backend.allreduce_sum(tensor, seconds), backend
+                    )
+            except (CommError, RuntimeError) as exc:
+                not_issued = self._not_issued_locked(table, "allreduce", exc)
+            else:
+                work = Work(table, "allreduce", table.next_seq(), deadline, native, tensor, issued)
+                if fusible:  # its first look is a cut point (set before anyone sees it)
+                    work._batch = cfg.alone_mark
+                table.track(work, seconds)
+                return work
+        if not_issued is not None:  # always, here: raised with the lock released
+            self._raise_not_issued(table, "allreduce", *not_issued)
+        return None
 
     def allreduce(
-        self,
-        tensor: torch.Tensor,
-        op: ReduceOp.RedOpType | ReduceOp | str = _SUM,
-        *,
-        timeout: Timeout | None = None,
+        self, cfg: Config, tensor: torch.Tensor, rop: ReduceOpArg, timeout: Timeout | None
     ) -> Work[torch.Tensor]:
-        # The short path: the common small op (a dense contiguous CPU tensor of
-        # a dtype the backend sends, the default op and deadline, no verify,
-        # no batch() block; with fuse=True, one that goes on its own) is
-        # checked and issued here, in one frame and one call into the backend
-        # (through the fault seam where a test set one). Measured, 2 ranks each
-        # pinned to a core: the layers it skips cost ~10 µs on a ~120 µs op. It
-        # does what Collectives.allreduce does for such an op
-        # (tests/test_short_path.py holds the two to one outcome); any other
-        # call goes there.
-        #
-        # The batch and fuse_alone are read here without the issue lock, as
-        # hints that send an op that will join a batch to the long path early
-        # (once a batch is open, its members skip the checks below); both are
-        # read again under the lock before the short path issues.
-        cfg = self._core._config  # GroupCore.config, read without its property's call
-        if (
-            cfg is not None
-            and (dtypes := cfg.short_dtypes) is not None
-            and cfg.batch is None
-            and op is _SUM
-            and timeout is None
-            and not _BATCH_SCOPES.get()
-            and type(tensor) is torch.Tensor
-            and tensor.is_cpu
-            and not tensor.is_nested
-            and tensor.layout is _STRIDED
-            and tensor.dtype in dtypes
-            and tensor.is_contiguous()
-            and not tensor.is_conj()
-            and not tensor.is_neg()
-        ):
-            fusible = (
-                self._fuse and tensor.nelement() * tensor.element_size() <= self._fuse_op_bytes
-            )
-            if fusible and not cfg.fuse_alone:
-                return Collectives.allreduce(self, tensor, op, timeout=timeout)  # joins a batch
-            table = cfg.table
-            not_issued: tuple[CommError, Broken] | None = None
-            with self._issue_lock:
-                # On the long path: an open batch (it goes first), a fusible
-                # op that joins a batch (not the first since a cut point), and
-                # an errored table (it refuses).
-                if cfg.batch is None and table.error is None and (cfg.fuse_alone or not fusible):
-                    # A fusible op goes on its own, and the next one joins a
-                    # batch until its first look; any other op is a cut point.
-                    cfg.fuse_alone = not fusible
-                    seconds = self._timeout
-                    issued = time.perf_counter()  # for its latency
-                    deadline = time.monotonic() + seconds
-                    backend = cfg.backend
-                    inject = faults.injector  # tests: the fault seam, as on the long path
-                    try:
-                        if inject is None:
-                            native = backend.allreduce_sum(tensor, seconds)
-                        else:
-                            native = inject(
-                                "allreduce", lambda: backend.allreduce_sum(tensor, seconds), backend
-                            )
-                    except (CommError, RuntimeError) as exc:
-                        not_issued = self._not_issued_locked(table, "allreduce", exc)
-                    else:
-                        work = Work(
-                            table, "allreduce", table.next_seq(), deadline, native, tensor, issued
-                        )
-                        if fusible:  # its first look is a cut point (set before anyone sees it)
-                            work._batch = cfg.alone_mark
-                        table.track(work, seconds)
-                        return work
-            if not_issued is not None:
-                self._raise_not_issued(table, "allreduce", *not_issued)
-        return Collectives.allreduce(self, tensor, op, timeout=timeout)
+        """A checked allreduce: fused into the open batch, or issued alone."""
+        if self._fusing(tensor):
+            return self._enqueue(cfg, tensor, rop, timeout)
+        return self.issue_allreduce(cfg, tensor, rop, timeout)
 
-    allreduce.__doc__ = Collectives.allreduce.__doc__
+    def issue_allreduce(
+        self,
+        cfg: Config,
+        tensor: torch.Tensor,
+        rop: ReduceOpArg,
+        timeout: Timeout | None,
+        cut: bool = True,
+    ) -> Work[torch.Tensor]:
+        """One allreduce of ``tensor``, on its own (see :meth:`issue`)."""
+        return self.issue(
+            cfg,
+            "allreduce",
+            timeout,
+            tensor,
+            lambda b, s: b.allreduce([tensor], rop, s),
+            (tensor,),
+            0 if cfg.chain is None else reduce_code(rop),  # only a verified op sends it
+            cut,
+        )
 
-    def _check_open(self, op: str) -> None:
+    def check_open(self, op: str) -> None:
         """Raise what issuing ``op`` now would raise at once: ``NotConfigured``,
         or ``CommAborted`` on an errored group (for ops that never reach a
         native group: the c10d dummy's)."""
-        table = self._configured(op).table
+        table = self.configured(op).table
         error = table.error
         if error is not None:
             raise _refused(op, error, table.rank) from error
 
-    def _configured(self, op: str) -> Config:
-        cfg = self._core.config
+    def configured(self, op: str) -> Config:
+        """The configuration ``op`` issues on; raises ``NotConfigured``, or
+        the error that left the group without one."""
+        cfg = self.core.config
         if cfg is None:
-            error = self._core.errored()
+            error = self.core.errored()
             if error is not None:
                 raise _refused(op, error, None) from error
-            state = self._core.state
+            state = self.core.state
             raise NotConfigured(
                 f"{op} needs a configured group ({state.value}): await group.configure(...) first",
                 op=op,
             )
         return cfg
 
-    def _issue(
+    def issue(
         self,
         cfg: Config,
         op: str,
@@ -254,14 +244,17 @@ class Issuing(Collectives):
         extra: int = 0,
         cut: bool = True,
     ) -> Work[R]:
-        # Group.allreduce's short path does what this does for a plain op, in
-        # one frame: a change here is a change there (tests/test_short_path.py).
-        seconds = self._timeout if timeout is None else to_seconds(timeout)
+        """Issue ``start``; with ``verify=True``, after the ranks agreed on
+        ``check``'s dtypes and shapes and on ``extra`` (``None``: unchecked).
+        ``cut``: the op is a cut point of fusion (not a fusible op going alone).
+        :meth:`short_allreduce` does what this does for a plain op, in one
+        frame: a change here is a change there (tests/test_short_path.py)."""
+        seconds = self.timeout if timeout is None else to_seconds(timeout)
         table = cfg.table
         not_issued: tuple[CommError, Broken] | None = None
         sent: Callable[[], object] | None = None
         try:
-            with self._issue_lock:
+            with self._lock:
                 if cfg.batch is not None:  # an op that cannot join it: the batch goes first
                     sent = self._send_locked(cfg)
                 if cut:  # an op that cannot join a batch: the next fusible op goes at once
@@ -335,20 +328,20 @@ class Issuing(Collectives):
             return start(cfg.backend, seconds)
         return inject(op, lambda: start(cfg.backend, seconds), cfg.backend)
 
-    # -- fusing (fuse.py; docs/design.md, "Fusing small collectives") ---------
+    # -- fusing (fuse.py; docs/fusion.md) ---------
     def _fusing(self, tensor: torch.Tensor) -> bool:
         """Whether an allreduce of ``tensor`` joins the open batch: a small
         one in host memory (the copy back of device tensors would need its
         stream ordered: not done yet)."""
         # _BATCH_SCOPES is () where no block is open, the usual case: no call
-        if not self._fuse and not (_BATCH_SCOPES.get() and self._in_block()):
+        if not self.fuse and not (_BATCH_SCOPES.get() and self._in_block()):
             return False
-        return tensor.is_cpu and tensor.nelement() * tensor.element_size() <= self._fuse_op_bytes
+        return tensor.is_cpu and tensor.nelement() * tensor.element_size() <= self.fuse_op_bytes
 
     def _in_block(self) -> bool:
         """Whether the calling context is in a :meth:`batch` block of this group."""
         scopes = _BATCH_SCOPES.get()
-        return bool(scopes) and any(s.group is self and s.active for s in scopes)
+        return bool(scopes) and any(s.issuer is self and s.active for s in scopes)
 
     def _enqueue(
         self, cfg: Config, tensor: torch.Tensor, rop: ReduceOpArg, timeout: Timeout | None
@@ -356,29 +349,29 @@ class Issuing(Collectives):
         """A small allreduce, fused: it joins the open batch (one of its key:
         dtype and reduce op; else the open one is sent first, a cut point);
         a batch that reaches ``fuse_bytes`` is sent. With ``fuse=True``, the
-        first one after a cut point goes at once, on its own (docs/design.md,
-        "Fusing small collectives"); a plain lone op goes so by
-        Group.allreduce's short path, which must keep to these rules."""
-        seconds = self._timeout if timeout is None else to_seconds(timeout)
+        first one after a cut point goes at once, on its own (docs/fusion.md);
+        a plain lone op goes so by :meth:`short_allreduce`, which must keep
+        to these rules."""
+        seconds = self.timeout if timeout is None else to_seconds(timeout)
         table = cfg.table
         dtype = tensor.dtype
         nbytes = tensor.nelement() * tensor.element_size()
         after: Callable[[], object] | None = None
         work: Work[torch.Tensor] | None = None
         try:
-            with self._issue_lock:
+            with self._lock:
                 batch = cfg.batch
                 if batch is not None and (
                     batch.dtype is not dtype
                     or batch.op != rop
-                    or batch.nbytes + nbytes > self._fuse_bytes
+                    or batch.nbytes + nbytes > self.fuse_bytes
                 ):
                     after = self._send_locked(cfg)  # a cut point: the open one goes first
                     batch = None
                 error = table.error
                 if error is not None:
                     raise _refused("allreduce", error, table.rank) from error
-                if batch is None and cfg.fuse_alone and self._fuse and not self._in_block():
+                if batch is None and cfg.fuse_alone and self.fuse and not self._in_block():
                     # The first fusible op since a cut point goes on its own,
                     # below (a lone op awaited before the next is issued waits
                     # for nothing); its first look is a cut point.
@@ -402,21 +395,21 @@ class Issuing(Collectives):
                     work._batch = batch
                     batch.add(work, tensor, nbytes)
                     table.track(work, seconds)
-                    if batch.nbytes >= self._fuse_bytes and after is None:
+                    if batch.nbytes >= self.fuse_bytes and after is None:
                         after = self._send_locked(cfg)  # full (a new batch never is)
         finally:
             if after is not None:
                 after()
         if work is not None:
             return work
-        alone = self._issue_allreduce(cfg, tensor, rop, timeout, cut=False)
+        alone = self.issue_allreduce(cfg, tensor, rop, timeout, cut=False)
         alone._batch = cfg.alone_mark
         return alone
 
     def _flush_batch(self, cfg: Config, batch: Batch) -> None:
         """Send ``batch`` if it is still ``cfg``'s open one."""
         after = None
-        with self._issue_lock:
+        with self._lock:
             if cfg.batch is batch:
                 after = self._send_locked(cfg)
         if after is not None:

@@ -1,6 +1,6 @@
 """A group's state: one lock, five states, every transition in :meth:`GroupCore._go`.
 
-The rules, stated once (docs/design.md has the same table and who calls what):
+The rules, stated once (docs/ops.md has the same table and who calls what):
 
 ====================  ===============  ===============================================
 event                 from             to

@@ -15,7 +15,7 @@ and the ops must be issued in one order on every rank: one :class:`Chain`
 per configuration issues "descriptor 1, op 1, descriptor 2, op 2, ..." with
 each op issued by the thread that sees its descriptor exchange complete
 (a backend's thread), and the next descriptor only after that. The cost is
-one small allgather per op (docs/design.md, "verify=True").
+one small allgather per op (docs/verify.md).
 """
 
 from __future__ import annotations

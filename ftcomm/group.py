@@ -1,16 +1,15 @@
-"""The async :class:`Group`: the public shell over one group's parts.
+"""The async :class:`Group`: one group's parts, and the calls that read or end it.
 
-Owns: what a ``Group`` is made of and the calls that read or end it as a
-whole -- its construction (argument checks, the backend, the subprocess
-launcher), ``abort()``, ``shutdown()`` and their :class:`Closing`,
-``errored()``, ``stats()``, ``subscribe()``, the default timeout, rank and
-size. The group's state lives in one ``GroupCore`` (``_state.py``: one lock,
-named states, a transition table), with one ``Config`` per
-``configure()``; tearing it down (abort, shutdown, configure again) never
-blocks: in-flight ops end with ``CommAborted`` and the native group goes to
-the reaper thread. Its two working parts are mixed in, each in a module of
-its own: :class:`~ftcomm._configure.Configuring` (``configure()``) and
-:class:`~ftcomm._issue.Issuing` (every collective, fusion).
+A ``Group`` holds its state (a ``GroupCore``, ``_state.py``: one lock, named
+states, a transition table, one ``Config`` per ``configure()``), its issuer
+(``_issue.py``: the issue lock, fusion, the one issue path) and its connect
+step (``_configure.py``). Its collectives come from its one base class,
+:class:`~ftcomm._collectives.Collectives`. This module owns construction
+(argument checks, the backend, the subprocess launcher), ``abort()``,
+``shutdown()`` and their :class:`Closing`, ``errored()``, ``stats()``,
+``subscribe()``, the default timeout, rank and size. Tearing a configuration
+down never blocks: in-flight ops end with ``CommAborted`` and the native
+group goes to the reaper thread.
 """
 
 from __future__ import annotations
@@ -22,14 +21,17 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from . import _validate as v
-from ._configure import Configuring, _connect_in_process
+from ._collectives import Collectives
+from ._configure import Configurer, connect_in_process
 from ._issue import BatchScope as BatchScope  # ftcomm.group.BatchScope, as before
-from ._issue import Issuing
+from ._issue import Issuer
 from ._runtime.deadline import Timeout, resolve, to_seconds
 from ._runtime.driven import Drivers, TaskDriven
 from ._runtime.fuse import MAX_OP_FRACTION
@@ -41,6 +43,8 @@ from .errors import CommAborted, CommError
 
 if TYPE_CHECKING:
     from .backends.subprocess import Launcher
+
+__all__ = ["BatchScope", "Closing", "Group"]
 
 log = logging.getLogger("ftcomm")
 
@@ -99,7 +103,7 @@ class Closing(TaskDriven, collections.abc.Coroutine[Any, Any, None]):
         await asyncio.wait({fut}, timeout=self._timeout)
 
 
-class Group(Configuring, Issuing):
+class Group(Collectives):
     """A fault-tolerant process group whose collectives are awaitable.
 
     Args:
@@ -114,7 +118,7 @@ class Group(Configuring, Issuing):
             at once (``WorkerDied``). Tensors are copied through shared memory,
             and results copied back only on success; a tensor already in
             shared memory (``t.share_memory_()``) is used in place, without
-            copies (docs/design.md); ``share_min_bytes`` moves large ones.
+            copies (docs/subprocess.md); ``share_min_bytes`` moves large ones.
         timeout: default deadline of every op, in seconds or a timedelta.
         configure_timeout: how long ``configure()`` may take (default: ``timeout``).
         spare_worker: with ``subprocess=True``, keep one worker started ahead
@@ -140,12 +144,12 @@ class Group(Configuring, Issuing):
             sides, on every rank, nothing of it is sent, and the group is
             errored. Without it, ranks that disagree can crash the process
             in Gloo (``std::terminate``) or, for an allgather, get garbage
-            (docs/errors.md). Costs one small op per collective (about
-            doubling a small op's latency; docs/design.md). Send and recv
+            (docs/errors.md). Costs one small op per collective (a small
+            op takes about 4x raw Gloo's time; docs/performance.md). Send and recv
             are not checked.
         stats: keep per-op statistics (:meth:`stats`): on by default; an
-            op's end then costs one histogram increment (docs/design.md,
-            "What a group did"). Events and log lines come either way.
+            op's end then costs one histogram increment
+            (docs/observability.md). Events and log lines come either way.
         fuse: fuse small allreduces: one of a host tensor of at most
             ``fuse_bytes / 16`` bytes is not issued at once (but for the
             first after a cut point, which goes on its own) and joins the
@@ -154,9 +158,9 @@ class Group(Configuring, Issuing):
             its ops (``await``, ``wait()``, ``done()``, a callback), issues
             an op that cannot join it, fills it, or calls :meth:`flush`
             (:meth:`batch` fuses within a block on a group without it).
-            1000 concurrent one-float allreduces then cost about one.
+            1000 concurrent one-float allreduces then go as two native ops.
             Every rank must make the same calls in the same order, the
-            looks included (docs/design.md, "Fusing small collectives").
+            looks included (docs/fusion.md).
             Off by default: an op then goes on the wire when it is issued.
         fuse_bytes: a batch's byte cap (default 1 MiB): reaching it sends
             the batch; larger allreduces than 1/16 of it are never fused.
@@ -200,35 +204,30 @@ class Group(Configuring, Issuing):
         if share_min_bytes is not None:
             v.check_int(share_min_bytes, "share_min_bytes", minimum=0, maximum=None)
         v.check_int(fuse_bytes, "fuse_bytes", minimum=MAX_OP_FRACTION, maximum=None)
-        self._fuse = fuse
-        self._fuse_bytes = fuse_bytes
-        self._fuse_op_bytes = fuse_bytes // MAX_OP_FRACTION
-        self._verify = verify
-        self._timeout = to_seconds(timeout, "timeout")
-        self._configure_timeout = resolve(configure_timeout, self._timeout, "configure_timeout")
-        self._launcher: Launcher | None = None
-        # connect(spec, cancel): build the native group; blocks (a control thread).
-        self._connect: Callable[[ConnectSpec, concurrent.futures.Future[Any]], Backend]
+        timeout_s = to_seconds(timeout, "timeout")
+        configure_s = resolve(configure_timeout, timeout_s, "configure_timeout")
         if verify and backend in ("nccl", "xccl"):  # an argument: checked first
             raise ValueError(f"verify=True is not available with {backend!r} yet (gloo only)")
-        self._backend_cls = backend_class(backend)
-        self._backend_cls.check_usable()
+        backend_cls = backend_class(backend)
+        backend_cls.check_usable()
+        launcher: Launcher | None = None
+        # connect(spec, cancel): build the native group; blocks (a control thread).
+        connect: Callable[[ConnectSpec, concurrent.futures.Future[Any]], Backend]
         if subprocess:
             from .backends.subprocess import Launcher
 
-            self._launcher = Launcher(backend, spare=spare_worker, share_min_bytes=share_min_bytes)
-            self._connect = self._launcher.connect
+            launcher = Launcher(backend, spare=spare_worker, share_min_bytes=share_min_bytes)
+            connect = launcher.connect
         else:
-            self._connect = functools.partial(_connect_in_process, self._backend_cls)
+            connect = functools.partial(connect_in_process, backend_cls)
         self.subprocess = subprocess
-        self.backend = backend
-        self._runtime = get_runtime()
         self._core = GroupCore()
-        # Issue order is call order: one op at a time goes from "checked" to
-        # "on the wire". Not the state lock: issuing may wait on a native
-        # call, and transitions never wait.
-        self._issue_lock = threading.Lock()
+        self._runtime = get_runtime()
         self._observer = Observer(self._core.lock, self._runtime.events.post, stats=stats)
+        super().__init__(Issuer(self._core, timeout_s, fuse, fuse_bytes), backend)
+        self._configurer = Configurer(
+            self._core, self._observer, backend, backend_cls, connect, launcher, verify, configure_s
+        )
 
     def __repr__(self) -> str:
         cfg = self._core.config
@@ -246,10 +245,6 @@ class Group(Configuring, Issuing):
         """Where the group is in its life: see :class:`ftcomm.State`."""
         return self._core.state
 
-    @property
-    def _config(self) -> Config | None:
-        return self._core.config
-
     async def __aenter__(self) -> Group:
         return self
 
@@ -260,6 +255,65 @@ class Group(Configuring, Issuing):
         tb: TracebackType | None,
     ) -> None:
         await self.shutdown()
+
+    async def configure(
+        self,
+        store_addr: str,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        replica_id: str = "0",
+        quorum_id: int | None = None,
+        group_rank: int | None = None,
+        group_world_size: int | None = None,
+        global_ranks: Sequence[int] | None = None,
+        timeout: Timeout | None = None,
+        device_id: int | torch.device | None = None,
+    ) -> None:
+        """(Re)build the native group; every rank calls it with the same store address.
+
+        Use a fresh store prefix each time (``host:port/prefix``; IPv6 as
+        ``[::1]:port/prefix``). A previous configuration is torn down first
+        without blocking: its in-flight ops end with ``CommAborted``.
+        Someone must host the store: ``python -m ftcomm store``,
+        :func:`ftcomm.serve_store`, or torchrun's agent.
+
+        ``store_addr="env://prefix"`` (or ``"env://"``: prefix ``ftcomm``)
+        takes the store from ``MASTER_ADDR``/``MASTER_PORT`` and, where
+        ``rank``/``world_size`` are not given, ``RANK``/``WORLD_SIZE``: under
+        ``torchrun`` its agent hosts that store. Pass ``rank`` and
+        ``world_size`` to reconfigure with the survivors.
+
+        ``device_id`` (NCCL/XCCL only): the device index the communicator
+        uses; by default the calling thread's current device
+        (``torch.cuda.set_device``).
+
+        Raises:
+            TypeError, ValueError: a bad argument (checked before anything is
+                torn down: the previous configuration stays as it was), a
+                ``device_id`` for a backend without devices, or ``env://``
+                with ``MASTER_ADDR``/``MASTER_PORT`` (or ``RANK``/``WORLD_SIZE``,
+                where not given) missing from the environment.
+            CommTimeout: the store or the peers did not answer within the
+                configure timeout.
+            CommFailed: the store or the native group construction failed.
+            PrefixReused: this rank built a group at this prefix before, or
+                another rank of this configuration was refused there.
+            CommAborted: ``shutdown()`` or another ``configure()`` superseded this one.
+            RuntimeError: awaited without a running asyncio loop (trio).
+        """
+        await self._configurer.configure(
+            store_addr,
+            rank,
+            world_size,
+            replica_id=replica_id,
+            quorum_id=quorum_id,
+            group_rank=group_rank,
+            group_world_size=group_world_size,
+            global_ranks=global_ranks,
+            timeout=timeout,
+            device_id=device_id,
+        )
 
     def abort(self) -> Closing:
         """Abort the group now: in-flight ops end with ``CommAborted``, later
@@ -281,24 +335,6 @@ class Group(Configuring, Issuing):
         teardown = self._core.abort(CommAborted("the group was aborted by abort()", rank=rank))
         return self._closing(teardown)
 
-    def _abort_config(self, config: object, why: str) -> bool:
-        """:meth:`abort` where ``config`` (a ``_core.config`` read earlier) is
-        still the configuration ops run on; whether it was. From any thread,
-        without blocking; a ``configure()`` begun since is left alone."""
-        if not isinstance(config, Config):
-            return False
-        error = CommAborted(f"the group was aborted: {why}", rank=config.backend.rank)
-        teardown = self._core.abort_if(config, error)
-        if teardown is None:
-            return False
-        # the ops' ends (and their callbacks) on a thread of their own, not the
-        # caller's, and never queued behind other control calls
-        done = get_runtime().control.spawn(
-            lambda _: self._closing(teardown), threading.Event(), until=time.monotonic() + 5.0
-        )
-        done.add_done_callback(_log_failure)
-        return True
-
     def shutdown(self) -> Closing:
         """Tear the group down now; in-flight ops end with ``CommAborted``, and
         a ``configure()`` in progress on any thread is superseded.
@@ -312,8 +348,9 @@ class Group(Configuring, Issuing):
         cfg = self._core.config
         rank = cfg.backend.rank if cfg is not None else None
         teardown = self._core.shutdown(CommAborted("the group was shut down", rank=rank))
-        if self._launcher is not None:
-            self._launcher.close()
+        launcher = self._configurer.launcher
+        if launcher is not None:
+            launcher.close()
         return self._closing(teardown)
 
     @staticmethod
@@ -366,12 +403,12 @@ class Group(Configuring, Issuing):
         Raises:
             TypeError, ValueError: a bad timeout.
         """
-        self._timeout = to_seconds(timeout, "timeout")
+        self._issuer.timeout = to_seconds(timeout, "timeout")
 
     @property
     def timeout(self) -> float:
         """The default deadline of new ops, in seconds."""
-        return self._timeout
+        return self._issuer.timeout
 
     @property
     def rank(self) -> int:
@@ -380,7 +417,7 @@ class Group(Configuring, Issuing):
         Raises:
             NotConfigured: the group is not configured.
         """
-        return self._configured("rank").backend.rank
+        return self._issuer.configured("rank").backend.rank
 
     def size(self) -> int:
         """The world size of the current configuration.
@@ -388,12 +425,53 @@ class Group(Configuring, Issuing):
         Raises:
             NotConfigured: the group is not configured.
         """
-        return self._configured("size").backend.world_size
+        return self._issuer.configured("size").backend.world_size
 
     def num_active_work(self) -> int:
         """How many ops of the current configuration have not ended yet."""
         cfg = self._core.config
         return cfg.table.active() if cfg is not None else 0
+
+
+# -- for ftcomm's own layers above the group (the c10d facade, Membership,
+# the tools, ftcomm.testing.inspect): a group's parts, read through these
+# functions rather than its private attributes. Not API: not in __all__.
+
+
+def config_of(group: Group) -> Config | None:
+    """The configuration ``group``'s ops run on now, or ``None``."""
+    return group._core.config
+
+
+def configurer_of(group: Group) -> Configurer:
+    """``group``'s connect step (its backend class, its launcher)."""
+    return group._configurer
+
+
+def check_open(group: Group, op: str) -> None:
+    """Raise what issuing ``op`` on ``group`` now would raise at once:
+    ``NotConfigured``, or ``CommAborted`` on an errored group."""
+    group._issuer.check_open(op)
+
+
+def abort_config(group: Group, config: object, why: str) -> bool:
+    """:meth:`Group.abort` where ``config`` (read earlier by
+    :func:`config_of`) is still the configuration ops run on; whether it
+    was. From any thread, without blocking; a ``configure()`` begun since is
+    left alone."""
+    if not isinstance(config, Config):
+        return False
+    error = CommAborted(f"the group was aborted: {why}", rank=config.backend.rank)
+    teardown = group._core.abort_if(config, error)
+    if teardown is None:
+        return False
+    # the ops' ends (and their callbacks) on a thread of their own, not the
+    # caller's, and never queued behind other control calls
+    done = get_runtime().control.spawn(
+        lambda _: Group._closing(teardown), threading.Event(), until=time.monotonic() + 5.0
+    )
+    done.add_done_callback(_log_failure)
+    return True
 
 
 def _log_failure(future: concurrent.futures.Future[Any]) -> None:

@@ -27,6 +27,7 @@ from helpers import peers_came
 import ftcomm
 from ftcomm import CommAborted, CommTimeout
 from ftcomm._runtime.loop import get_runtime
+from ftcomm.testing import inspect
 
 Figures = dict[str, Any]
 
@@ -143,7 +144,7 @@ async def busy_stream_deadline(rig: Rig, port: int) -> Figures:
     deadline = 0.5
     async with ftcomm.Group("nccl", timeout=30.0) as g:
         await _configure(g, port, "busy1")
-        backend: Any = g._config.backend  # type: ignore[union-attr]
+        backend: Any = inspect(g).backend  # type: ignore[union-attr]
         await g.allreduce(rig.tensor([1.0]))  # warm
         # Made before the stream is held: a host-to-device copy waits for it.
         t = rig.tensor([1.0])

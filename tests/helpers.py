@@ -24,6 +24,7 @@ from ftcomm._runtime.table import OpTable
 from ftcomm._runtime.work import Work
 from ftcomm._store import parse_store_addr
 from ftcomm.backends.subprocess import SubprocessBackend
+from ftcomm.testing import inspect
 
 
 class ScriptedOp:
@@ -112,7 +113,7 @@ def free_port() -> int:
 
 def subprocess_backend(group: ftcomm.Group) -> SubprocessBackend:
     """The worker-process backend of ``group``'s current configuration."""
-    cfg = group._config
+    cfg = inspect(group).config
     assert cfg is not None
     assert isinstance(cfg.backend, SubprocessBackend), cfg.backend
     return cfg.backend
@@ -133,7 +134,7 @@ def spy_allreduces(g: ftcomm.Group) -> list[tuple[str, int]]:
     call; the logic above it runs as it is), with the elements sent:
     ("sum", n) for the short path's ``allreduce_sum``, ("allreduce", n) for
     the long path's (a batch is one flat tensor)."""
-    backend = g._config.backend  # type: ignore[union-attr]
+    backend = inspect(g).backend  # type: ignore[union-attr]
     calls: list[tuple[str, int]] = []
     real, real_sum = backend.allreduce, backend.allreduce_sum
 

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import ftcomm
-from ftcomm.testing import RankContext, run_world
+from ftcomm.testing import RankContext, inspect, run_world
 
 SEED = int(os.environ.get("FTCOMM_DRILL_SEED", "20261201"))
 TRIALS = int(os.environ.get("FTCOMM_DRILL_TRIALS", "60"))
@@ -137,7 +137,7 @@ async def _trial(ctx: RankContext, trial: Trial, subprocess: bool) -> dict[str, 
         if not await _group_works(ctx, g, key, configured):
             return {"outcome": "setup failed"}
         if not subprocess:  # its sockets were found: its abort is real
-            backend = g._config.backend if g._config is not None else None
+            backend = inspect(g).backend
             assert getattr(backend, "aborts_for_real", False), (trial, backend)
         t = _input(trial.op, ctx.rank)
         before = t.clone()

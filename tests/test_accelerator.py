@@ -30,6 +30,7 @@ from ftcomm.backends import _accel_device, accelerator, backend_class
 from ftcomm.backends._accel_device import NCCL, XCCL, Flavor
 from ftcomm.backends.accelerator import AcceleratorBackend, EventOp
 from ftcomm.c10d import ProcessGroupNCCL, ProcessGroupXCCL
+from ftcomm.testing import inspect
 
 _prefixes = itertools.count()
 
@@ -90,7 +91,7 @@ async def test_the_group_is_built_as_torchft_builds_it(
         assert pg.connected_on == torch.device("cpu", 0)  # the caller's current device
         assert g.rank == 0
         assert g.size() == 1
-    # What ftcomm set where the user had not, and why: docs/design.md.
+    # What ftcomm set where the user had not, and why: docs/accelerators.md.
     import os
 
     assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "10"
@@ -256,7 +257,7 @@ async def test_a_c10d_wait_on_a_lone_fused_op_is_a_cut_however_far_it_got(
         await g.configure(_addr(store), 0, 1)
         fake.hold()
         lone = g.allreduce(torch.ones(2))  # the first fusible op goes at once
-        cfg = g._config
+        cfg = inspect(g).config
         assert cfg is not None
         assert cfg.fuse_alone is False  # the next one would join a batch
         assert OpWork(lone, None).wait() is True  # ordered on the stream
@@ -581,7 +582,7 @@ async def test_errored_names_the_deadline_when_another_op_sees_the_abort_first(
     the stop. That op ends with CommAborted; errored() still names the deadline."""
     async with ftcomm.Group("nccl", timeout=30.0) as g:
         await g.configure(_addr(store), 0, 1)
-        backend = g._config.backend  # type: ignore[union-attr]
+        backend = inspect(g).backend  # type: ignore[union-attr]
         fake.hold()
         other = g.broadcast(torch.ones(1), root=0)
         slow = g.allreduce(torch.ones(1), timeout=0.2)
@@ -613,7 +614,7 @@ async def test_errored_names_the_deadline_when_an_op_is_issued_in_the_abort_wind
     op is refused, and errored() still names the deadline."""
     async with ftcomm.Group("nccl", timeout=30.0) as g:
         await g.configure(_addr(store), 0, 1)
-        backend = g._config.backend  # type: ignore[union-attr]
+        backend = inspect(g).backend  # type: ignore[union-attr]
         fake.hold()
         slow = g.allreduce(torch.ones(1), timeout=0.2)
         real_abort = backend.abort
@@ -639,7 +640,7 @@ async def test_errored_names_the_deadline_when_an_op_is_issued_in_the_abort_wind
 async def test_a_watcher_that_fails_is_replaced(fake: FakeDevice, store: StoreServer) -> None:
     async with ftcomm.Group("nccl", timeout=30.0) as g:
         await g.configure(_addr(store), 0, 1)
-        backend = g._config.backend  # type: ignore[union-attr]
+        backend = inspect(g).backend  # type: ignore[union-attr]
         real_check = backend.check_library
         failures = [RuntimeError("a bug in the watcher")]
 
@@ -677,7 +678,7 @@ async def test_every_tensor_of_an_op_is_checked_against_the_groups_device(
 ) -> None:
     async with ftcomm.Group("nccl", timeout=10.0) as g:
         await g.configure(_addr(store), 0, 1)
-        backend = g._config.backend  # type: ignore[union-attr]
+        backend = inspect(g).backend  # type: ignore[union-attr]
         checked: list[torch.device] = []
         monkeypatch.setattr(backend, "_check_device", checked.append)
         outs, ins = [torch.zeros(2), torch.zeros(2)], [torch.ones(2), torch.ones(2)]

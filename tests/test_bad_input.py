@@ -42,6 +42,7 @@ from torch.distributed import ReduceOp
 import ftcomm
 from ftcomm._runtime.loop import get_runtime
 from ftcomm._store import parse_store_addr
+from ftcomm.testing import inspect
 
 Keep = Callable[[torch.Tensor], torch.Tensor]
 Call = Callable[[ftcomm.Group, Keep], object]
@@ -1397,7 +1398,7 @@ def test_awaiting_without_an_asyncio_loop_says_so(addr: str) -> None:
         from ftcomm._runtime import work as work_module
 
         op = ScriptedOp()
-        table = g._config.table  # type: ignore[union-attr]
+        table = inspect(g).table  # type: ignore[union-attr]
         pending = work_module.Work(table, "allreduce", 1, time.monotonic() + 5, op, None)
         with pytest.raises(RuntimeError, match=r"^awaiting allreduce needs a running asyncio"):
             pending.__await__().send(None)

@@ -28,6 +28,7 @@ from ftcomm._runtime.loop import get_runtime
 from ftcomm._runtime.table import OpTable
 from ftcomm._runtime.work import Work
 from ftcomm.c10d._work import OpWork
+from ftcomm.testing import inspect
 from ftcomm.testing._base import _children
 
 # How long an observer gets to (wrongly) see an op end while its settler is
@@ -325,7 +326,7 @@ def test_shutdown_during_configure_wins(
     assert len(outcome) == 1
     assert isinstance(outcome[0], ftcomm.CommAborted), outcome
     assert "superseded by shutdown()" in str(outcome[0])
-    assert g._config is None
+    assert inspect(g).config is None
     assert g.state is ftcomm.State.CLOSED
     with pytest.raises(ftcomm.NotConfigured):
         g.barrier()
@@ -378,7 +379,7 @@ async def test_abort_and_shutdown_act_without_await() -> None:
 
 
 def test_the_state_table_is_what_the_core_enforces() -> None:
-    """The table of docs/design.md, written out again here, is what the core
+    """The table of docs/ops.md, written out again here, is what the core
     does: every pair in it goes where it says, every other pair is refused."""
     from ftcomm._state import GroupCore
 
@@ -471,7 +472,7 @@ def test_configure_shutdown_abort_and_ops_from_three_threads() -> None:
     assert counts["configured"] > 0
     assert counts["ops"] > 0
     assert g.state is ftcomm.State.CLOSED
-    assert g._config is None
+    assert inspect(g).config is None
     # A "ready" always belongs to an attempt that began after the last
     # shutdown or abort-while-configuring: the core refuses any other.
     last_begin = last_cut = -1
@@ -503,12 +504,12 @@ async def test_a_refill_queued_before_shutdown_starts_no_spare(store: StoreServe
     after shutdown() (s7 with ``subprocess=True``), no spare may start."""
     g = ftcomm.Group("dummy", subprocess=True, timeout=30, configure_timeout=60)
     await g.configure(f"127.0.0.1:{store.port}/refill", 0, 1)
-    config = g._config
-    launcher = g._launcher
+    config = inspect(g).config
+    launcher = inspect(g).launcher
     assert config is not None
     assert launcher is not None
     await g.shutdown()
-    g._refill_for(config)  # what configure() queued, running late
+    g._configurer._refill_for(config)  # what configure() queued, running late
     assert launcher.spare_pid is None
     assert get_runtime().control.wait_idle(30)
     assert launcher.spare_pid is None

@@ -21,6 +21,7 @@ from ftcomm._store import ConnectProgress
 from ftcomm.backends import Backend, ConnectSpec
 from ftcomm.backends import gloo as gloo_mod
 from ftcomm.backends.subprocess._client import connecting, starting
+from ftcomm.testing import inspect
 from ftcomm.testing._base import _fds
 
 
@@ -84,7 +85,7 @@ async def test_a_workers_timeout_that_comes_first_says_configures_timeout(
         step(spec.progress)
         raise TimeoutError("the worker did not answer in time")
 
-    g._connect = worker_never_answers  # type: ignore[assignment]
+    g._configurer._connect = worker_never_answers  # type: ignore[method-assign]
     started = time.monotonic()
     with pytest.raises(ftcomm.CommTimeout) as info:
         await g.configure(f"127.0.0.1:{store.port}/slow-worker", 0, 2)
@@ -138,7 +139,7 @@ async def test_a_native_group_that_refuses_to_issue_errors_the_group() -> None:
     caused pair closure"): that is a broken group, not a bad argument."""
     g = ftcomm.Group("dummy")
     await g.configure("127.0.0.1:1/refuse", 0, 1)
-    cfg = g._config
+    cfg = inspect(g).config
     assert cfg is not None
 
     def refuse(*args: object) -> object:

@@ -31,7 +31,7 @@ import ftcomm
 from ftcomm import CommAborted, CommFailed, CommTimeout
 from ftcomm._runtime import faults
 from ftcomm.backends import dummy
-from ftcomm.testing import Fault, FaultPlan, RankContext, run_world
+from ftcomm.testing import Fault, FaultPlan, RankContext, inspect, run_world
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -125,13 +125,13 @@ async def test_a_look_at_a_lone_op_while_this_thread_issues_does_not_deadlock(
     the look's cut point is made without that lock."""
     async with await _dummy(store, fuse=True) as g:
         lone = g.allreduce(torch.ones(1))  # goes on its own: its first look is a cut
-        cfg = g._config
+        cfg = inspect(g).config
         assert cfg is not None
         assert cfg.fuse_alone is False  # the next one would join a batch
         seen: list[bool] = []
 
         def callback_under_the_issue_lock() -> None:
-            with g._issue_lock:
+            with g._issuer._lock:
                 seen.append(lone.done())
 
         thread = threading.Thread(target=callback_under_the_issue_lock, daemon=True)
@@ -683,7 +683,7 @@ async def test_abort_does_not_wait_for_the_issue_lock(store: StoreServer) -> Non
     looked at (a look takes the issue lock, which an issue may hold)."""
     g = await _dummy(store, fuse=True)
     g.allreduce(torch.ones(1))  # went alone, never looked at
-    with g._issue_lock:  # an issue in progress on another thread
+    with g._issuer._lock:  # an issue in progress on another thread
         aborter = threading.Thread(target=g.abort, daemon=True)
         aborter.start()
         aborter.join(5.0)

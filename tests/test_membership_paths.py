@@ -22,7 +22,8 @@ from ftcomm._membership import _paths
 from ftcomm._membership._reach import Listener, Probes, Reach, parse_address, probe_all
 from ftcomm._membership._rule import EXACT_CUT, Member, WorldRecord, leave_out
 from ftcomm._membership._watch import Watcher, at_key
-from ftcomm.testing import Fault, FaultPlan, RankContext, run_world
+from ftcomm.group import abort_config
+from ftcomm.testing import Fault, FaultPlan, RankContext, inspect, run_world
 
 # -- probes -------------------------------------------------------------------
 
@@ -261,11 +262,11 @@ def test_evicted_keeps_cut_off_through_pickle() -> None:
 async def test_an_abort_for_an_old_configuration_leaves_the_new_one_alone(store: Any) -> None:
     async with ftcomm.Group("gloo", timeout=10) as group:
         await group.configure(f"{store.address}/a", 0, 1)
-        old = group._core.config
+        old = inspect(group).config
         await group.configure(f"{store.address}/b", 0, 1)
-        assert not group._abort_config(old, "too late")
+        assert not abort_config(group, old, "too late")
         assert (await group.allreduce(torch.ones(1))).item() == 1.0
-        assert group._abort_config(group._core.config, "now")
+        assert abort_config(group, inspect(group).config, "now")
         with pytest.raises(ftcomm.CommAborted, match="aborted: now"):
             await group.allreduce(torch.ones(1))
 

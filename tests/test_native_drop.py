@@ -40,6 +40,7 @@ import torch
 import ftcomm
 from ftcomm._runtime import threads
 from ftcomm._runtime.loop import get_runtime
+from ftcomm.testing import inspect
 
 DEADLOCK = "Resource deadlock avoided"
 
@@ -59,8 +60,8 @@ async def _two_ranks(server: Any, key: str, **kw: Any) -> tuple[ftcomm.Group, ft
     g0, g1 = ftcomm.Group("gloo", timeout=30, **kw), ftcomm.Group("gloo", timeout=30, **kw)
     addr = server.addr(key)
     await asyncio.gather(g0.configure(addr, 0, 2), g1.configure(addr, 1, 2))
-    assert g0._config is not None
-    assert g0._config.backend.aborts_for_real
+    assert inspect(g0).config is not None
+    assert inspect(g0).backend.aborts_for_real
     return g0, g1
 
 
@@ -98,8 +99,8 @@ async def _callback_break() -> dict[str, Any]:
     rt.reaper._queue = queue
     server = ftcomm.serve_store()
     g0, g1 = await _two_ranks(server, "callback-break")
-    assert g0._config is not None
-    refs.append(_watch_drop(g0._config.backend._pg, dropped_on))  # type: ignore[attr-defined]
+    assert inspect(g0).config is not None
+    refs.append(_watch_drop(inspect(g0).backend._pg, dropped_on))  # type: ignore[attr-defined]
     work = g0.allreduce(torch.ones(4))
     ended = threading.Event()
     # From a thread without an event loop: the native completion callback
@@ -141,8 +142,8 @@ async def _issue_on_gloo_thread() -> dict[str, Any]:
     gloo._buckets = held_buckets  # type: ignore[assignment]
     server = ftcomm.serve_store()
     g0, g1 = await _two_ranks(server, "issue-on-gloo-thread", verify=True)
-    assert g0._config is not None
-    ref = _watch_drop(g0._config.backend._pg, dropped_on)  # type: ignore[attr-defined]
+    assert inspect(g0).config is not None
+    ref = _watch_drop(inspect(g0).backend._pg, dropped_on)  # type: ignore[attr-defined]
     outs = [torch.zeros(4), torch.zeros(4)]
     mine.append(outs[0])
     w0 = g0.reduce_scatter(outs[0], [torch.ones(4), torch.ones(4)])

@@ -1,6 +1,7 @@
-"""``Group.allreduce``'s short path: the plain small op, issued in one frame.
+"""The issuer's short path: the plain small allreduce, issued in one frame.
 
-It must do exactly what the long path (``Collectives.allreduce``) does for
+It must do exactly what the long path (the rest of ``Collectives.allreduce``
+and ``Issuer.issue``) does for
 such an op, and every other call must take the long path. The equivalence
 and refusal tests run the same program with the short path on and off
 (``Config.short_dtypes = None``: what a backend without one has) and compare
@@ -26,11 +27,11 @@ import ftcomm
 from ftcomm import CommAborted
 from ftcomm._collectives import Collectives
 from ftcomm._runtime import faults
-from ftcomm.testing import Fault, FaultPlan, RankContext, run_world
+from ftcomm.testing import Fault, FaultPlan, RankContext, inspect, run_world
 
 
 def _long_only(g: ftcomm.Group) -> None:
-    g._config.short_dtypes = None  # type: ignore[union-attr]
+    inspect(g).config.short_dtypes = None  # type: ignore[union-attr]
 
 
 def _normal(calls: list[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -286,7 +287,7 @@ async def _refused(ctx: RankContext, short: bool, by_abandon: bool) -> dict[str,
         await g.allreduce(torch.ones(1))
         if not short:
             _long_only(g)
-        backend: Any = g._config.backend  # type: ignore[union-attr]
+        backend: Any = inspect(g).backend  # type: ignore[union-attr]
         cause = RuntimeError("the stopped group's own words")
 
         def refuse(*args: Any) -> Any:
@@ -377,7 +378,7 @@ def test_a_plain_op_sends_a_batch_open_in_another_task_first() -> None:
 async def _timeouts(ctx: RankContext) -> list[float]:
     async with ftcomm.Group("gloo", timeout=20) as g:
         await g.configure(ctx.addr("t"), ctx.rank, ctx.world_size)
-        backend: Any = g._config.backend  # type: ignore[union-attr]
+        backend: Any = inspect(g).backend  # type: ignore[union-attr]
         seen = []
         for seconds in (20.0, 7.0, 7.0, 20.0):
             g.set_timeout(seconds)
@@ -391,8 +392,9 @@ def test_the_short_path_follows_set_timeout() -> None:
         assert seen == [20.0, 7.0, 7.0, 20.0]
 
 
-def test_group_allreduce_keeps_the_public_docstring() -> None:
-    assert ftcomm.Group.allreduce.__doc__ == Collectives.allreduce.__doc__
+def test_allreduce_is_written_once() -> None:
+    # The short path is the issuer's; Group has one allreduce, Collectives'.
+    assert ftcomm.Group.allreduce is Collectives.allreduce
     assert "CommFailed" in (ftcomm.Group.allreduce.__doc__ or "")
 
 
@@ -422,8 +424,8 @@ async def _plain_op_at_the_gate(
 ) -> tuple[_GateLock, threading.Thread, list[ftcomm.Work[torch.Tensor]]]:
     """Start ``g.allreduce(tensor)`` on a thread; return once it has passed
     the short path's unlocked checks and waits at the issue lock's gate."""
-    gate = _GateLock(g._issue_lock, "plain-op")
-    g._issue_lock = gate  # type: ignore[assignment]
+    gate = _GateLock(g._issuer._lock, "plain-op")
+    g._issuer._lock = gate  # type: ignore[assignment]
     box: list[ftcomm.Work[torch.Tensor]] = []
     thread = threading.Thread(target=lambda: box.append(g.allreduce(tensor)), name="plain-op")
     thread.start()
@@ -486,7 +488,7 @@ async def _marks_and_deadlines(ctx: RankContext, short: bool) -> dict[str, Any]:
         await g.configure(ctx.addr(f"k{short}"), ctx.rank, ctx.world_size)
         if not short:
             _long_only(g)
-        assert g._fuse_op_bytes == 256
+        assert g._issuer.fuse_op_bytes == 256
         marks, lefts = [], []
         for n in (64, 65, 64):  # 256 bytes: fusible; 260: not (a cut point)
             issued = time.monotonic()

@@ -30,7 +30,7 @@ from ftcomm._protocol import Done, Ready
 from ftcomm._runtime.loop import get_runtime
 from ftcomm.backends.subprocess._client import WorkerProcess
 from ftcomm.backends.subprocess._pool import Pool
-from ftcomm.testing import Fault, FaultPlan, Kind, RankContext, run_world
+from ftcomm.testing import Fault, FaultPlan, Kind, RankContext, inspect, run_world
 from ftcomm.testing._base import _segments
 
 # What these check runs on ftcomm's owner loop and in the worker: asyncio only.
@@ -90,7 +90,7 @@ async def test_each_configure_gets_a_fresh_worker_the_spare_when_there_is_one(
     async with ftcomm.Group("gloo", subprocess=True, timeout=10, configure_timeout=60) as g:
         await g.configure(f"127.0.0.1:{store.port}/a", 0, 1)
         first = subprocess_backend(g).worker
-        launcher = g._launcher
+        launcher = inspect(g).launcher
         assert launcher is not None
         # The spare is started on a control thread once the configuration is up.
         assert await asyncio.to_thread(rt.control.wait_idle, 10.0)
@@ -248,7 +248,7 @@ async def test_configure_that_fails_leaves_no_worker(store: StoreServer) -> None
         with pytest.raises((CommTimeout, ftcomm.CommFailed)):
             await g.configure(f"127.0.0.1:{store.port}/lonely", 0, 2, timeout=2.5)
         assert g.errored() is None
-        assert g._config is None
+        assert inspect(g).config is None
 
 
 # -- drills: real processes, the harness's worker faults ---------------------------------------
@@ -448,12 +448,13 @@ def test_a_future_callback_may_wait_for_another_op(store: StoreServer) -> None:
 
 _DROP_A_GROUP = """
 import asyncio, gc, json, sys, ftcomm
+from ftcomm.testing import inspect
 from torch._C._distributed_c10d import TCPStore
 async def main():
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=10, configure_timeout=60)
     await g.configure(f"127.0.0.1:{store.port}/drop", 0, 1)
-    worker = g._config.backend.worker
+    worker = inspect(g).backend.worker
     del g
     gc.collect()
     await asyncio.wait_for(asyncio.wrap_future(worker.exited), 10)
@@ -488,7 +489,7 @@ async def test_a_dead_spare_is_replaced_not_used(store: StoreServer) -> None:
     async with ftcomm.Group("gloo", subprocess=True, timeout=10, configure_timeout=60) as g:
         await g.configure(f"127.0.0.1:{store.port}/a", 0, 1)
         assert await asyncio.to_thread(rt.control.wait_idle, 10.0)
-        launcher = g._launcher
+        launcher = inspect(g).launcher
         assert launcher is not None
         spare = launcher.spare_pid
         assert spare is not None
@@ -500,12 +501,13 @@ async def test_a_dead_spare_is_replaced_not_used(store: StoreServer) -> None:
 
 _EXIT_WITH_OP_IN_FLIGHT = """
 import asyncio, os, signal, sys, torch, ftcomm
+from ftcomm.testing import inspect
 from torch._C._distributed_c10d import TCPStore
 async def main():
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=30, configure_timeout=60)
     await g.configure(f"127.0.0.1:{store.port}/x", 0, 1)
-    worker = g._config.backend.worker
+    worker = inspect(g).backend.worker
     os.kill(worker.pid, signal.SIGSTOP)
     g.allreduce(torch.ones(1 << 16))  # a linked segment, never answered
     print(os.getpid(), worker.pid, flush=True)

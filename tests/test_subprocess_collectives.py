@@ -25,7 +25,7 @@ from test_collectives import assert_same, every_collective, expected
 
 import ftcomm
 from ftcomm import c10d
-from ftcomm.testing import RankContext, run_world
+from ftcomm.testing import RankContext, inspect, run_world
 
 TIMEOUT = 20  # each op's and configure's deadline: generous for a 2-core machine
 _Group = ftcomm.Group  # the real class, whatever the patch below puts in its place
@@ -289,14 +289,14 @@ def baby_gloo_rank(ctx: RankContext) -> dict[str, Any]:
         assert pg.getBackendName() == "ftcomm-baby-gloo"
         pg.configure(ctx.addr("a"), "0", r, n)
         assert (pg.rank(), pg.size()) == (r, n)
-        first = pg._group._config.backend.worker  # type: ignore[union-attr]
+        first = inspect(pg._group).backend.worker  # type: ignore[union-attr]
         assert first.pid != os.getpid()
         assert _is_my_child(first.pid)
         out["first"] = _facade_allreduce(pg, r, n)
         assert pg.errored() is None
 
         pg.configure(ctx.addr("b"), "0", r, n)
-        second = pg._group._config.backend.worker  # type: ignore[union-attr]
+        second = inspect(pg._group).backend.worker  # type: ignore[union-attr]
         assert second.pid not in (first.pid, os.getpid())
         assert _is_my_child(second.pid)
         # The first worker was killed and reaped (by its group, not by a failure).

@@ -45,6 +45,7 @@ from ftcomm.backends.subprocess._device import (
 )
 from ftcomm.backends.subprocess._pool import Pool
 from ftcomm.backends.subprocess._worker import Worker
+from ftcomm.testing import inspect
 
 # What these check runs on ftcomm's owner loop and in the worker: asyncio only.
 pytestmark = pytest.mark.one_loop
@@ -437,7 +438,7 @@ async def in_flight(store: StoreServer) -> AsyncIterator[InFlight]:
         "dummy", subprocess=True, spare_worker=False, timeout=10, configure_timeout=60
     ) as g:
         await g.configure(f"127.0.0.1:{store.port}/d", 0, 1)
-        worker = g._config.backend.worker  # type: ignore[union-attr]
+        worker = inspect(g).backend.worker  # type: ignore[union-attr]
         calls = FakeCalls()
         worker.pool.device = DeviceStorages(calls)
         staged = worker.pool.stage([(calls.cuda(torch.ones(4)), "inout")])

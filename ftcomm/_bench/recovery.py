@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._runtime.loop import get_runtime
+from ..group import config_of, configurer_of
 from .report import percentile
 from .runner import _OP_TIMEOUT, HOST, Seconds
 from .torchft_rows import close_torchft_baby
@@ -35,11 +37,11 @@ async def _spare_ready(group: Any, timeout: float = 30.0) -> None:
     """Wait until the group's spare worker has said READY (it imports torch first)."""
     import select
 
-    rt = group._runtime
-    await asyncio.to_thread(rt.control.wait_idle, timeout)
-    spare = group._launcher._spare
-    if spare is not None:
-        await asyncio.to_thread(select.select, [spare.channel.fd], [], [], timeout)
+    await asyncio.to_thread(get_runtime().control.wait_idle, timeout)
+    launcher = configurer_of(group).launcher
+    fd = launcher.spare_fd if launcher is not None else None
+    if fd is not None:
+        await asyncio.to_thread(select.select, [fd], [], [], timeout)
 
 
 class _KilledOnPurpose(logging.Filter):
@@ -86,7 +88,7 @@ async def _recovery(port: int, samples: int, torchft: bool) -> dict[str, Seconds
             victim = addr()
             _KILLED_ON_PURPOSE.stores.add(victim)
             await _first_op(g, victim)
-            cfg: Any = g._config
+            cfg: Any = config_of(g)
             worker = cfg.backend.worker
             killed = time.perf_counter()
             os.kill(worker.pid, 9)

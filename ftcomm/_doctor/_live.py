@@ -38,7 +38,7 @@ async def _live_gloo_abort() -> JSON:
 
     from ..backends.gloo import GlooBackend
     from ..errors import CommAborted, CommError
-    from ..group import Group
+    from ..group import Group, config_of
 
     result: JSON = {"ran": True, "passed": False, "error": None}
     from .._server import serve_store
@@ -59,7 +59,7 @@ async def _live_gloo_abort() -> JSON:
         result["warnings"] = [
             str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
         ]
-        cfg = g0._config
+        cfg = config_of(g0)
         backend = cfg.backend if cfg is not None else None
         result["sockets_found"] = isinstance(backend, GlooBackend) and backend.aborts_for_real
 

@@ -49,7 +49,7 @@ import torch
 from .._runtime.deadline import Timeout, resolve
 from .._runtime.loop import get_runtime
 from ..errors import CommError
-from ..group import Group
+from ..group import Group, config_of
 from . import _state_land as land
 from . import _state_wire as wire
 
@@ -75,7 +75,7 @@ _OK, _BAD_STATE, _UNREADABLE = 0, 1, -1
 
 def device_of(group: Group) -> torch.device:
     """Where ``group``'s tensors live: its accelerator's device, else the CPU."""
-    config = group._config
+    config = config_of(group)
     device = getattr(config.backend, "device", None) if config is not None else None
     return device if isinstance(device, torch.device) else torch.device("cpu")
 
@@ -226,7 +226,8 @@ async def copy_state(group: Group, state: S, step: int, deadline: float) -> tupl
     at = chain.index(me)
     prev = chain[at - 1] if at else None
     nxt = chain[at + 1] if at + 1 < len(chain) else None
-    window = 2 if group._config is not None and group._config.backend.copies_in_flight else WINDOW
+    config = config_of(group)
+    window = 2 if config is not None and config.backend.copies_in_flight else WINDOW
     if prev is None:
         await _stream(group, specs, _Sender(mine, device, deadline), prev, nxt, window, deadline)
         return state, step

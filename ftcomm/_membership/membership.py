@@ -28,7 +28,7 @@ from .._runtime.deadline import Timeout, resolve, to_seconds
 from .._runtime.loop import get_runtime
 from .._store import parse_store_addr
 from ..errors import CommError, Evicted, MembershipError, MembershipTimeout
-from ..group import Group
+from ..group import Group, abort_config, config_of
 from . import _keep, _state_copy
 from ._engine import Engine, Stopped
 from ._etcd_engine import EtcdEngine
@@ -518,10 +518,10 @@ class Membership:
         aborts ``group``'s configuration for that world (only while it is
         the current one), so that an op in flight ends now rather than at
         its deadline, and the members recover."""
-        config, job, me = group._core.config, self.job, self.member_id
+        config, job, me = config_of(group), self.job, self.member_id
 
         def broken(why: str) -> None:
-            if group._abort_config(config, f"generation {record.generation} of job {job!r}: {why}"):
+            if abort_config(group, config, f"generation {record.generation} of job {job!r}: {why}"):
                 log.warning(
                     "ftcomm: membership %s/%s aborted its group: generation %d: %s",
                     job,

@@ -3,7 +3,7 @@
 With ``Group(fuse=True)`` (or inside ``group.batch()``), a small allreduce is
 not issued at once: it joins the group's open batch, and the batch is sent
 as **one** native allreduce of a private flat buffer when the program
-reaches a cut point (docs/design.md, "Fusing small collectives"): an op
+reaches a cut point (docs/fusion.md): an op
 that cannot join it is issued, the batch reaches its byte cap, one of its
 ops is looked at (awaited, waited on, ``done()``, a callback, its future),
 ``group.flush()`` or the end of a ``group.batch()`` block. Nothing that
@@ -514,7 +514,7 @@ def _sent(batch: Batch) -> None:
 class AloneMark(CutPoint):
     """Held by a fusible op that went on its own (``OpRecord._batch``): the first
     look at it is a cut point, after which the next fusible op goes at once
-    again (docs/design.md, "Fusing small collectives")."""
+    again (docs/fusion.md)."""
 
     __slots__ = ("_config",)
     kept_after_end = True

@@ -5,7 +5,7 @@ installed and ``FTCOMM_LOOP`` is not ``asyncio``). It holds the control plane:
 deadline timers, aborts, and the hand-off of native objects to the reaper.
 The data plane does not pass through it: a collective is issued on the
 caller's thread and its completion wakes the caller directly, so the owner
-loop costs the caller nothing on the fast path (see ``docs/design.md``).
+loop costs the caller nothing on the fast path (``docs/ops.md``).
 
 Callers on other threads reach the loop through :meth:`Runtime.call_soon`
 (fire and forget) and :meth:`Runtime.call` (blocking, like anyio's

@@ -3,7 +3,7 @@
 A :class:`NativeOp` is what a backend returns for an issued op. ftcomm's
 :class:`~ftcomm.Work` polls it on the fast path and registers ``on_done`` only
 when the op is slow, because a c10d future callback costs about 100 µs per op
-on these machines while a poll costs next to nothing (see docs/design.md).
+on these machines while a poll costs next to nothing (docs/ops.md).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ R = TypeVar("R")
 STOP_WAIT = 1.0
 """How long a stopped native op (Gloo, its sockets shut down) has to end
 before its error is published anyway (measured: 1-4 ms, rarely its own
-timeout; see docs/design.md). A cancelled awaiter waits that long at most."""
+timeout; docs/gloo.md). A cancelled awaiter waits that long at most."""
 
 EARLY = 0.005
 """A native error this close to the deadline counts as the deadline passing."""

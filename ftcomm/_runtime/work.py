@@ -68,7 +68,7 @@ class Work(OpRecord[R], TaskDriven, collections.abc.Coroutine[Any, Any, R]):
     :meth:`exception`, :meth:`add_done_callback`, the c10d work and future)
     sees the same outcome, from any thread, whenever it looks; an op whose
     error is out never writes into its tensors afterwards (on backends that
-    can stop their native op; see docs/design.md).
+    can stop their native op; docs/ops.md).
 
     Where an event loop runs, a work is also an asyncio future of that loop
     (``asyncio.isfuture`` is true): ``asyncio.gather(*works)``,
@@ -151,7 +151,7 @@ class Work(OpRecord[R], TaskDriven, collections.abc.Coroutine[Any, Any, R]):
 
     def _flush(self) -> None:
         """Send the open batch this op waits in: someone looks at the op (a
-        point of the program's own order; docs/design.md, "Fusing")."""
+        point of the program's own order; docs/fusion.md)."""
         batch = self._batch
         if batch is not None:
             self._batch = None

@@ -92,7 +92,7 @@ _SEQUENCE_NUMBERS = TorchVersion(torch.__version__) < "2.14"
 
 def prepare_environment(flavor: Flavor, nonblocking_timeout: float) -> dict[str, str]:
     """Set, where the user has not, the variables torch reads when it builds
-    a group; return what this call set (logged at INFO; docs/design.md).
+    a group; return what this call set (logged at INFO; docs/accelerators.md).
 
     * the non-blocking timeout: how long torch lets a communicator's call
       stay in progress (a peer that never joins) before it gives up by
@@ -116,7 +116,7 @@ def prepare_environment(flavor: Flavor, nonblocking_timeout: float) -> dict[str,
                 os.environ[name] = value
                 set_now[name] = value
     if set_now:
-        log.info("ftcomm: set %s for %s (docs/design.md)", set_now, flavor.library)
+        log.info("ftcomm: set %s for %s (docs/accelerators.md)", set_now, flavor.library)
     for name, value in flavor.watchdog_env:
         legacy = _LEGACY.get(name)
         current = os.environ.get(name, os.environ.get(legacy) if legacy else None)
@@ -136,7 +136,7 @@ def _warn_capped(name: str, cached: int, wanted: float) -> None:
     log.warning(
         "ftcomm: %s=%d (read once per process by torch) caps how long a peer may "
         "take to join; this configure allows %g s: set %s before the first "
-        "group to raise it (docs/design.md)",
+        "group to raise it (docs/accelerators.md)",
         name,
         cached,
         wanted,
@@ -153,7 +153,7 @@ def _warn_teardown(name: str, value: str, ours: str) -> None:
     _warned.add(name)
     log.warning(
         "ftcomm: %s=%s can let c10d end the process when an op fails; ftcomm "
-        "recovers from such failures itself: set it to %s (docs/design.md)",
+        "recovers from such failures itself: set it to %s (docs/accelerators.md)",
         name,
         value,
         ours,

@@ -3,7 +3,7 @@
 Gloo keeps a group's state in its pairs, one TCP connection per peer, and
 ``ProcessGroupGloo.abort()`` does nothing (torch 2.13). Shutting those
 connections down (``shutdown(SHUT_RDWR)``) is a real abort, measured in
-``docs/design.md`` ("A real abort for in-process Gloo"): the local op fails
+``docs/gloo.md`` ("A real abort for in-process Gloo"): the local op fails
 within a millisecond or two and never writes into its tensors after its
 error, and every peer's matching op fails with "Connection closed by peer"
 instead of completing against an op that was given up.

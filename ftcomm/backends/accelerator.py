@@ -29,7 +29,7 @@ How a deadline really ends an op here:
   never ends the process for an op ftcomm owns.
 
 What stays unverified without a GPU, and the truth table, are in
-docs/errors.md and docs/design.md.
+docs/errors.md and docs/accelerators.md.
 """
 
 from __future__ import annotations

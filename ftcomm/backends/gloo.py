@@ -1,6 +1,6 @@
 """In-process c10d Gloo on CPU tensors.
 
-Facts of torch 2.13 this backend is built around (docs/design.md):
+Facts of torch 2.13 this backend is built around (docs/gloo.md):
 
 * ``abort()`` and ``shutdown()`` do nothing, but a per-op ``timeout`` fires on
   time. Every collective is issued with the remaining deadline as its own

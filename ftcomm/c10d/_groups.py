@@ -26,7 +26,7 @@ from .._runtime.deadline import to_seconds
 from .._runtime.loop import get_runtime
 from .._runtime.observe import Event, GroupStats, Subscription
 from ..errors import CommError, NotConfigured
-from ..group import Group
+from ..group import Group, configurer_of
 from . import _interop, _registry
 from ._base import ProcessGroup, logger
 from ._ops import DummyOps, GroupOps
@@ -292,7 +292,7 @@ class _Facade(ProcessGroup):
                 global_ranks=global_ranks,
                 timeout=self._timeout,  # set_timeout() reaches configure too
                 # NCCL/XCCL: this thread's current device (configure runs on the owner loop's)
-                device_id=group._backend_cls.caller_device(),
+                device_id=configurer_of(group).backend_cls.caller_device(),
             )
         )
         # Which default-group rank each member is: torch's tables map a
@@ -449,7 +449,7 @@ class ProcessGroupWrapper(_Facade):
             Off by default: c10d's one native op per call. Only host tensors
             fuse, so it changes nothing on NCCL/XCCL groups. Code that waits
             on works from several threads must look at them in the same order
-            on every rank (docs/design.md, "Fusing small collectives").
+            on every rank (docs/fusion.md).
 
     Raises:
         TypeError: ``pg`` is not an ftcomm.c10d ``ProcessGroup``; ``fuse`` is

@@ -22,7 +22,7 @@ import torch
 from torch.distributed import AllreduceOptions, ReduceOp
 
 from .._runtime.native import write_outputs
-from ..group import Group
+from ..group import Group, check_open
 from ._work import DoneWork, Finish, OpWork
 
 _SUM = ReduceOp.SUM
@@ -363,7 +363,7 @@ class DummyOps(GroupOps):
     ) -> DoneWork:
         """Pair ``outputs`` with ``inputs`` in order (as ``zip`` does), copy
         each input to its output, and end at once with ``value``."""
-        self.group._check_open(op)
+        check_open(self.group, op)
         pairs = list(zip(outputs, inputs, strict=False))
         for i, (out, inp) in enumerate(pairs):
             if not isinstance(out, torch.Tensor) or not isinstance(inp, torch.Tensor):

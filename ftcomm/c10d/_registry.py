@@ -48,6 +48,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from .._store import connect_store, resolve_store_addr
 from ..errors import CommAborted, CommFailed, CommTimeout
+from ..group import config_of
 
 if TYPE_CHECKING:
     from ..group import Group
@@ -387,10 +388,11 @@ class MemberRanks:
         """
         # Weakly: a pending exchange must not keep an old configuration
         # alive after shutdown() or another configure().
-        config = weakref.ref(group._config) if group._config is not None else None
+        current = config_of(group)
+        config = weakref.ref(current) if current is not None else None
 
         def superseded() -> bool:  # by abort(), shutdown() or another configure()
-            now = group._config
+            now = config_of(group)
             return (
                 now is None or config is None or config() is not now or group.errored() is not None
             )

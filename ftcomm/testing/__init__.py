@@ -16,6 +16,8 @@ from ._etcd import partition_missing as partition_missing
 from ._faults import Fault as Fault
 from ._faults import FaultPlan as FaultPlan
 from ._faults import Kind as Kind
+from ._inspect import Inspection as Inspection
+from ._inspect import inspect as inspect
 from ._net import network_missing as network_missing
 from ._world import LOOPS as LOOPS
 from ._world import run_world as run_world
@@ -25,11 +27,13 @@ __all__ = [
     "EtcdCluster",
     "Fault",
     "FaultPlan",
+    "Inspection",
     "Kind",
     "RankContext",
     "RankFailure",
     "WorldError",
     "etcd_missing",
+    "inspect",
     "partition_missing",
     "network_missing",
     "run_world",

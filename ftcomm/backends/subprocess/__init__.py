@@ -1,6 +1,6 @@
 """The subprocess backend: the native group runs in a child process.
 
-On Gloo an in-process abort does nothing (docs/design.md); here abort is total:
+On Gloo an in-process abort does nothing (docs/gloo.md); here abort is total:
 the group's worker process is killed, and nothing writes anywhere any more.
 Pieces, each in its own module:
 
@@ -330,6 +330,13 @@ class Launcher:
         """The spare worker's pid, if one is waiting."""
         spare = self._spare
         return spare.pid if spare is not None else None
+
+    @property
+    def spare_fd(self) -> int | None:
+        """The spare worker's channel, readable once it has said READY (or
+        died), if one is waiting."""
+        spare = self._spare
+        return spare.channel.fd if spare is not None else None
 
     def close(self) -> None:
         """Stop the spare, and make a refill in progress give up (non-blocking;
