@@ -351,3 +351,11 @@ class Collectives:
         return self._issuer.issue(
             cfg, "recv", timeout, tensor, lambda b, s: b.recv(tensor, src, tag, s), None
         )
+
+
+def check_open(group: Collectives, op: str) -> None:
+    """Raise what issuing ``op`` on ``group`` now would raise at once:
+    ``NotConfigured``, or ``CommAborted`` on an errored group (for ftcomm's
+    layers above the group: the c10d facade's ops that never reach a native
+    group). Not API."""
+    group._issuer.check_open(op)

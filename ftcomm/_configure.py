@@ -66,7 +66,7 @@ def _connect_error(exc: Exception, where: str, rank: int) -> CommError:
     what the backend raised (a worker's error by its type's name), never by
     the clock. The native message is kept: it is what a user can act on."""
     if isinstance(exc, CommError):
-        return exc._located(rank, "configure", None)
+        return exc.at(rank, "configure", None)
     remote_type = getattr(exc, "remote_type", None)  # raised in a subprocess worker
     if remote_type == PrefixReused.__name__:  # the worker's own words, as its own class
         said = str(exc).partition(": ")[2]
@@ -297,7 +297,7 @@ class Configurer:
         def on_break(error: CommError) -> None:
             live = table_ref()
             if live is not None:
-                live.break_(error._located(rank, None, None))
+                live.break_(error.at(rank, None, None))
 
         backend.watch(on_break)
         if self.launcher is not None and self.launcher.keep_spare:

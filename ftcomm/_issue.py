@@ -24,7 +24,7 @@ from ._runtime import faults
 from ._runtime.deadline import Timeout, to_seconds
 from ._runtime.fuse import MAX_OP_FRACTION, Batch, MemberOp, copy_back_cpu
 from ._runtime.native import NativeOp, without_tracebacks
-from ._runtime.settle import aborted_by
+from ._runtime.settle import AbandonAbort, aborted_by, as_seen
 from ._runtime.table import Broken, OpTable
 from ._runtime.work import Work
 from ._state import Config, GroupCore
@@ -287,19 +287,19 @@ class Issuer:
         released, in :meth:`_raise_not_issued`). Returns the op's error and
         the break."""
         refused = self._refused(table, op, exc)
-        if getattr(exc, "_by_abandon", False):
+        if isinstance(exc, AbandonAbort):
             # Another op's abandon() stopped the native group; its
             # settler is breaking the table with the real cause.
             raise refused from exc.__cause__
-        with table._lock:
-            return refused, table._break_locked(refused)
+        with table.lock:
+            return refused, table.break_locked(refused)
 
     @staticmethod
     def _raise_not_issued(table: OpTable, op: str, refused: CommError, broken: Broken) -> NoReturn:
         """After :meth:`_not_issued_locked`, with the issue lock released: end
         the ops the break ended, and raise the op's error (or, if another
         error broke the table first, ``CommAborted`` naming it)."""
-        table._after_break(broken, time.monotonic())
+        table.after_break(broken, time.monotonic())
         if broken.cause is refused:
             raise refused from refused.__cause__
         aborted = CommAborted(
@@ -462,10 +462,10 @@ class Issuer:
                     rank=table.rank,
                     op="allreduce",
                 )
-            if getattr(exc, "_by_abandon", False):
+            if isinstance(exc, AbandonAbort):
                 return batch.refuse(refused)  # the settler that stopped the group breaks it
-            with table._lock:
-                broken = table._break_locked(refused)
+            with table.lock:
+                broken = table.break_locked(refused)
             if broken.cause is not refused:
                 # Refused because the group is being stopped (another op's
                 # deadline or cancel shut its sockets): its ops are aborted
@@ -475,7 +475,7 @@ class Issuer:
 
             def after() -> None:
                 try:
-                    table._after_break(broken, time.monotonic())
+                    table.after_break(broken, time.monotonic())
                 finally:
                     announce()
                 if interrupt is not None:
@@ -515,7 +515,7 @@ class Issuer:
         staging segment) and the native group."""
         exc = without_tracebacks(exc)
         if isinstance(exc, CommError):
-            return exc._located(table.rank, op, None)
+            return as_seen(exc.at(table.rank, op, None))
         failed = CommFailed(f"{op} could not be issued: {exc}", rank=table.rank, op=op)
         failed.__cause__ = exc
         return failed

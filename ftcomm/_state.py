@@ -145,7 +145,7 @@ class Teardown:
         if cfg is None:
             return None
         if self.broken is not None:
-            cfg.table._after_break(self.broken, time.monotonic())
+            cfg.table.after_break(self.broken, time.monotonic())
         return cfg.backend
 
     def ended(self) -> concurrent.futures.Future[None] | None:
@@ -222,7 +222,7 @@ class GroupCore:
             return Teardown(None, None)
         if event in ("begin", "shutdown"):
             self._config = None
-        return Teardown(cfg, cfg.table._break_locked(to_close, event))
+        return Teardown(cfg, cfg.table.break_locked(to_close, event))
 
     def table_broke(self, table: OpTable) -> None:
         """Under the lock: the op table ``table`` has just set its ``error``."""

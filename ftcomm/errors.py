@@ -22,6 +22,8 @@ that answers ``CommError`` with ``members.recover()`` does not catch it.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 __all__ = [
     "CommAborted",
     "CommError",
@@ -37,6 +39,9 @@ __all__ = [
 
 
 _CONTEXT = frozenset({"message", "rank", "op", "seq"})
+
+
+_E = TypeVar("_E", bound="CommError")
 
 
 class CommError(RuntimeError):
@@ -71,26 +76,21 @@ class CommError(RuntimeError):
         ]
         return f"{self.message} [{' '.join(where)}]" if where else self.message
 
-    def _located(self, rank: int | None, op: str | None, seq: int | None) -> CommError:
-        """A copy of this error (same class and extra attributes) that names
-        the op it ended, for an error raised below the op (a worker's death)."""
-        state = {k: v for k, v in self.__dict__.items() if k not in _CONTEXT}
-        error = _rebuild(type(self), self.message, rank, op, seq, state)
-        error.__cause__ = self.__cause__
-        return error
+    def at(
+        self: _E, rank: int | None, op: str | None, seq: int | None, *, message: str | None = None
+    ) -> _E:
+        """A copy of this error (same class, extra attributes and cause) said
+        of ``rank``, ``op`` and ``seq``, and of ``message`` where given: an
+        error raised below an op (a worker's death) named after the op it
+        ended, or a fresh copy to raise again on another thread.
 
-    def _group_aborted(self) -> CommError:
-        """What ``errored()`` reports for a group this error broke: the same
-        class and attributes, a message that says the group is aborted (it
-        is: every other op ended, the native group was let go), and this
-        error, the one its op raised, as ``__cause__``. An abort that says
-        so (``abort()``'s own) is itself."""
-        if isinstance(self, CommAborted) and "aborted" in self.message:
-            return self
+        Raises:
+            Nothing.
+        """
         state = {k: v for k, v in self.__dict__.items() if k not in _CONTEXT}
-        message = f"the group is aborted (configure() it again to go on) after: {self.message}"
-        error = _rebuild(type(self), message, self.rank, self.op, self.seq, state)
-        error.__cause__ = self
+        said = self.message if message is None else message
+        error = _rebuild(type(self), said, rank, op, seq, state)
+        error.__cause__ = self.__cause__
         return error
 
     def __reduce__(self) -> tuple[object, ...]:
@@ -100,13 +100,13 @@ class CommError(RuntimeError):
 
 
 def _rebuild(
-    cls: type[CommError],
+    cls: type[_E],
     message: str,
     rank: int | None,
     op: str | None,
     seq: int | None,
     state: dict[str, object],
-) -> CommError:
+) -> _E:
     err = cls(message, rank=rank, op=op, seq=seq)
     err.__dict__.update(state)
     return err

@@ -29,6 +29,7 @@ import torch
 
 from . import _validate as v
 from ._collectives import Collectives
+from ._collectives import check_open as check_open
 from ._configure import Configurer, connect_in_process
 from ._issue import BatchScope as BatchScope  # ftcomm.group.BatchScope, as before
 from ._issue import Issuer
@@ -446,12 +447,6 @@ def config_of(group: Group) -> Config | None:
 def configurer_of(group: Group) -> Configurer:
     """``group``'s connect step (its backend class, its launcher)."""
     return group._configurer
-
-
-def check_open(group: Group, op: str) -> None:
-    """Raise what issuing ``op`` on ``group`` now would raise at once:
-    ``NotConfigured``, or ``CommAborted`` on an errored group."""
-    group._issuer.check_open(op)
 
 
 def abort_config(group: Group, config: object, why: str) -> bool:

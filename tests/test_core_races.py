@@ -103,7 +103,7 @@ def test_no_observer_sees_success_while_the_op_is_being_failed(table: OpTable, w
     native = _PausingAbandon()
     inflight = _PauseOnce(settler)
     if where == "holding the lock":
-        table._inflight = inflight
+        table.inflight = inflight
         native.go.set()
     else:
         inflight.paused, inflight.go = native.paused, native.go
@@ -920,9 +920,9 @@ def test_a_failure_the_stop_causes_does_not_replace_the_stops_cause(
         elif how == "a verified op's check fails":  # what Chain._break's on_error does
             table.break_(ftcomm.CommFailed(f"the check before an op failed: {closed}"))
         else:  # as Group.abort() does it (_state.py)
-            with table._lock:
-                broken = table._break_locked(aborted, "abort")
-            table._after_break(broken, time.monotonic())
+            with table.lock:
+                broken = table.break_locked(aborted, "abort")
+            table.after_break(broken, time.monotonic())
 
     work = issue(table, _StopFailsOthers(stopped, stops), 60.0)
     expected: type[ftcomm.CommError]

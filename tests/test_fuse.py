@@ -265,7 +265,7 @@ async def test_the_first_look_at_a_lone_op_is_a_cut_even_once_it_ended(
     async with await _dummy(store, fuse=True) as g:
         a = g.allreduce(torch.ones(1))  # goes alone
         g.stats()  # finds it ended, and ends it
-        assert not a._table._inflight
+        assert not a._table.inflight
         await a  # the first look: a cut point all the same
         g.allreduce(torch.ones(2))  # so this one goes alone too
         assert calls == [("allreduce", [1]), ("allreduce", [2])]

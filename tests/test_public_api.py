@@ -78,6 +78,22 @@ def test_worker_died_keeps_its_exit_status() -> None:
     assert (back.signal, back.exitcode, back.rank) == (9, None, 0)
 
 
+def test_an_error_said_of_another_op_keeps_its_class_attributes_and_cause() -> None:
+    cause = OSError("pipe closed")
+    err = ftcomm.WorkerDied("worker exited", exitcode=None, signal=9, rank=0)
+    err.__cause__ = cause
+    moved = err.at(1, "broadcast", 4)
+    assert type(moved) is ftcomm.WorkerDied
+    assert moved is not err
+    assert (moved.rank, moved.op, moved.seq, moved.signal) == (1, "broadcast", 4, 9)
+    assert str(moved) == "worker exited [rank=1 op=broadcast seq=4]"
+    assert moved.__cause__ is cause
+    assert (err.rank, err.op, err.seq) == (0, None, None)  # the original is left as it was
+    bare = err.at(None, None, None, message="gone")
+    assert str(bare) == "gone"
+    assert bare.signal == 9
+
+
 def test_comm_timeout_is_a_timeout_error() -> None:
     assert issubclass(ftcomm.CommTimeout, TimeoutError)
     assert not issubclass(ftcomm.CommAborted, TimeoutError)

@@ -636,7 +636,7 @@ def test_an_awaiter_that_sees_the_error_sees_errored_set() -> None:
     rt = get_runtime()
     for _ in range(30):
         table = OpTable(rt, rank=0, on_break=lambda error, until: None)
-        table._inflight = _SlowPop()
+        table.inflight = _SlowPop()
         work = issue(table, ScriptedOp(), 30.0)
         saw: list[object] = []
 

@@ -27,6 +27,7 @@ import ftcomm
 from ftcomm import CommAborted
 from ftcomm._collectives import Collectives
 from ftcomm._runtime import faults
+from ftcomm._runtime.settle import AbandonAbort
 from ftcomm.testing import Fault, FaultPlan, RankContext, inspect, run_world
 
 
@@ -291,9 +292,9 @@ async def _refused(ctx: RankContext, short: bool, by_abandon: bool) -> dict[str,
         cause = RuntimeError("the stopped group's own words")
 
         def refuse(*args: Any) -> Any:
-            exc = RuntimeError("Application timeout caused pair closure")
-            if by_abandon:
-                exc._by_abandon = True  # type: ignore[attr-defined]
+            exc: Exception = RuntimeError("Application timeout caused pair closure")
+            if by_abandon:  # another op's abandon() stopped the group
+                exc = AbandonAbort("the group was aborted")
                 exc.__cause__ = cause
             raise exc
 
@@ -321,10 +322,16 @@ def test_a_refused_issue_fails_alike_on_both_paths(by_abandon: bool) -> None:
 
     for short, long in run_world(both, 1, mode="thread", timeout=60):
         assert short == long
-        assert short["type"] == "CommFailed"
-        assert "could not be issued" in short["message"]
-        # a stop by another op's abandon() leaves breaking the group to that op
-        assert short["errored"] == (None if by_abandon else "CommFailed")
+        if by_abandon:
+            # A stop by another op's abandon() leaves breaking the group to
+            # that op; the refused op ends aborted, its cause the stop's own.
+            assert short["type"] == "CommAborted"
+            assert short["cause"] == "RuntimeError"
+            assert short["errored"] is None
+        else:
+            assert short["type"] == "CommFailed"
+            assert "could not be issued" in short["message"]
+            assert short["errored"] == "CommFailed"
 
 
 async def _errored(ctx: RankContext) -> str:

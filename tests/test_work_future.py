@@ -238,7 +238,7 @@ def test_a_poller_let_go_under_the_lock_never_takes_it_for_an_ended_op(
         assert work._poll_loop is None  # let go at its end
 
         def let_go_under_the_lock() -> None:
-            with table._lock:
+            with table.lock:
                 queued.clear()  # the poller's last reference: its finalizer runs here
 
         thread = threading.Thread(target=let_go_under_the_lock, daemon=True)
@@ -844,7 +844,7 @@ def test_an_end_with_statistics_off_is_not_counted_when_a_subscriber_leaves_mean
             pass
 
     t = OpTable(get_runtime(), rank=0, on_break=lambda error, until: None)
-    observer = Leaving(t._lock, lambda f: None, stats=False)
+    observer = Leaving(t.lock, lambda f: None, stats=False)
     t.observer = observer
     try:
         work = issue(t, ScriptedOp(done=True), 30.0)

@@ -4,8 +4,8 @@ Owns: :func:`configure`, a :class:`~ftcomm.Membership`'s configure of its
 group for one generation, with what runs beside it (the check of the
 world's paths, the watch for a member dead or a verdict that gave the
 world up), and the verdict that keeps it (then the engine watches the
-world). A part of ``Membership`` (it reads its settings and calls through
-its control threads), not a module to use alone.
+world). It gets what it needs of its ``Membership`` as a :class:`Keeper`
+(its settings, its engine, its control-thread calls).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._runtime.loop import get_runtime
@@ -25,13 +27,38 @@ from ._reach import CHECK_TIMEOUT
 from ._rule import Member, WorldRecord
 
 if TYPE_CHECKING:
-    from .membership import Membership
+    from ._engine import Engine
 
 log = logging.getLogger("ftcomm")
 
 
+@dataclass(frozen=True)
+class Keeper:
+    """What :func:`configure` needs of its :class:`~ftcomm.Membership`.
+
+    Args:
+        job: the job's name, for messages.
+        member_id: this member's id, for messages.
+        engine: the coordination engine.
+        hb_interval: the heartbeat interval, in seconds.
+        hb_timeout: the heartbeat timeout, in seconds.
+        call: runs an engine call ``fn(stop)`` on a control thread, within a deadline.
+        blocking: runs a blocking call on a control thread, shielded.
+        on_broken: what the engine calls when a kept world breaks.
+    """
+
+    job: str
+    member_id: str
+    engine: Engine
+    hb_interval: float
+    hb_timeout: float
+    call: Callable[..., Awaitable[Any]]
+    blocking: Callable[[Callable[[], object]], Awaitable[None]]
+    on_broken: Callable[[Group, WorldRecord], Callable[[str], None]]
+
+
 async def configure(
-    members: Membership, group: Group, record: WorldRecord, addr: str, rank: int, deadline: float
+    members: Keeper, group: Group, record: WorldRecord, addr: str, rank: int, deadline: float
 ) -> None:
     """``group.configure()`` for ``record``, beside the check of its
     world's paths (``engine.reach_check``), kept only where its members
@@ -52,12 +79,12 @@ async def configure(
         MembershipError: the engine failed as it was asked (the group
             is aborted, and this member quits the generation).
     """
-    engine = members._engine
+    engine = members.engine
     size = len(record.members)
     left = max(deadline - time.monotonic(), 0.001)
     engine.read_fate(record)
     task = asyncio.ensure_future(group.configure(addr, rank, size, timeout=left))
-    stop, timeout = threading.Event(), max(members._hb_timeout, CHECK_TIMEOUT)
+    stop, timeout = threading.Event(), max(members.hb_timeout, CHECK_TIMEOUT)
     check = asyncio.wrap_future(
         get_runtime().control.spawn(
             lambda stop: engine.reach_check(record, stop, timeout), stop, until=deadline + 5.0
@@ -80,12 +107,12 @@ async def configure(
                     break
                 waits = [f for f in (task, check) if not f.done()]
                 await asyncio.wait(
-                    waits, timeout=members._hb_interval, return_when=asyncio.FIRST_COMPLETED
+                    waits, timeout=members.hb_interval, return_when=asyncio.FIRST_COMPLETED
                 )
             kept_first = False
             if dead is not None or cut:
                 lost = dead if dead is not None else cut[0]
-                if await members._call(lambda _: engine.lost(record, lost), deadline=deadline):
+                if await members.call(lambda _: engine.lost(record, lost), deadline=deadline):
                     gone = (
                         f"{lost.id} died as it was configured"
                         if dead is not None
@@ -105,7 +132,7 @@ async def configure(
                 if kept_first:
                     # ... or may not (it needed the dead member, or the cut
                     # path): bounded, not the whole deadline
-                    bound = max(members._hb_timeout, CHECK_TIMEOUT)
+                    bound = max(members.hb_timeout, CHECK_TIMEOUT)
                     await asyncio.wait([task], timeout=bound)
                     if not task.done():
                         gone = "it was kept by the others, and this member's configure of it "
@@ -121,15 +148,15 @@ async def configure(
                         # so it gives the world up; kept first, it tells
                         # those watching it instead
                         me = engine.me
-                        if not await members._call(
+                        if not await members.call(
                             lambda _: engine.lost(record, me), deadline=deadline
                         ):
-                            await members._call(
+                            await members.call(
                                 lambda _: engine.recovering(record), deadline=deadline
                             )
                         raise
                 elif kept_first:  # the others are in it: tell them it broke
-                    await members._call(lambda _: engine.recovering(record), deadline=deadline)
+                    await members.call(lambda _: engine.recovering(record), deadline=deadline)
         finally:
             stop.set()
             engine.read_fate(None)
@@ -139,7 +166,7 @@ async def configure(
                     await task
             await _settle(check)
         if not gone:
-            broken = members._on_broken(group, record)
+            broken = members.on_broken(group, record)
             reached = check.result()[1] if not _failed(check) else set()
             if check.done() and not check.cancelled() and check.exception() is not None:
                 log.warning(
@@ -158,11 +185,11 @@ async def configure(
                     log.warning("ftcomm: membership %s cannot watch: %s", members.member_id, exc)
                 return True
 
-            if not await members._call(keep, deadline=deadline):
+            if not await members.call(keep, deadline=deadline):
                 gone = "a member gave it up as it was configured"
     except MembershipError:
         await group.abort()
-        await members._blocking(functools.partial(engine.abandon, record))
+        await members.blocking(functools.partial(engine.abandon, record))
         raise
     except asyncio.CancelledError:
         await group.abort()  # (_form quits the generation)

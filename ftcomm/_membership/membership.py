@@ -561,7 +561,17 @@ class Membership:
             CommError: the configure failed, timed out, or was given up.
             MembershipError: the engine failed as it was asked.
         """
-        await _keep.configure(self, group, record, addr, rank, deadline)
+        keeper = _keep.Keeper(
+            self.job,
+            self.member_id,
+            self._engine,
+            self._hb_interval,
+            self._hb_timeout,
+            self._call,
+            self._blocking,
+            self._on_broken,
+        )
+        await _keep.configure(keeper, group, record, addr, rank, deadline)
 
     def _check_group(self, group: object) -> Group:
         if not isinstance(group, Group):

@@ -39,10 +39,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CommAborted
 from .loop import LoopPoller
 from .native import Done, NativeOp, without_tracebacks
-from .settle import EARLY, CutPoint, OpRecord, end_all
+from .settle import EARLY, AbandonAbort, CutPoint, OpRecord, end_all
 from .table import peek
 
 if TYPE_CHECKING:
@@ -489,11 +488,11 @@ class Batch(CutPoint):
         why = f" ({cause.message})" if cause is not None else ""
         ctx = work._ctx()
         if state is DROPPED:
-            aborted = CommAborted(f"{work.op} was aborted before its batch was sent{why}", **ctx)
+            aborted = AbandonAbort(f"{work.op} was aborted before its batch was sent{why}", **ctx)
         elif self._abandoned:
-            aborted = CommAborted(f"{work.op} was aborted: the group broke{why}", **ctx)
+            aborted = AbandonAbort(f"{work.op} was aborted: the group broke{why}", **ctx)
         elif self._timed_out and work is not (first := self._earliest()):
-            aborted = CommAborted(
+            aborted = AbandonAbort(
                 f"{work.op} was aborted: its batch's native op timed out at the deadline "
                 f"of {first.op} seq={first.seq}",
                 **ctx,
@@ -501,9 +500,9 @@ class Batch(CutPoint):
         else:
             return self._error  # the native error: each member maps it (its own op, seq)
         aborted.__cause__ = cause
-        # Not the group's error: the settler that gave the batch up (or the
-        # member whose deadline passed) breaks the group with the real cause.
-        aborted._by_abandon = True  # type: ignore[attr-defined]
+        # Not the group's error (an AbandonAbort): the settler that gave the
+        # batch up (or the member whose deadline passed) breaks the group
+        # with the real cause.
         return aborted
 
 

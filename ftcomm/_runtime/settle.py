@@ -55,6 +55,26 @@ if TYPE_CHECKING:
 
 R = TypeVar("R")
 
+
+class AbandonAbort(CommAborted):
+    """An op's end that another op's ``abandon()`` caused, by stopping the
+    native group they share (a batch-mate's deadline, or an NCCL/XCCL
+    communicator aborted for one op). It does not break the table: that
+    op's settler breaks it with the real cause, so ``errored()`` names the
+    deadline or the cancel, never the stop. Its op's caller sees a plain
+    ``CommAborted`` (:func:`as_seen`): the class is ftcomm's own mark."""
+
+
+def as_seen(error: CommError) -> CommError:
+    """``error`` as an op's caller sees it: an :class:`AbandonAbort` as the
+    plain ``CommAborted`` it is to them."""
+    if type(error) is not AbandonAbort:
+        return error
+    plain = CommAborted(error.message, rank=error.rank, op=error.op, seq=error.seq)
+    plain.__cause__ = error.__cause__
+    return plain
+
+
 STOP_WAIT = 1.0
 """How long a stopped native op (Gloo, its sockets shut down) has to end
 before its error is published anyway (measured: 1-4 ms, rarely its own
@@ -198,17 +218,17 @@ class OpRecord(Generic[R]):
         ``None`` if another settler had claimed the op."""
         table = self._table
         if error is None:  # nothing to abandon: claim and publish at once
-            with table._lock:
+            with table.lock:
                 if self._claimed:
                     return None
                 self._claimed = True
-                table._inflight.pop(self.seq, None)
+                table.inflight.pop(self.seq, None)
                 return self._end_locked(SUCCESS)
-        with table._lock:
+        with table.lock:
             if self._claimed:
                 return None
             self._claimed = True  # PENDING -> SETTLING
-            table._inflight.pop(self.seq, None)
+            table.inflight.pop(self.seq, None)
             if breaks and isinstance(error, CommError):
                 stopping = table.stopping
                 if stopping is None:
@@ -220,7 +240,7 @@ class OpRecord(Generic[R]):
         try:
             return self._stop_and_publish(error, breaks)
         except BaseException:  # left before it broke the table: no stale cause
-            with table._lock:
+            with table.lock:
                 if table.error is None and table.stopping is error:
                     table.stopping = None
             raise
@@ -252,8 +272,8 @@ class OpRecord(Generic[R]):
             # thread that ends it. The table breaks now, so no new op meets
             # the stopped group.
             if breaks and isinstance(error, CommError):
-                with table._lock:
-                    broken = table._break_locked(error)
+                with table.lock:
+                    broken = table.break_locked(error)
             try:
                 native.on_done(lambda _: self._publish(error))
             except BaseException as exc:  # never left SETTLING: publish now
@@ -263,9 +283,9 @@ class OpRecord(Generic[R]):
             del native, abandon
             self._publish_by(STOP_WAIT, error)
             return self._after_settle([], broken, interrupted)
-        with table._lock:
+        with table.lock:
             if breaks and isinstance(error, CommError):
-                broken = table._break_locked(error)  # errored() set with the end
+                broken = table.break_locked(error)  # errored() set with the end
             waiters = self._end_locked(Outcome(error))
         if native is not None and not peek(native):
             # it may block whoever drops it last, until its native deadline
@@ -284,7 +304,7 @@ class OpRecord(Generic[R]):
         """End the other ops of a break this op made; every waiter to wake.
         An interrupt caught on the way wakes them all, then is raised."""
         if broken is not None:
-            wakeups += self._table._end_broken(broken, self.deadline)
+            wakeups += self._table.end_broken(broken, self.deadline)
         if interrupted is not None:
             wake_all(wakeups)
             raise interrupted
@@ -293,7 +313,7 @@ class OpRecord(Generic[R]):
     def _publish(self, error: BaseException) -> None:
         """SETTLING -> ENDED for an op whose native op was stopped and has
         now ended (its end callback, any thread): publish and wake."""
-        with self._table._lock:
+        with self._table.lock:
             if self._end is not None:
                 return
             waiters = self._end_locked(Outcome(error))
@@ -374,7 +394,7 @@ class OpRecord(Generic[R]):
         """The native op ended: settle with its outcome, mapped to ftcomm errors.
 
         An error the native op reports because another op's ``abandon()``
-        stopped their group (its ``_by_abandon`` is set) ends this op without
+        stopped their group (an :class:`AbandonAbort`) ends this op without
         breaking the table: that op's settler breaks it with the real cause,
         so ``errored()`` names the deadline (or cancel), not the stop.
         """
@@ -383,7 +403,7 @@ class OpRecord(Generic[R]):
             if wakeups:
                 wake_all(wakeups)
             return
-        breaks = not getattr(native_error, "_by_abandon", False)
+        breaks = not isinstance(native_error, AbandonAbort)
         self._settle(self._native_failure(native_error), breaks=breaks)
 
     def _native_failure(self, native_error: BaseException) -> CommError:
@@ -396,7 +416,7 @@ class OpRecord(Generic[R]):
         deadline, and an error at the deadline is that deadline passing.
         """
         if isinstance(native_error, CommError):
-            return native_error._located(self._table.rank, self.op, self.seq)
+            return as_seen(native_error.at(self._table.rank, self.op, self.seq))
         error: CommError
         if time.monotonic() >= self.deadline - EARLY:
             error = CommTimeout(f"{self.op} did not complete by its deadline", **self._ctx())
@@ -446,7 +466,7 @@ def end_all(table: OpTable, works: list[OpRecord[Any]], ended_at: float, window:
     their waiters."""
     wakeups: list[Callable[[], object]] = []
     ended: list[OpRecord[Any]] = []
-    with table._lock:
+    with table.lock:
         observer = table.observer  # subscribers read with the ends (under the lock)
         # Statistics alone (no events): one pass over the batch, not one call per op.
         bulk = observer if observer is not None and observer.stats_on else None
@@ -455,7 +475,7 @@ def end_all(table: OpTable, works: list[OpRecord[Any]], ended_at: float, window:
         for work in works:
             if not work._claimed:
                 work._claimed = True
-                table._inflight.pop(work.seq, None)
+                table.inflight.pop(work.seq, None)
                 wakeups += work._end_locked(SUCCESS, bulk is None)
                 ended.append(work)
         if bulk is not None and ended:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CommError, ProtocolError, WorkerDied
+from ..errors import CommAborted, CommError, ProtocolError, WorkerDied
 from .loop import Runtime
 from .native import NativeOp
 
@@ -200,6 +200,20 @@ def _independent(error: CommError) -> bool:
     return isinstance(error, (WorkerDied, ProtocolError))
 
 
+def _group_aborted(error: CommError) -> CommError:
+    """What ``errored()`` reports for a group ``error`` broke: the same class
+    and attributes, a message that says the group is aborted (it is: every
+    other op ended, the native group was let go), and ``error``, the one its
+    op raised, as ``__cause__``. An abort that says so (``abort()``'s own)
+    is itself."""
+    if isinstance(error, CommAborted) and "aborted" in error.message:
+        return error
+    message = f"the group is aborted (configure() it again to go on) after: {error.message}"
+    aborted = error.at(error.rank, error.op, error.seq, message=message)
+    aborted.__cause__ = error
+    return aborted
+
+
 def peek(native: NativeOp) -> bool:
     """Whether ``native`` has ended, without side effects (see NativeOp)."""
     peek = getattr(native, "peek", None)
@@ -207,7 +221,15 @@ def peek(native: NativeOp) -> bool:
 
 
 class OpTable:
-    """The ops in flight on one group configuration: their deadlines and their end."""
+    """The ops in flight on one group configuration: their deadlines and their end.
+
+    The op core's shared-lock contract: ``lock`` guards the table and every
+    record in it (``inflight``, ``error``, ``stopping``, each op's claim), and
+    the group's state with it. The core's other modules (``settle``, ``work``)
+    and the layers that break a table (the issuer, ``GroupCore``) use its
+    unprefixed names -- ``lock``, ``inflight``, ``break_locked()`` and
+    ``after_break()`` -- as a package-internal API.
+    """
 
     def __init__(
         self,
@@ -245,9 +267,11 @@ class OpTable:
         self._on_break = on_break
         # A group passes its own lock: the table's error is the group's
         # ERRORED state, under the one lock that guards all of it.
-        self._lock = threading.Lock() if lock is None else lock
+        self.lock = threading.Lock() if lock is None else lock
+        """Guards the table, its records' claims, and the group's state."""
         self._on_error = on_error  # called under the lock when the table breaks
-        self._inflight: dict[int, OpRecord[Any]] = {}
+        self.inflight: dict[int, OpRecord[Any]] = {}
+        """The ops not ended yet, by seq (under ``lock``)."""
         self._seq = 0
         self._armed_at: float | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -257,11 +281,11 @@ class OpTable:
         self._wake_pending = False
 
     def __len__(self) -> int:
-        return len(self._inflight)
+        return len(self.inflight)
 
     def active(self) -> int:
         """Ops not ended yet (ends the completed ones nobody has awaited)."""
-        return sum(1 for work in list(self._inflight.values()) if not work._done())
+        return sum(1 for work in list(self.inflight.values()) if not work._done())
 
     @property
     def timer_armed(self) -> bool:
@@ -279,12 +303,12 @@ class OpTable:
         a callback or ``abort()`` on another thread): the op then ends at once
         with ``CommAborted``, as it would have had it been in flight.
         """
-        with self._lock:
+        with self.lock:
             if work._claimed:  # ended before it was tracked: nothing to watch
                 return
             error = self.error
             if error is None:
-                self._inflight[work.seq] = work
+                self.inflight[work.seq] = work
                 self._issued += 1
             if self.observer is not None and self.observer.subscribers:
                 self.observer.issued_locked(work)
@@ -305,11 +329,11 @@ class OpTable:
         Ops that another thread is ending at this moment end when it
         publishes their outcome (a few µs; a subprocess copy-back's chunk).
         """
-        with self._lock:
-            broken = self._break_locked(error)
-        self._after_break(broken, time.monotonic())
+        with self.lock:
+            broken = self.break_locked(error)
+        self.after_break(broken, time.monotonic())
 
-    def _break_locked(self, error: CommError, why: str = "break") -> Broken:
+    def break_locked(self, error: CommError, why: str = "break") -> Broken:
         """Under the lock: mark the table errored unless it is; what to end
         (``why``: the state event that breaks it, see :class:`Broken`)."""
         first = self.error is None
@@ -318,21 +342,21 @@ class OpTable:
             if stopping is not None and why == "break" and not _independent(error):
                 error = stopping  # the first claimed cause wins
             # errored() first: no thread sees ops refused while it is None
-            self.reported = error._group_aborted()
+            self.reported = _group_aborted(error)
             self.error = error
             if self._on_error is not None:
                 self._on_error(self)
         assert self.error is not None  # for mypy: set just above, or before
-        return Broken(self.error, first, list(self._inflight.values()), why)
+        return Broken(self.error, first, list(self.inflight.values()), why)
 
-    def _after_break(self, broken: Broken, until: float) -> None:
+    def after_break(self, broken: Broken, until: float) -> None:
         """End the ops of ``broken`` and wake their waiters (lock released).
 
         ``until``: the latest deadline of a native op the group may still hold.
         """
-        wake_all(self._end_broken(broken, until))
+        wake_all(self.end_broken(broken, until))
 
-    def _end_broken(self, broken: Broken, until: float) -> list[Callable[[], object]]:
+    def end_broken(self, broken: Broken, until: float) -> list[Callable[[], object]]:
         """End the ops of ``broken`` (and, the first time, hand the native group
         over); their waiters, to be woken by the caller once every op has
         ended, so a waiter never finds a sibling ended but not yet published."""
@@ -361,7 +385,7 @@ class OpTable:
         while self.error is None:
             now = time.monotonic()
             earliest: float | None = None
-            for work in list(self._inflight.values()):
+            for work in list(self.inflight.values()):
                 if work.deadline <= now:
                     work._expire()
                 elif earliest is None or work.deadline < earliest:
@@ -372,7 +396,7 @@ class OpTable:
                     # let go (the next op wakes us), so that a group dropped
                     # without shutdown() is not kept alive by our timer.
                     self._armed_at = None
-                    if not self._inflight:
+                    if not self.inflight:
                         return
                     continue  # an op slipped in as we let go: watch it
                 # Nothing in flight: keep a sentinel timer one op-timeout
@@ -388,7 +412,7 @@ class OpTable:
             # A caller inserts its op, then reads _armed_at; we write
             # _armed_at, then read the ops: one of us sees the other. An op
             # that slipped in under the new time is caught here.
-            if all(w.deadline >= earliest for w in list(self._inflight.values())):
+            if all(w.deadline >= earliest for w in list(self.inflight.values())):
                 return
         self._disarm()
 

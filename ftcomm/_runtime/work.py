@@ -305,7 +305,7 @@ class Work(OpRecord[R], TaskDriven, collections.abc.Coroutine[Any, Any, R]):
     def remove_done_callback(self, fn: Callable[[Work[R]], object]) -> int:
         """Remove every registration of ``fn`` not yet run (called or, on a
         loop, scheduled); how many were removed."""
-        with self._table._lock:
+        with self._table.lock:
             registered = list(self._waiters or ())
         # fn's __eq__ is user code: compared here, not under the group's lock
         matching = {
@@ -315,7 +315,7 @@ class Work(OpRecord[R], TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         }
         if not matching:
             return 0
-        with self._table._lock:
+        with self._table.lock:
             waiters = self._waiters or []
             kept = [w for w in waiters if id(w) not in matching]
             self._waiters = kept
@@ -463,7 +463,7 @@ class Work(OpRecord[R], TaskDriven, collections.abc.Coroutine[Any, Any, R]):
 
     def _add_waiter(self, native: NativeOp | None, wake: Callable[[], object]) -> bool:
         """Have ``wake()`` called once the op's end is published; False if it is."""
-        with self._table._lock:
+        with self._table.lock:
             if self._end is not None:
                 return False
             if self._waiters is None:
@@ -513,7 +513,7 @@ class Work(OpRecord[R], TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         is not taken for it (``_claimed`` only ever turns true)."""
         if self._claimed:
             return
-        with self._table._lock:
+        with self._table.lock:
             arm = not self._cb_armed and not self._claimed
             self._cb_armed = True
         if arm:

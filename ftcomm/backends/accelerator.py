@@ -58,6 +58,7 @@ from torch.distributed import ReduceOp
 from .._meet import meet
 from .._runtime.loop import get_runtime
 from .._runtime.native import Done, NativeOp
+from .._runtime.settle import AbandonAbort
 from .._store import Stopped, connect_store
 from .._validate import PremulSum, ReduceOpArg
 from ..errors import CommAborted, CommError, CommFailed
@@ -446,9 +447,8 @@ class AcceleratorBackend(Backend):
         with self._lock:
             if self._stop is not None:
                 return False
-            stop = error or CommAborted(f"the {self.flavor.library} group was aborted")
-            if abandoned:
-                stop._by_abandon = True  # type: ignore[attr-defined]
+            said = f"the {self.flavor.library} group was aborted"
+            stop = error or (AbandonAbort(said) if abandoned else CommAborted(said))
             self._stop = stop
             pg = self._pg
         until = time.monotonic() + ABORT_BOUND
@@ -555,7 +555,7 @@ class AcceleratorBackend(Backend):
         stop = self._stop
         if stop is None:
             return CommAborted(f"the {self.flavor.library} group was aborted")
-        return stop._located(None, None, None)  # a copy: raising adds a traceback
+        return stop.at(None, None, None)  # a copy: raising adds a traceback
 
     def allreduce(
         self, tensors: Sequence[torch.Tensor], op: ReduceOpArg, timeout: float

@@ -70,4 +70,4 @@ def raising(errored: Callable[[], Exception | None]) -> Iterator[None]:
         # The chain goes on through torch's error to the op's (its native cause).
         if exc.__cause__ is None and error.__cause__ is not None:
             exc.__cause__ = error.__cause__
-        raise error._located(error.rank, error.op, error.seq) from exc
+        raise error.at(error.rank, error.op, error.seq) from exc
