@@ -65,7 +65,7 @@ class Collectives:
         Raises:
             RuntimeError: the same block object entered twice.
         """
-        return BatchScope(self._issuer)
+        return BatchScope(self._issuer, self)
 
     def allreduce(
         self,

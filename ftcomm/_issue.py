@@ -52,10 +52,11 @@ class BatchScope:
         RuntimeError: entered again while entered.
     """
 
-    __slots__ = ("_token", "active", "issuer")
+    __slots__ = ("_token", "active", "group", "issuer")
 
-    def __init__(self, issuer: Issuer) -> None:
+    def __init__(self, issuer: Issuer, group: object) -> None:
         self.issuer = issuer
+        self.group = group  # the Group whose batch() made it
         self.active = False  # cleared at the block's end: tasks started in it see it
         self._token: contextvars.Token[tuple[BatchScope, ...]] | None = None
 
@@ -463,7 +464,10 @@ class Issuer:
                     op="allreduce",
                 )
             if isinstance(exc, AbandonAbort):
-                return batch.refuse(refused)  # the settler that stopped the group breaks it
+                # The settler that stopped the group breaks it: the members end
+                # with the stop's error, still marked so that they do not (each
+                # sees a plain CommAborted: settle's as_seen).
+                return batch.refuse(without_tracebacks(exc).at(table.rank, "allreduce", None))
             with table.lock:
                 broken = table.break_locked(refused)
             if broken.cause is not refused:

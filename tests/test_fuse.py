@@ -30,6 +30,7 @@ from torch.distributed import ReduceOp
 import ftcomm
 from ftcomm import CommAborted, CommFailed, CommTimeout
 from ftcomm._runtime import faults
+from ftcomm._runtime.settle import AbandonAbort
 from ftcomm.backends import dummy
 from ftcomm.testing import Fault, FaultPlan, RankContext, inspect, run_world
 
@@ -195,7 +196,8 @@ async def test_a_batch_block_fuses_on_a_group_without_fuse(
 ) -> None:
     async with await _dummy(store) as g:
         g.allreduce(torch.ones(1))  # fuse=False: on the wire at once
-        async with g.batch():
+        async with g.batch() as block:
+            assert block.group is g  # a public attribute of ftcomm.BatchScope
             works = [g.allreduce(torch.ones(2)) for _ in range(3)]
             assert calls == [("allreduce", [1])]
         assert calls == [("allreduce", [1]), ("allreduce", [6])]  # the block's end sent it
@@ -473,6 +475,40 @@ class _FailsWhenStopped(ScriptedOp):
     def abandon(self) -> bool:
         self.finish(RuntimeError("Connection closed by peer"))
         return False
+
+
+@pytest.mark.asyncio
+@pytest.mark.one_loop
+async def test_a_batch_refused_by_another_ops_stop_leaves_the_break_to_that_op() -> None:
+    # An accelerator communicator aborted for one op's deadline refuses the
+    # batch sent meanwhile with an AbandonAbort: the members fail with a plain
+    # CommAborted naming the stop, and the group is left to that op's settler
+    # to break (with its deadline), not broken by the refusal.
+    g = ftcomm.Group("dummy", fuse=True, timeout=30)
+    try:
+        await g.configure("127.0.0.1:1/refused-by-a-stop", 0, 1)
+        backend: Any = inspect(g).backend
+        alone = g.allreduce(torch.ones(1))  # the first fusible op goes on its own
+        a, b = g.allreduce(torch.ones(1)), g.allreduce(torch.ones(1))  # a batch
+        cause = RuntimeError("the stop's own words")
+
+        def refuse(*args: Any) -> Any:
+            stop = AbandonAbort("the NCCL group was aborted")
+            stop.__cause__ = cause
+            raise stop
+
+        backend.allreduce = refuse
+        g.flush()
+        assert torch.equal(await alone, torch.ones(1))
+        for work in (a, b):
+            with pytest.raises(CommAborted, match="the NCCL group was aborted") as info:
+                await work
+            assert type(info.value) is CommAborted
+            assert info.value.__cause__ is cause
+            assert (info.value.op, info.value.seq) == ("allreduce", work.seq)
+        assert g.errored() is None
+    finally:
+        await g.shutdown()
 
 
 @pytest.mark.asyncio

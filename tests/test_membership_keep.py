@@ -86,10 +86,10 @@ def store() -> Iterator[Any]:
         yield server
 
 
-def _members(engine: Engine) -> ftcomm.Membership:
+def _members(engine: Engine) -> _keep.Keeper:
     members = ftcomm.Membership("127.0.0.1:1", "job", "m0", heartbeat_timeout=1.0)
     members._engine = engine  # type: ignore[assignment]
-    return members
+    return members._keeper()
 
 
 async def test_a_kept_world_is_watched_with_whom_the_check_reached(store: Any) -> None:

@@ -230,27 +230,57 @@ def test_watchdog_excuses_the_main_threads_cpu_queueing_while_the_owner_is_off_t
 
 
 @pytest.mark.parametrize(
-    ("base", "now", "excused"),
+    ("now", "held", "excused"),
     [
-        # off the CPU 1 s, the holder queued 0.4 s of it: 0.4 s excused
-        ((0.0, 0.0, 0.0, 0.0), (1.0, 0.0, 0.0, 0.4), 0.4),
+        # off the CPU 1 s, the holder queued 0.4 s while the beat was overdue
+        ((1.0, 0.0, 0.0, 0.9), 0.4, 0.4),
         # on a CPU the whole second: the holder's queueing did not delay it
-        ((0.0, 0.0, 0.0, 0.0), (1.0, 1.0, 0.0, 0.9), 0.0),
-        # queued itself 0.5 s, off the CPU 0.3 s, holder queued 0.9 s
-        ((0.0, 0.0, 0.0, 0.0), (1.0, 0.2, 0.5, 0.9), 0.8),
+        ((1.0, 1.0, 0.0, 0.9), 0.9, 0.0),
+        # queued itself 0.5 s, off the CPU 0.3 s, the holder queued 0.9 s
+        ((1.0, 0.2, 0.5, 0.9), 0.9, 0.8),
+        # the holder queued, but not while the beat was overdue: its own only
+        ((1.0, 0.0, 0.2, 0.9), 0.0, 0.2),
         # no counters (not Linux): nothing excused
-        ((5.0, 0.0, 0.0, 0.0), (6.0, 0.0, 0.0, 0.0), 0.0),
+        ((1.0, 0.0, 0.0, 0.0), 0.0, 0.0),
     ],
 )
 def test_watchdog_excuses_only_the_machines_part_of_a_late_beat(
-    base: tuple[float, float, float, float], now: tuple[float, float, float, float], excused: float
+    now: tuple[float, float, float, float], held: float, excused: float
 ) -> None:
-    assert loop_mod._excused(base, now) == pytest.approx(excused)
+    assert loop_mod._excused((0.0, 0.0, 0.0, 0.0), now, held) == pytest.approx(excused)
+
+
+def test_watchdog_counts_the_holders_queueing_only_while_the_beat_is_overdue() -> None:
+    # The main thread queued for a CPU before the callback began, and not
+    # since: a callback blocked for 0.3 s (off the CPU, not queued) is its own.
+    rt = Runtime("asyncio")
+    try:
+        rt.set_debug(0.05)
+        watchdog = rt.watchdog
+        assert watchdog is not None
+        owner = watchdog._watched[rt.thread_id or -1]
+        queueing = threading.Event()
+        queueing.set()
+        until = [0.0]
+
+        def holder() -> tuple[float, float]:
+            if queueing.is_set():
+                until[0] = time.monotonic()
+            return 0.0, until[0]
+
+        owner.clock.read = lambda: (0.0, 0.0)  # type: ignore[method-assign]
+        owner.holder.read = holder  # type: ignore[method-assign]
+        done = threading.Event()
+        rt.call_soon(lambda: (queueing.clear(), time.sleep(0.3), done.set()))
+        assert done.wait(5)
+        assert watchdog.stalls, "a callback blocked for 0.3 s went unnoticed"
+    finally:
+        rt.close()
 
 
 def test_watchdog_reports_a_blocked_callback_while_another_thread_holds_the_gil() -> None:
-    # Waiting for the GIL is not excused: it cannot be told apart from a
-    # callback blocked with the GIL released (here time.sleep), the very
+    # Waiting for a running GIL holder is not excused: it cannot be told apart
+    # from a callback blocked with the GIL released (here time.sleep), the very
     # thing the watchdog is for. Another thread holds the GIL for 0.4 s of
     # the callback's 0.6 s, longer than the 0.3 s threshold: an excuse for
     # that time would hide the stall.

@@ -72,7 +72,7 @@ async def configure(
     completes too). Once it succeeded, given up where the world was
     given up first (a member whose call was cancelled mid-configure may
     have left a native construction behind that completed this one's).
-    Kept: the engine watches the world from then on (``_on_broken``).
+    Kept: the engine watches the world from then on (``on_broken``).
 
     Raises:
         CommError: the configure failed, timed out, or was given up.

@@ -561,7 +561,11 @@ class Membership:
             CommError: the configure failed, timed out, or was given up.
             MembershipError: the engine failed as it was asked.
         """
-        keeper = _keep.Keeper(
+        await _keep.configure(self._keeper(), group, record, addr, rank, deadline)
+
+    def _keeper(self) -> _keep.Keeper:
+        """What the keep step needs of this member (``_keep.configure``)."""
+        return _keep.Keeper(
             self.job,
             self.member_id,
             self._engine,
@@ -571,7 +575,6 @@ class Membership:
             self._blocking,
             self._on_broken,
         )
-        await _keep.configure(keeper, group, record, addr, rank, deadline)
 
     def _check_group(self, group: object) -> Group:
         if not isinstance(group, Group):

@@ -262,18 +262,21 @@ def _idle(frame: types.FrameType) -> bool:
 
 
 def _excused(
-    base: tuple[float, float, float, float], now: tuple[float, float, float, float]
+    base: tuple[float, float, float, float], now: tuple[float, float, float, float], held: float
 ) -> float:
     """The machine's part of a late beat between two samples of a loop's
     counters (:meth:`_Watched.sample`): the loop thread's own run-queue wait,
-    plus the GIL holder's run-queue wait while the loop thread was neither on
-    a CPU nor queued for one (waiting for the GIL, or blocked: from outside
-    the two look the same, so only the holder's queueing is excused, which a
-    callback blocked in ``time.sleep`` beside a running holder does not earn)."""
+    plus ``held``, the likely GIL holder's run-queue wait while the beat was
+    overdue, as far as the loop thread was neither on a CPU nor queued for
+    one then. From outside, waiting for the GIL and a callback blocked with
+    it released (``time.sleep``, a lock, ``recv``) look the same: such a
+    callback is excused that holder's queueing too, so on a loaded machine
+    it is reported only once it held the loop for the threshold beyond it.
+    Beside a running holder (one not queued) nothing is excused."""
     elapsed = now[0] - base[0]
-    on_cpu, queued, holder = (max(0.0, n - b) for n, b in zip(now[1:], base[1:], strict=True))
+    on_cpu, queued = (max(0.0, n - b) for n, b in zip(now[1:3], base[1:3], strict=True))
     off = max(0.0, elapsed - on_cpu - queued)
-    return queued + min(holder, off)
+    return queued + min(held, off)
 
 
 class _Watched:
@@ -283,6 +286,7 @@ class _Watched:
         "base",
         "beat",
         "clock",
+        "held",
         "holder",
         "loop",
         "owner",
@@ -312,6 +316,7 @@ class _Watched:
         # (time, on_cpu, queued, holder's queued) at the watchdog's last wake,
         # and at the last wake before the current beat was seen.
         self.base = self.previous = self.sample()
+        self.held = 0.0  # the holder's run-queue wait while this beat was overdue
 
     def sample(self) -> tuple[float, float, float, float]:
         on_cpu, queued = self.clock.read()
@@ -337,9 +342,14 @@ class Watchdog:
     Time the owner thread spent runnable but off the CPU (the kernel's run
     queue wait, from :class:`CpuClock`) is not counted: on an oversubscribed
     machine (2 cores running process worlds) that is the scheduler's delay,
-    not a callback's. Time it waited for the GIL is counted: from outside, it
-    cannot be told apart from a callback blocked in ``time.sleep``, a lock or
-    a native wait, which is what the watchdog exists to catch.
+    not a callback's. Nor is the time the process's main thread (the
+    trainer's, which holds the GIL most) queued for a CPU while the beat was
+    overdue and the owner thread off the CPU: a thread preempted
+    mid-bytecode keeps the GIL. Other GIL waits are counted: from outside,
+    they cannot be told apart from a callback blocked in ``time.sleep``, a
+    lock or a native wait, which is what the watchdog exists to catch (and
+    on a loaded machine such a callback is reported only once it held the
+    loop for the threshold beyond the main thread's queueing).
     """
 
     def __init__(self, runtime: Runtime, threshold: float) -> None:
@@ -435,7 +445,11 @@ class Watchdog:
             # The counters at the last wake before this beat was seen: a
             # period at most before the beat, so the excuse may come out a
             # little long (by what the threads queued in that period).
-            w.window, w.base = beat, w.previous
+            w.window, w.base, w.held = beat, w.previous, 0.0
+        if w.previous[0] >= beat + self._period:
+            # Since the last wake the beat was overdue (its next tick was due
+            # by then): the holder's queueing over it may have held the loop.
+            w.held += max(0.0, now[3] - w.previous[3])
         w.previous = now
         late = now[0] - beat
         if late <= self.threshold or beat == w.reported:
@@ -444,7 +458,7 @@ class Watchdog:
         frame = frames.get(thread_id)
         if frame is None or _idle(frame):
             return  # a late beat, not a callback holding the loop
-        queued = _excused(w.base, now)
+        queued = _excused(w.base, now, w.held)
         if late - queued <= self.threshold:
             return
         w.reported = beat

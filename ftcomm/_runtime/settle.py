@@ -68,7 +68,7 @@ class AbandonAbort(CommAborted):
 def as_seen(error: CommError) -> CommError:
     """``error`` as an op's caller sees it: an :class:`AbandonAbort` as the
     plain ``CommAborted`` it is to them."""
-    if type(error) is not AbandonAbort:
+    if not isinstance(error, AbandonAbort):
         return error
     plain = CommAborted(error.message, rank=error.rank, op=error.op, seq=error.seq)
     plain.__cause__ = error.__cause__

@@ -1,4 +1,4 @@
-"""``inspect(group)``: a read-only look at a :class:`~ftcomm.Group`'s parts,
+"""``inspect(group)``: a look at a :class:`~ftcomm.Group`'s parts,
 for tests that check what a group holds (its native backend, its op table,
 its worker launcher) without reaching into its private attributes."""
 
@@ -38,8 +38,8 @@ class Inspection:
 
 def inspect(group: Group) -> Inspection:
     """Look at ``group``'s parts now (any thread). The objects are the
-    group's own: a test may call them, but the look does not follow later
-    configures.
+    group's own, not copies: a test may call them (or, to force a path,
+    change them), and the look does not follow later configures.
 
     Raises:
         TypeError: ``group`` is not an :class:`ftcomm.Group`.
