@@ -24,8 +24,7 @@ from ._runtime import faults
 from ._runtime.deadline import Timeout, to_seconds
 from ._runtime.fuse import MAX_OP_FRACTION, Batch, MemberOp, copy_back_cpu
 from ._runtime.native import NativeOp, without_tracebacks
-from ._runtime.settle import AbandonAbort, aborted_by, as_seen
-from ._runtime.table import Broken, OpTable
+from ._runtime.table import AbandonAbort, Broken, OpTable, aborted_by, as_seen
 from ._runtime.work import Work
 from ._state import Config, GroupCore
 from ._validate import ReduceOpArg
@@ -466,7 +465,7 @@ class Issuer:
             if isinstance(exc, AbandonAbort):
                 # The settler that stopped the group breaks it: the members end
                 # with the stop's error, still marked so that they do not (each
-                # sees a plain CommAborted: settle's as_seen).
+                # sees a plain CommAborted: table.as_seen).
                 return batch.refuse(without_tracebacks(exc).at(table.rank, "allreduce", None))
             with table.lock:
                 broken = table.break_locked(refused)

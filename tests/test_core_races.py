@@ -832,7 +832,7 @@ def test_a_stopped_op_that_never_ends_is_published_after_stop_wait(
 ) -> None:
     """Gloo sometimes leaves a big send blocked after the shutdown, until its
     own timeout: no observer may wait that long."""
-    from ftcomm._runtime import settle
+    from ftcomm._runtime import table as settle
 
     monkeypatch.setattr(settle, "STOP_WAIT", 0.2)
     native = _Stoppable()
@@ -853,7 +853,7 @@ def test_cancel_on_the_owner_loop_does_not_hold_it(
     """Review finding: cancel() of a stopped op waits for its publication,
     which the owner loop itself may have to make (_overdue): there it must
     not block."""
-    from ftcomm._runtime import settle
+    from ftcomm._runtime import table as settle
 
     # Well above the bound below: a loaded box can hold this thread (the
     # GIL, the scheduler) a few tenths of a second.

@@ -30,7 +30,7 @@ from torch.distributed import ReduceOp
 import ftcomm
 from ftcomm import CommAborted, CommFailed, CommTimeout
 from ftcomm._runtime import faults
-from ftcomm._runtime.settle import AbandonAbort
+from ftcomm._runtime.table import AbandonAbort
 from ftcomm.backends import dummy
 from ftcomm.testing import Fault, FaultPlan, RankContext, inspect, run_world
 

@@ -27,7 +27,7 @@ import ftcomm
 from ftcomm import CommAborted
 from ftcomm._collectives import Collectives
 from ftcomm._runtime import faults
-from ftcomm._runtime.settle import AbandonAbort
+from ftcomm._runtime.table import AbandonAbort
 from ftcomm.testing import Fault, FaultPlan, RankContext, inspect, run_world
 
 

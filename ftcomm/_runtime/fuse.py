@@ -41,8 +41,7 @@ import torch
 
 from .loop import LoopPoller
 from .native import Done, NativeOp, without_tracebacks
-from .settle import EARLY, AbandonAbort, CutPoint, OpRecord, end_all
-from .table import peek
+from .table import EARLY, AbandonAbort, CutPoint, OpRecord, end_all, peek
 
 if TYPE_CHECKING:
     from .table import OpTable

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CommAborted, CommError, CommTimeout, WorkerDied
 
 if TYPE_CHECKING:
-    from .settle import OpRecord
+    from .table import OpRecord
 
 log = logging.getLogger("ftcomm")
 

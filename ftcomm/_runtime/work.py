@@ -3,11 +3,10 @@
 Owns: every way of looking at an op -- ``await``, ``wait()``, ``done()``,
 ``result()``/``exception()``, done-callbacks, ``cancel()``, asyncio's future
 protocol -- and how a look waits: the await's spin, the loop's poll, a
-thread's block. How the op ends (its record, rules 1-2) is ``settle.py``'s;
-its table and deadline timer (rule 3) are ``table.py``'s.
+thread's block. How the op ends (its record, rules 1-2) and its table and
+deadline timer (rule 3) are ``table.py``'s, the op core.
 
-Rule this module keeps (the others are numbered in ``settle.py`` and
-``table.py``):
+Rule this module keeps (the others are numbered in ``table.py``):
 
 4. Awaiting polls the native op for a short spin (raw speed for small ops),
    yielding the core between polls, then sleeps until the native completion
@@ -28,7 +27,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import CommAborted, CommTimeout
-from . import settle
+from . import table as core
 from .deadline import to_seconds
 from .driven import Drivers, TaskDriven
 from .fuse import MemberOp
@@ -40,8 +39,7 @@ from .loop import (
     sched_yield,
     wake_threadsafe,
 )
-from .settle import OpRecord, Outcome
-from .table import LoopCall, ThreadCall, log
+from .table import LoopCall, OpRecord, Outcome, ThreadCall, log
 
 if TYPE_CHECKING:
     from .fuse import Batch
@@ -678,13 +676,13 @@ class Work(OpRecord[R], TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         briefly, until its end is published, so that a caller who gets the
         error (or a ``CancelledError``) back finds its tensors no longer
         written. Only a stopped Gloo op is still running here, for a
-        millisecond or two; past :data:`settle.STOP_WAIT` it is published anyway
+        millisecond or two; past :data:`core.STOP_WAIT` it is published anyway
         (:meth:`_overdue`)."""
         if self._end is not None or self._table.runtime.in_loop_thread():
             return  # on the owner loop, blocking would hold up _overdue itself
-        if not self._block(settle.STOP_WAIT + 0.5):
+        if not self._block(core.STOP_WAIT + 0.5):
             log.warning(
                 "ftcomm: %r did not end within %g s of its group being stopped",
                 self,
-                settle.STOP_WAIT + 0.5,
+                core.STOP_WAIT + 0.5,
             )

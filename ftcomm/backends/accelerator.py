@@ -58,7 +58,7 @@ from torch.distributed import ReduceOp
 from .._meet import meet
 from .._runtime.loop import get_runtime
 from .._runtime.native import Done, NativeOp
-from .._runtime.settle import AbandonAbort
+from .._runtime.table import AbandonAbort
 from .._store import Stopped, connect_store
 from .._validate import PremulSum, ReduceOpArg
 from ..errors import CommAborted, CommError, CommFailed
