@@ -8,8 +8,10 @@ from collections.abc import Generator, Sequence
 from typing import Any
 
 from ._runtime.driven import Drivers, TaskDriven
-from ._runtime.work import Work
-from .errors import CommAborted, CommError
+from ._runtime.work import Work, abort_unended, look_at
+from .errors import CommError
+
+_CANCELLED = "was cancelled in ftcomm.gather()"
 
 
 def gather(*works: Work[Any], return_exceptions: bool = False) -> Gathering:
@@ -64,9 +66,7 @@ def gather(*works: Work[Any], return_exceptions: bool = False) -> Gathering:
                 f"ftcomm.gather() takes the Work of issued ops; argument {i} is a "
                 f"{type(work).__name__} (use asyncio.gather for coroutines)"
             )
-    for work in works:  # looks, in argument order: every open batch goes now
-        if work._batch is not None:
-            work._flush()
+    look_at(works)  # looks, in argument order: every open batch goes now
     return Gathering(works, return_exceptions)
 
 
@@ -99,7 +99,7 @@ class Gathering(TaskDriven, collections.abc.Coroutine[Any, Any, list[Any]]):
                     if first is None:
                         first = exc
         except asyncio.CancelledError:
-            _abort(works[at + 1 :])  # works[at]: its own await aborted it
+            abort_unended(works[at + 1 :], _CANCELLED)  # works[at]: its own await aborted it
             raise
         if first is not None and not self._return_exceptions:
             # The error is the op's own, kept by its group's errored() until
@@ -110,16 +110,4 @@ class Gathering(TaskDriven, collections.abc.Coroutine[Any, Any, list[Any]]):
         return results
 
     def _cancel_before_start(self) -> None:
-        _abort(self._works)
-
-
-def _abort(works: Sequence[Work[Any]]) -> None:
-    """Abort every op of ``works`` not ended (each breaks its group), then
-    wait, once for all, until their errors are out."""
-    aborted = []
-    for work in works:
-        if not work._done():  # no look: an op in an open batch is dropped, not sent
-            work._abort(CommAborted(f"{work.op} was cancelled in ftcomm.gather()", **work._ctx()))
-            aborted.append(work)
-    for work in aborted:
-        work._until_published()
+        abort_unended(self._works, _CANCELLED)

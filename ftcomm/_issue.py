@@ -24,7 +24,7 @@ from ._runtime import faults
 from ._runtime.deadline import Timeout, to_seconds
 from ._runtime.fuse import MAX_OP_FRACTION, Batch, MemberOp, copy_back_cpu
 from ._runtime.native import NativeOp, without_tracebacks
-from ._runtime.table import AbandonAbort, Broken, OpTable, aborted_by, as_seen
+from ._runtime.table import AbandonAbort, Broken, CutPoint, OpTable, aborted_by, as_seen
 from ._runtime.work import Work
 from ._state import Config, GroupCore
 from ._validate import ReduceOpArg
@@ -172,9 +172,10 @@ class Issuer:
             except (CommError, RuntimeError) as exc:
                 not_issued = self._not_issued_locked(table, "allreduce", exc)
             else:
-                work = Work(table, "allreduce", table.next_seq(), deadline, native, tensor, issued)
-                if fusible:  # its first look is a cut point (set before anyone sees it)
-                    work._batch = cfg.alone_mark
+                # A fusible op's first look is a cut point (set before anyone sees it).
+                mark = cfg.alone_mark if fusible else None
+                seq = table.next_seq()
+                work = Work(table, "allreduce", seq, deadline, native, tensor, issued, mark)
                 table.track(work, seconds)
                 return work
         if not_issued is not None:  # always, here: raised with the lock released
@@ -195,7 +196,7 @@ class Issuer:
         tensor: torch.Tensor,
         rop: ReduceOpArg,
         timeout: Timeout | None,
-        cut: bool = True,
+        mark: CutPoint | None = None,
     ) -> Work[torch.Tensor]:
         """One allreduce of ``tensor``, on its own (see :meth:`issue`)."""
         return self.issue(
@@ -206,7 +207,7 @@ class Issuer:
             lambda b, s: b.allreduce([tensor], rop, s),
             (tensor,),
             0 if cfg.chain is None else reduce_code(rop),  # only a verified op sends it
-            cut,
+            mark,
         )
 
     def check_open(self, op: str) -> None:
@@ -242,11 +243,12 @@ class Issuer:
         start: Callable[[Backend, float], NativeOp],
         check: Sequence[torch.Tensor] | None = (),
         extra: int = 0,
-        cut: bool = True,
+        mark: CutPoint | None = None,
     ) -> Work[R]:
         """Issue ``start``; with ``verify=True``, after the ranks agreed on
         ``check``'s dtypes and shapes and on ``extra`` (``None``: unchecked).
-        ``cut``: the op is a cut point of fusion (not a fusible op going alone).
+        ``mark``: a fusible op going on its own holds the cut point its first
+        look reaches (and is not one itself); any other op is a cut point.
         :meth:`short_allreduce` does what this does for a plain op, in one
         frame: a change here is a change there (tests/test_short_path.py)."""
         seconds = self.timeout if timeout is None else to_seconds(timeout)
@@ -257,7 +259,7 @@ class Issuer:
             with self._lock:
                 if cfg.batch is not None:  # an op that cannot join it: the batch goes first
                     sent = self._send_locked(cfg)
-                if cut:  # an op that cannot join a batch: the next fusible op goes at once
+                if mark is None:  # an op that cannot join a batch: the next fusible op goes at once
                     cfg.fuse_alone = True
                 error = table.error
                 if error is not None:
@@ -269,7 +271,8 @@ class Issuer:
                 except (CommError, RuntimeError) as exc:
                     not_issued = self._not_issued_locked(table, op, exc)
                 else:
-                    work = Work(table, op, table.next_seq(), deadline, native, result, issued)
+                    seq = table.next_seq()
+                    work = Work(table, op, seq, deadline, native, result, issued, mark)
                     table.track(work, seconds)
         finally:
             if sent is not None:
@@ -390,9 +393,9 @@ class Issuer:
                         member,
                         tensor,
                         time.perf_counter(),
+                        batch,
                     )
                     member.work = work
-                    work._batch = batch
                     batch.add(work, tensor, nbytes)
                     table.track(work, seconds)
                     if batch.nbytes >= self.fuse_bytes and after is None:
@@ -402,9 +405,7 @@ class Issuer:
                 after()
         if work is not None:
             return work
-        alone = self.issue_allreduce(cfg, tensor, rop, timeout, cut=False)
-        alone._batch = cfg.alone_mark
-        return alone
+        return self.issue_allreduce(cfg, tensor, rop, timeout, cfg.alone_mark)
 
     def _flush_batch(self, cfg: Config, batch: Batch) -> None:
         """Send ``batch`` if it is still ``cfg``'s open one."""

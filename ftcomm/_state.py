@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._runtime.native import countdown
+from ._runtime.table import on_end
 from .errors import CommAborted, CommError
 
 if TYPE_CHECKING:
@@ -156,7 +157,7 @@ class Teardown:
         futures = []
         for work in [] if broken is None else broken.pending:
             ended: concurrent.futures.Future[None] = concurrent.futures.Future()
-            work._on_end(functools.partial(ended.set_result, None))
+            on_end(work, functools.partial(ended.set_result, None))
             futures.append(ended)
         return all_of(futures)
 

@@ -13,7 +13,7 @@ import random
 import threading
 import traceback
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
@@ -452,17 +452,11 @@ def test_add_sorted_counts_as_adding_each_value() -> None:
 
 @pytest.mark.parametrize("window", [0.0, 0.0005, 0.002, 0.05])
 def test_a_batchs_statistics_match_each_ops_own(window: float) -> None:
-    class _Op:  # what the statistics read of a Work
-        def __init__(self, issued: float) -> None:
-            self._issued, self.op = issued, "allreduce"
-
-    ended_at = 10.0
-    ops: list[Any] = [_Op(ended_at - 0.001 * (i + 1)) for i in range(100)]  # 1..100 ms
+    latencies = [0.001 * (i + 1) for i in range(100)]  # 1..100 ms
     bulk, each = (Observer(threading.Lock(), lambda f: f(), stats=True) for _ in range(2))
-    bulk.batch_ended_locked("allreduce", ops, ended_at, window)
-    for op in ops:  # what each op's own end records (Work._end_locked)
-        latency = ended_at - op._issued
-        each.op_ended_locked(op, latency, timed(latency, window), None)
+    bulk.batch_ended_locked("allreduce", latencies, window)
+    for seq, latency in enumerate(latencies):  # what each op's own end records
+        each.op_ended_locked(0, "", "allreduce", seq, latency, timed(latency, window), None)
     b, e = bulk._ops["allreduce"], each._ops["allreduce"]
     assert (b.count, b.untimed) == (e.count, e.untimed)
     assert b.count == 100
@@ -483,14 +477,10 @@ def test_noted_successes_give_the_statistics_each_end_records(n: int) -> None:
     ]
     noted, each = (Observer(threading.Lock(), lambda f: f(), stats=True) for _ in range(2))
 
-    class _Op:
-        def __init__(self, op: str) -> None:
-            self.op = op
-
-    for op, latency, window in ends:
+    for seq, (op, latency, window) in enumerate(ends):
         noted.succeeded_locked(op, latency, window)
         assert len(noted._noted) < FOLD_EVERY  # folded as they reach the bound
-        each.op_ended_locked(cast(Any, _Op(op)), latency, timed(latency, window), None)
+        each.op_ended_locked(0, "", op, seq, latency, timed(latency, window), None)
     got, want = noted.snapshot(0).ops, each.snapshot(0).ops
     assert list(got) == list(want)  # in the order of their first ends, as before
     for kind, stats in got.items():  # the mean: summed in another order
@@ -507,15 +497,11 @@ def test_noted_kinds_keep_the_order_of_their_first_ends() -> None:
     comes between a noted success and the fold."""
     noted, each = (Observer(threading.Lock(), lambda f: f(), stats=True) for _ in range(2))
 
-    class _Op:
-        def __init__(self, op: str) -> None:
-            self.op = op
-
     noted.succeeded_locked("allreduce", 1e-4, 0.0)
-    each.op_ended_locked(cast(Any, _Op("allreduce")), 1e-4, True, None)
+    each.op_ended_locked(0, "", "allreduce", 1, 1e-4, True, None)
     failure = CommAborted("no")
     for observer in (noted, each):
-        observer.op_ended_locked(cast(Any, _Op("barrier")), 1e-4, True, failure)
+        observer.op_ended_locked(0, "", "barrier", 2, 1e-4, True, failure)
     assert list(noted.snapshot(0).ops) == list(each.snapshot(0).ops) == ["allreduce", "barrier"]
 
 

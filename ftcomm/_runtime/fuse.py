@@ -470,6 +470,8 @@ class Batch(CutPoint):
             # whenever someone looks at it: its batch-mates then end with the
             # same typed error, each naming its own op and seq.
             first = self._earliest()
+            # reach-in: the batch ends its earliest member's op as its native op
+            # would (the op core's record and its batch share the table's lock).
             first._complete(self.outcome_for(first))
         for member, callback in callbacks:
             callback(self.outcome_for(member.work))
@@ -485,7 +487,7 @@ class Batch(CutPoint):
             return None
         cause = self.table.error or self.table.stopping  # a break in the making, too
         why = f" ({cause.message})" if cause is not None else ""
-        ctx = work._ctx()
+        ctx: dict[str, Any] = {"rank": self.table.rank, "op": work.op, "seq": work.seq}
         if state is DROPPED:
             aborted = AbandonAbort(f"{work.op} was aborted before its batch was sent{why}", **ctx)
         elif self._abandoned:

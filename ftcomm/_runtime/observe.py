@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CommAborted, CommError, CommTimeout, WorkerDied
 
 if TYPE_CHECKING:
-    from .table import OpRecord
+    pass
 
 log = logging.getLogger("ftcomm")
 
@@ -418,21 +418,27 @@ class Observer:
             self._post(lambda: _safely(log.log, level, message, *args, extra=extra))
 
     # -- ops ---------------------------------------------------------------
-    def issued_locked(self, work: OpRecord[Any]) -> None:
-        """Under the group's lock: queue ``work``'s ``"issued"`` event, once."""
-        if not work._announced:
-            work._announced = True
-            table = work._table
-            self.emit(Event("issued", table.rank, table.store, work.op, work.seq))
+    def issued_locked(self, rank: int, store: str, op: str, seq: int) -> None:
+        """Under the group's lock: queue an op's ``"issued"`` event (its record
+        sees that it goes once, and before its end's)."""
+        self.emit(Event("issued", rank, store, op, seq))
 
     def op_ended_locked(
-        self, work: OpRecord[Any], seconds: float, timed: bool, error: BaseException | None
+        self,
+        rank: int,
+        store: str,
+        op: str,
+        seq: int,
+        seconds: float,
+        timed: bool,
+        error: BaseException | None,
     ) -> None:
         """Under the group's lock: record an op's end (``seconds`` from its
         issue to its end as seen; ``timed``: seen as it happened, see the
-        module); queue its event (after its ``"issued"``) if anyone subscribed."""
+        module); queue its event if anyone subscribed (its ``"issued"`` is
+        out: its record saw to it)."""
         if self.stats_on:
-            counters = self._counters(work.op)
+            counters = self._counters(op)
             counters.count += 1
             if error is None:
                 if timed:
@@ -442,10 +448,8 @@ class Observer:
             else:
                 counters.failed[_name(error)] += 1
         if self.subscribers:
-            self.issued_locked(work)
-            table = work._table
             kind = "ended" if error is None else "failed"
-            self.emit(Event(kind, table.rank, table.store, work.op, work.seq, seconds, error))
+            self.emit(Event(kind, rank, store, op, seq, seconds, error))
 
     def succeeded_locked(self, op: str, seconds: float, window: float) -> None:
         """Under the group's lock, statistics on and no subscriber: note an
@@ -486,17 +490,15 @@ class Observer:
             counters = self._ops[op] = _OpCounters()
         return counters
 
-    def batch_ended_locked(
-        self, op: str, works: list[OpRecord[Any]], ended_at: float, window: float
-    ) -> None:
+    def batch_ended_locked(self, op: str, latencies: list[float], window: float) -> None:
         """Under the group's lock, with statistics on and no subscriber: what
-        :meth:`op_ended_locked` records for each of ``works``, ops of kind
-        ``op`` that succeeded together (a fused batch, seen end at
-        ``ended_at`` to within ``window``), in one pass."""
-        latencies = sorted([ended_at - work._issued for work in works])
+        :meth:`op_ended_locked` records for each of a batch of ops of kind
+        ``op`` that succeeded together (a fused batch, seen end to within
+        ``window``), each ``latencies[i]`` after its issue, in one pass."""
+        latencies = sorted(latencies)
         # timed() holds from some latency up: the untimed ones come first
         untimed = bisect.bisect_left(latencies, True, key=lambda v: timed(v, window))
-        self._add_successes(op, len(works), latencies[untimed:])
+        self._add_successes(op, len(latencies), latencies[untimed:])
 
     # -- configurations ----------------------------------------------------
     def configured(self, rank: int, world_size: int, store: str, seconds: float) -> None:

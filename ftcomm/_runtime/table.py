@@ -344,7 +344,7 @@ class OpTable:
                 self.inflight[work.seq] = work
                 self._issued += 1
             if self.observer is not None and self.observer.subscribers:
-                self.observer.issued_locked(work)
+                work._announce_locked(self.observer)
         if error is not None:
             wake_all(work._end_after_break(error))
             return
@@ -735,6 +735,15 @@ class OpRecord(Generic[R]):
             waiters = self._end_locked(Outcome(error))
         wake_all(waiters)
 
+    def _announce_locked(self, observer: Observer) -> None:
+        """Under the lock, with subscribers: queue this op's ``"issued"``
+        event, once (at its track, or before its end where a subscriber
+        came since)."""
+        if not self._announced:
+            self._announced = True
+            table = self._table
+            observer.issued_locked(table.rank, table.store, self.op, self.seq)
+
     def _end_locked(self, end: Outcome, record: bool = True) -> list[Callable[[], object]]:
         """Under the table's lock: the op is ENDED with ``end`` (published
         once, with its native op let go); the waiters to wake. ``record``:
@@ -769,7 +778,18 @@ class OpRecord(Generic[R]):
             if end.error is None and not subscribers:
                 observer.succeeded_locked(self.op, latency, window)  # stats_on: see above
             else:
-                observer.op_ended_locked(self, latency, timed(latency, window), end.error)
+                if subscribers:
+                    self._announce_locked(observer)  # its "issued" goes first
+                table = self._table
+                observer.op_ended_locked(
+                    table.rank,
+                    table.store,
+                    self.op,
+                    self.seq,
+                    latency,
+                    timed(latency, window),
+                    end.error,
+                )
         return waiters or []
 
     def _publish_by(self, seconds: float, error: BaseException) -> None:
@@ -867,6 +887,13 @@ class OpRecord(Generic[R]):
         return self._settle_quietly(error, False) or []
 
 
+def on_end(record: OpRecord[Any], callback: Callable[[], object]) -> None:
+    """Call ``callback()`` once ``record``'s end is published: at once if it
+    is, else on the thread that publishes it. Not a look (a teardown waits
+    so for the ops it ended: ``GroupCore``)."""
+    record._on_end(callback)
+
+
 def aborted_by(cause: CommError, **ctx: Any) -> CommAborted:
     """The error of an op ended by a break of its group (``cause``);
     ``ctx``: its rank, op and seq."""
@@ -895,5 +922,6 @@ def end_all(table: OpTable, works: list[OpRecord[Any]], ended_at: float, window:
                 wakeups += work._end_locked(SUCCESS, bulk is None)
                 ended.append(work)
         if bulk is not None and ended:
-            bulk.batch_ended_locked(ended[0].op, ended, ended_at, window)
+            latencies = [ended_at - work._issued for work in ended]
+            bulk.batch_ended_locked(ended[0].op, latencies, window)
     wake_all(wakeups)

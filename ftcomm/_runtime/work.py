@@ -22,7 +22,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -39,7 +39,7 @@ from .loop import (
     sched_yield,
     wake_threadsafe,
 )
-from .table import LoopCall, OpRecord, Outcome, ThreadCall, log
+from .table import CutPoint, LoopCall, OpRecord, Outcome, ThreadCall, log
 
 if TYPE_CHECKING:
     from .fuse import Batch
@@ -126,9 +126,12 @@ class Work(OpRecord[R], TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         native: NativeOp,
         result: R,
         issued: float | None = None,
+        mark: CutPoint | None = None,
     ) -> None:
         # Not super(): its lookup costs ~100 ns, on the path of every op issued.
         OpRecord.__init__(self, table, op, seq, deadline, native, result, issued)
+        if mark is not None:  # its batch, or a cut point its first look reaches
+            self._batch = mark
         self._arming = False  # on_done being registered: a call now is not "as it happened"
         self._cb_armed = False  # the native completion callback is registered
         self._cancel_requested: tuple[Any] | None = None  # (msg,) once cancel() was called
@@ -651,16 +654,22 @@ class Work(OpRecord[R], TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         return not self._add_waiter(native, ended.set) or ended.wait(left)
 
     def _order_stream(self) -> bool:
-        """c10d's ``wait()`` for an accelerator op that has not ended: make the
-        calling thread's current stream wait for its device work, instead of
-        the CPU (the owner loop still holds its deadline). Whether it did.
-        A look at the op either way, whether it waits or not."""
+        """:func:`order_stream`."""
         if self._batch is not None:
             self._flush()
         native = self._native
         if self._end is not None or native is None or not getattr(native, "stream_ordered", False):
             return False
         native.join_stream()  # type: ignore[attr-defined]
+        return True
+
+    def _abort_unlooked(self, why: str) -> bool:
+        """Abort the op unless it has ended, with ``CommAborted`` saying
+        ``why``; whether it did. Not a look: an op in an open batch is
+        dropped, not sent."""
+        if self._done():
+            return False
+        self._abort(CommAborted(f"{self.op} {why}", **self._ctx()))
         return True
 
     def _when_done(self, callback: Callable[[], object]) -> None:
@@ -686,3 +695,48 @@ class Work(OpRecord[R], TaskDriven, collections.abc.Coroutine[Any, Any, R]):
                 self,
                 core.STOP_WAIT + 0.5,
             )
+
+
+# -- for the layers above the op core (ftcomm.gather, the c10d facade) -----------
+# What they do with a Work beyond its public calls: package-internal.
+
+
+def look_at(works: Iterable[Work[Any]]) -> None:
+    """Look at each of ``works``, in order: every open batch one waits in is
+    sent (a point of the program's order, as an ``await`` is)."""
+    for work in works:
+        if work._batch is not None:
+            work._flush()
+
+
+def abort_unended(works: Iterable[Work[Any]], why: str) -> None:
+    """Abort every op of ``works`` not ended (each breaks its group) with
+    ``CommAborted`` saying ``why``, then wait, once for all, until their
+    errors are out. Not a look: an op in an open batch is dropped, not sent."""
+    aborted = [work for work in works if work._abort_unlooked(why)]
+    for work in aborted:
+        work._until_published()
+
+
+def outcome(work: Work[Any]) -> Outcome:
+    """The op's published outcome (it has ended)."""
+    return work._outcome()
+
+
+def wait_blocking(work: Work[R], seconds: float | None, *, abort_on_timeout: bool) -> R:
+    """:meth:`Work.wait` for a caller that may block a running loop (c10d's
+    ``wait()`` blocks whatever thread calls it)."""
+    return work._wait(seconds, abort_on_timeout=abort_on_timeout)
+
+
+def when_done(work: Work[Any], callback: Callable[[], object]) -> None:
+    """Call ``callback()`` once the op's end is published (a look at it)."""
+    work._when_done(callback)
+
+
+def order_stream(work: Work[Any]) -> bool:
+    """c10d's ``wait()`` for an accelerator op that has not ended: make the
+    calling thread's current stream wait for its device work, instead of
+    the CPU (the owner loop still holds its deadline). Whether it did.
+    A look at the op either way, whether it waits or not."""
+    return work._order_stream()

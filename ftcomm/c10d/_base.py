@@ -41,9 +41,6 @@ class ProcessGroup(dist.ProcessGroup):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._group_name: str | None = None
-        # Entered in torch's tables without the members' default-group ranks
-        # (see _registry.check_entry): _registry's, under its lock.
-        self._entry_provisional = False
 
     # -- the collectives (c10d signatures) ----------------------------------
     def allgather(

@@ -55,6 +55,9 @@ if TYPE_CHECKING:
     from ._base import ProcessGroup
 
 _lock = threading.Lock()
+# The groups entered in torch's tables without their members' default-group
+# ranks yet (see check_entry), under _lock.
+_provisional: weakref.WeakSet[ProcessGroup] = weakref.WeakSet()
 
 
 def _rank_mapping(pg: ProcessGroup, initialized: bool) -> tuple[dict[int, int], bool]:
@@ -63,11 +66,14 @@ def _rank_mapping(pg: ProcessGroup, initialized: bool) -> tuple[dict[int, int], 
     ranks, which a default group made later may contradict (see
     :func:`check_entry`). ``initialized``: whether a default group exists
     (read once by the caller, for the whole entry)."""
+    # reach-in (here and in register): ProcessGroup's registry hooks, private so
+    # that torchft's class names show users torch's API only (c10d/_base.py).
     if initialized:
-        known = pg._members_global_ranks()
+        known = pg._members_global_ranks()  # reach-in: a registry hook
         if known:  # a facade group's members, found by an exchange
             return {g: i for i, g in enumerate(known)}, False
-        if pg._ranks_pending():  # several members, not found yet: group ranks for now
+        # reach-in: a registry hook. Several members, not found yet: group ranks for now.
+        if pg._ranks_pending():
             return {r: r for r in range(pg.size())}, True
         # one member, members apart (torchft's replica groups), or a group
         # that cannot say (a manager's): this rank alone
@@ -97,12 +103,13 @@ def register(pg: ProcessGroup, group_name: str) -> None:
     with _lock:  # checked before the exchange, which may take a while
         _check_free(world, pg, group_name)
     initialized = dist.is_initialized()  # read once: the exchange and the entry agree
-    pg._settle_ranks(initialized)  # outside the lock: it waits for the other members
+    # reach-in: a registry hook, outside the lock: it waits for the other members
+    pg._settle_ranks(initialized)
     with _lock:
         _check_free(world, pg, group_name)  # another thread's register meanwhile
         # before any write: it may raise (a manager's size)
         ranks, provisional = _rank_mapping(pg, initialized)
-        native = pg._c10d_backend()
+        native = pg._c10d_backend()  # reach-in: a registry hook
         _register_process_group(group_name, pg)  # type: ignore[arg-type]  # a GroupName
         # torch's get_backend(pg) reads pg_map, get_backend_config(pg) the
         # config: the native backend's, as for c10d's own groups of it
@@ -110,10 +117,24 @@ def register(pg: ProcessGroup, group_name: str) -> None:
         world.pg_names[pg] = group_name
         world.pg_backend_config[pg] = f"{native[1]}:{native[0]}" if native else group_name
         world.pg_group_ranks[pg] = ranks
-        pg._entry_provisional = provisional
+        _mark(pg, provisional)
         tag = f"ptd:{group_name}"
         world.pg_to_tag[pg] = tag
         world.tags_to_pg.setdefault(tag, []).append(pg)
+
+
+def provisional(pg: ProcessGroup) -> bool:
+    """Whether ``pg`` is in torch's tables without its members' default-group
+    ranks yet: its ops check the entry first (:func:`check_entry`)."""
+    return pg in _provisional
+
+
+def _mark(pg: ProcessGroup, flag: bool) -> None:
+    """Under ``_lock``: note whether ``pg``'s entry is provisional."""
+    if flag:
+        _provisional.add(pg)
+    else:
+        _provisional.discard(pg)
 
 
 def _check_free(world: Any, pg: ProcessGroup, group_name: str) -> None:
@@ -141,10 +162,10 @@ def check_entry(pg: ProcessGroup, op: str) -> None:
     """
     world: Any = c10d._world  # torch's private registry tables
     with _lock:
-        if not pg._entry_provisional:
+        if pg not in _provisional:
             return
         if pg not in world.pg_group_ranks:  # unregistered, or torch destroyed its tables
-            pg._entry_provisional = False
+            _provisional.discard(pg)
             return
         if not dist.is_initialized():
             return
@@ -155,7 +176,7 @@ def check_entry(pg: ProcessGroup, op: str) -> None:
             return
         if not provisional:
             world.pg_group_ranks[pg] = ranks
-            pg._entry_provisional = False
+            _provisional.discard(pg)
             return
         mine = dist.get_rank()
         if mine == group_rank:
@@ -185,11 +206,10 @@ def refresh(pg: ProcessGroup) -> None:
         while stale:
             group = stale.pop()
             if group in world.pg_group_ranks:
-                world.pg_group_ranks[group], group._entry_provisional = _rank_mapping(
-                    group, initialized
-                )
+                world.pg_group_ranks[group], provisional = _rank_mapping(group, initialized)
+                _mark(group, provisional)
             else:
-                group._entry_provisional = False
+                _provisional.discard(group)
             stale += [w for w in world.pg_group_ranks if getattr(w, "_inner", None) is group]
 
 
@@ -205,7 +225,7 @@ def unregister(pg: ProcessGroup) -> str:
         if name is None:
             raise ValueError(f"{pg!r} is not registered: call register(name) first")
         _unregister_process_group(name)  # type: ignore[arg-type]  # a GroupName
-        pg._entry_provisional = False
+        _provisional.discard(pg)
         for table in (world.pg_map, world.pg_names, world.pg_backend_config, world.pg_group_ranks):
             table.pop(pg, None)
         tag = world.pg_to_tag.pop(pg, None)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .._runtime.deadline import to_seconds
 from .._runtime.loop import get_runtime
 from .._runtime.work import Work as FtWork
+from .._runtime.work import order_stream, outcome, wait_blocking, when_done
 
 Outcome = Callable[[BaseException | None], BaseException | None]
 """Maps an op's error (or ``None``) to the error its work reports (or ``None``)."""
@@ -120,21 +121,21 @@ class OpWork(dist.Work):
         seconds = None if timeout is None else wait_seconds(timeout)
         # NCCL/XCCL: the caller's stream waits, the CPU does not -- except for
         # a barrier, whose wait() blocks the CPU in c10d too.
-        if seconds is None and op.op != "barrier" and op._order_stream():
+        if seconds is None and op.op != "barrier" and order_stream(op):
             self._finished(blocking=False)  # on the caller's stream, after the op
             return True
         if not op.done() and get_runtime().in_loop_thread():
             raise RuntimeError(
                 "wait() would block ftcomm's owner loop: call it from another thread"
             )
-        op._wait(seconds, abort_on_timeout=True)  # raises the op's ftcomm error
+        wait_blocking(op, seconds, abort_on_timeout=True)  # raises the op's ftcomm error
         self._finished()
         return True
 
     def is_completed(self) -> bool:
         if not self._op.done():
             return False
-        if self._finish is not None and self._op._outcome().error is None:
+        if self._finish is not None and outcome(self._op).error is None:
             try:
                 return self._finish.done()
             except Exception:  # wait() and is_success() say it
@@ -142,7 +143,7 @@ class OpWork(dist.Work):
         return True
 
     def is_success(self) -> bool:
-        if not self.is_completed() or self._op._outcome().error is not None:
+        if not self.is_completed() or outcome(self._op).error is not None:
             return False
         return self._finish is None or self._finish.error is None
 
@@ -153,7 +154,7 @@ class OpWork(dist.Work):
         """NCCL/XCCL: the calling thread's current stream waits for the op
         (c10d's meaning); nothing to do for an op on CPU tensors or one that
         has ended."""
-        self._op._order_stream()
+        order_stream(self._op)
 
     def get_future(self) -> torch.futures.Future[Any]:
         source, fut = _claim_future(self)
@@ -161,7 +162,7 @@ class OpWork(dist.Work):
             value = self._value
             op = self._op  # on the thread that ends it, whatever loop runs here
             finish = self._finished if self._finish is not None else None
-            op._when_done(lambda: _complete_off_loop(source, op._outcome().error, value, finish))
+            when_done(op, lambda: _complete_off_loop(source, outcome(op).error, value, finish))
         return fut
 
 

@@ -182,14 +182,14 @@ def _rank_main(
             fds.update(_fds())
             threads.update(_threads())
 
-        ctx._rebase = rebase
+        ctx._rebase = rebase  # reach-in: the harness's hook in its RankContext (_base.py)
         if ctx.loop == "uvloop":
             import uvloop
 
             value: Any = uvloop.run(rank_coroutine(fn, ctx, args))
         else:
             value = asyncio.run(rank_coroutine(fn, ctx, args))
-        ctx._store = None  # the harness's own signalling client
+        ctx._store = None  # reach-in: the harness's own signalling client, let go
         stalls = [str(s) for s in rt.watchdog.stalls] if rt.watchdog else []
         if stalls:
             raise AssertionError(f"owner loop stalled {len(stalls)} time(s):\n{stalls[0]}")
