@@ -21,7 +21,7 @@ from typing import Any
 from torch._C._distributed_c10d import Store
 from torch.distributed import DistStoreError
 
-from ._store import ConnectProgress, Stopped, _stopped
+from ._store import ConnectProgress, Stopped, stop_requested
 from .errors import PrefixReused
 
 MEET_KEY = "ftcomm/met/{world}/{rank}"
@@ -131,11 +131,11 @@ def meet(
                     progress.detail = _missing(store, world_size)
             if not names:
                 progress.detail = f"{world_size - came} of {world_size} ranks never came"
-            if _stopped(stop, min(delay, deadline - now)):
+            if stop_requested(stop, min(delay, deadline - now)):
                 raise Stopped
             delay = min(delay * 1.5, cap)
             came = int(store.add(count, 0))
-        if _stopped(stop):  # all came (maybe at once), but nobody waits for this connect
+        if stop_requested(stop):  # all came (maybe at once), but nobody waits for this connect
             raise Stopped
         look()  # all came, maybe counted by a stale attempt among them
         if mark:
@@ -293,7 +293,7 @@ class StoppableStore(Store):
             remaining = deadline - now
             if remaining <= 0 and not stop.done():
                 raise DistStoreError(f"wait timeout after {seconds * 1000:.0f}ms, keys: {keys}")
-            if _stopped(stop, min(delay, max(remaining, 0.0))):
+            if stop_requested(stop, min(delay, max(remaining, 0.0))):
                 raise Stopped
             delay = min(delay * 1.5, 0.05)
 

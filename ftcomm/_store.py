@@ -222,7 +222,7 @@ class Stopped(Exception):
     """A connect that nobody waits for any more stopped early."""
 
 
-def _stopped(stop: concurrent.futures.Future[Any] | None, wait: float = 0.0) -> bool:
+def stop_requested(stop: concurrent.futures.Future[Any] | None, wait: float = 0.0) -> bool:
     if stop is None:
         if wait > 0:
             time.sleep(wait)
@@ -261,7 +261,7 @@ def _wait_listening(
     stderr and keeps no cause; trying here first, a client is only built
     once someone listens, and the last failure is kept for the error.
     """
-    if _stopped(stop):  # given up before it began: not even one try
+    if stop_requested(stop):  # given up before it began: not even one try
         raise Stopped
     delay = 0.01
     while True:
@@ -287,7 +287,7 @@ def _wait_listening(
             raise TimeoutError(
                 f"the store at {addr} did not answer within {timeout:g} s: {progress.detail}"
             ) from progress.cause
-        if _stopped(stop, min(delay, remaining)):
+        if stop_requested(stop, min(delay, remaining)):
             raise Stopped
         delay = min(delay * 2, 0.5)
 

@@ -14,7 +14,7 @@ from torch._C._distributed_c10d import TCPStore
 from ftcomm import serve_store
 from ftcomm._runtime.loop import get_runtime, new_event_loop
 from ftcomm.testing import EtcdCluster, etcd_missing
-from ftcomm.testing._base import _children, _fds, _segments, _settled, _threads
+from ftcomm.testing._base import child_pids, fd_names, settle_fds, shm_segments, thread_ids
 from ftcomm.testing._world import _mp_context
 
 os.environ.setdefault("FTCOMM_DEBUG", "1")
@@ -104,8 +104,8 @@ def no_leaks() -> Iterator[None]:
     """Every test leaves no thread, child process (running or unreaped), fd,
     shared-memory segment or owner-loop stall behind."""
     rt = get_runtime()
-    threads, fds, children = _threads(), _fds(), _children(zombies=True, descendants=True)
-    segments = {s for s in _segments() if s.startswith(f"ftcomm-{os.getpid()}-")}
+    threads, fds, children = thread_ids(), fd_names(), child_pids(zombies=True, descendants=True)
+    segments = {s for s in shm_segments() if s.startswith(f"ftcomm-{os.getpid()}-")}
     stalls = len(rt.watchdog.stalls) if rt.watchdog else 0
     yield
     assert rt.workers.wait_idle(15.0), "an ftcomm worker thread is still blocked"
@@ -115,17 +115,17 @@ def no_leaks() -> Iterator[None]:
     for thread in threading.enumerate():
         if thread.ident not in threads and not thread.name.startswith("ftcomm-"):
             thread.join(5.0)  # a thread that is finishing gets a bounded moment
-    assert not (_threads() - threads), f"threads left behind: {threading.enumerate()}"
-    left = _children(zombies=True, descendants=True) - children
+    assert not (thread_ids() - threads), f"threads left behind: {threading.enumerate()}"
+    left = child_pids(zombies=True, descendants=True) - children
     assert not left, f"child processes left behind (running or unreaped): {left}"
-    mine = {s for s in _segments() if s.startswith(f"ftcomm-{os.getpid()}-")}
+    mine = {s for s in shm_segments() if s.startswith(f"ftcomm-{os.getpid()}-")}
     assert not (mine - segments), f"/dev/shm segments left: {mine - segments}"
-    leaked = _fds() - fds
+    leaked = fd_names() - fds
     if leaked:
         # A native client may close its socket on a thread of its own just
         # after the test let go of it (torchft's lighthouse client, on its
         # runtime's thread): what is still open after a bounded wait is a leak.
-        leaked = _settled(lambda: _fds() - fds, cap=5.0)
+        leaked = settle_fds(lambda: fd_names() - fds, cap=5.0)
     assert not leaked, (
         f"fds left behind: {[os.path.realpath(f'/proc/self/fd/{fd}') for fd in leaked]}"
     )

@@ -29,7 +29,7 @@ from ftcomm._runtime.table import OpTable
 from ftcomm._runtime.work import Work
 from ftcomm.c10d._work import OpWork
 from ftcomm.testing import inspect
-from ftcomm.testing._base import _children
+from ftcomm.testing._base import child_pids
 
 # How long an observer gets to (wrongly) see an op end while its settler is
 # paused. On the code under test it blocks for all of it; it only bounds how
@@ -520,12 +520,12 @@ async def _configuring_in_a_worker(
 ) -> asyncio.Future[None]:
     """Start ``g.configure`` as rank 0 of 2 (rank 1 never comes); return its
     task once the worker is started and in the rendezvous (keys in the store)."""
-    before = _children()
+    before = child_pids()
     task = asyncio.ensure_future(g.configure(f"127.0.0.1:{store.port}/{prefix}", 0, 2))
     probe = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
     try:
         deadline = time.monotonic() + 30
-        while not (_children() - before) or probe.num_keys() == 0:
+        while not (child_pids() - before) or probe.num_keys() == 0:
             assert not task.done(), task
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
@@ -782,13 +782,13 @@ async def test_a_cancelled_configure_kills_its_worker(store: StoreServer) -> Non
     """Cancelling configure() (a peer that never comes) kills the worker it
     was configuring, now, not at the configure timeout."""
     g = ftcomm.Group("gloo", subprocess=True, spare_worker=False, timeout=60)
-    before = _children()
+    before = child_pids()
     task = await _configuring_in_a_worker(g, store, "cancel-sub")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     deadline = time.monotonic() + 10  # the configure timeout is 60 s
-    while _children() - before:
+    while child_pids() - before:
         assert time.monotonic() < deadline, "the cancelled configure's worker lives on"
         await asyncio.sleep(0.01)
     assert g.state is ftcomm.State.UNCONFIGURED

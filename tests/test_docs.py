@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 
 import ftcomm
-from ftcomm.testing._base import _segments, _settled, _stat
+from ftcomm.testing._base import proc_stat, settle_fds, shm_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/*.md")  # globbed at collection: new docs files are picked up
@@ -111,7 +111,7 @@ def _in_session(sid: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            fields = _stat(entry)
+            fields = proc_stat(entry)
             if fields[3:4] == [str(sid)] and fields[0] != "Z":
                 found.append(int(entry))
     return found
@@ -129,7 +129,7 @@ def run_processes(argvs: list[list[str]], cwd: Path) -> list[tuple[int, str]]:
     """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    segments = _segments()
+    segments = shm_segments()
     procs: list[tuple[subprocess.Popen[bytes], Path]] = []
     try:
         for n, argv in enumerate(argvs):
@@ -163,8 +163,8 @@ def run_processes(argvs: list[list[str]], cwd: Path) -> list[tuple[int, str]]:
         # A segment of a dead process that another test's process made (the
         # suite may run in parallel) is unlinked by that one's worker within
         # moments; one of these processes' left behind stays for good.
-        leaked = _settled(
-            lambda: {s for s in _segments() - segments if not _alive(s.split("-")[1])}, 2.0
+        leaked = settle_fds(
+            lambda: {s for s in shm_segments() - segments if not _alive(s.split("-")[1])}, 2.0
         )
         assert not leaked, f"/dev/shm segments left behind: {sorted(leaked)}"
         return [(proc.returncode, log.read_text(errors="replace")) for proc, log in procs]

@@ -31,7 +31,7 @@ from ftcomm._runtime.loop import get_runtime
 from ftcomm.backends.subprocess._client import WorkerProcess
 from ftcomm.backends.subprocess._pool import Pool
 from ftcomm.testing import Fault, FaultPlan, Kind, RankContext, inspect, run_world
-from ftcomm.testing._base import _segments
+from ftcomm.testing._base import shm_segments
 
 # What these check runs on ftcomm's owner loop and in the worker: asyncio only.
 pytestmark = pytest.mark.one_loop
@@ -373,7 +373,7 @@ def test_a_crashed_parent_takes_its_worker_and_segments_with_it(tmp_path: Path) 
         finally:
             os.close(pidfd)
         assert readable, f"worker {worker_pid} outlived its parent"
-    assert not {s for s in _segments() if s.startswith(f"ftcomm-{rank_pid}-")}
+    assert not {s for s in shm_segments() if s.startswith(f"ftcomm-{rank_pid}-")}
 
 
 # -- found by review: each failed before its fix --------------------------------------------------
@@ -544,7 +544,7 @@ def test_the_parent_going_away_takes_worker_and_segments_with_it(how: str) -> No
             finally:
                 os.close(pidfd)
             assert readable, f"worker {worker} outlived its parent ({how})"
-        assert not {s for s in _segments() if s.startswith(f"ftcomm-{parent}-")}
+        assert not {s for s in shm_segments() if s.startswith(f"ftcomm-{parent}-")}
         # leaving the block closes our end of its stdin: a forked child ends
 
 

@@ -11,6 +11,7 @@ import contextvars
 import dataclasses
 import random
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -26,7 +27,7 @@ from ftcomm._runtime import table as table_module
 from ftcomm._runtime import work as work_module
 from ftcomm._runtime.loop import get_runtime
 from ftcomm._runtime.observe import FOLD_EVERY, Histogram, Observer, timed
-from ftcomm._runtime.table import OpTable
+from ftcomm._runtime.table import OpRecord, OpTable, Outcome
 from ftcomm._runtime.work import Work
 
 
@@ -456,13 +457,43 @@ def test_a_batchs_statistics_match_each_ops_own(window: float) -> None:
     bulk, each = (Observer(threading.Lock(), lambda f: f(), stats=True) for _ in range(2))
     bulk.batch_ended_locked("allreduce", latencies, window)
     for seq, latency in enumerate(latencies):  # what each op's own end records
-        each.op_ended_locked(0, "", "allreduce", seq, latency, timed(latency, window), None)
+        each.op_ended_locked(0, "", "allreduce", seq, latency, timed(latency, window), None, False)
     b, e = bulk._ops["allreduce"], each._ops["allreduce"]
     assert (b.count, b.untimed) == (e.count, e.untimed)
     assert b.count == 100
     assert b.hist.counts == e.hist.counts
     if window == 0.002:
         assert 0 < b.untimed < 100  # the rule splits this batch
+
+
+def test_a_subscriber_arriving_as_an_op_ends_never_gets_its_end_without_its_issue() -> None:
+    """The end reads the subscribers once: a subscriber that arrives between
+    the op's "issued" (not queued: nobody listened) and its end's event gets
+    neither, never an end alone. Forced: the first read finds none, every
+    later one finds one."""
+    got: list[Any] = []
+
+    class Arriving(Observer):
+        reads = 0
+
+        @property  # type: ignore[override]
+        def subscribers(self) -> tuple[Any, ...]:
+            Arriving.reads += 1
+            return () if Arriving.reads == 1 else (got.append,)
+
+        @subscribers.setter
+        def subscribers(self, value: Any) -> None:
+            pass
+
+    lock = threading.Lock()
+    observer = Arriving(lock, lambda f: f(), stats=True)
+    table = OpTable(get_runtime(), 0, lambda e, u: None, lock=lock, observer=observer, store="s")
+    record = OpRecord(table, "allreduce", 1, time.monotonic() + 5, ScriptedOp(), None)
+    with lock:
+        record._end_locked(Outcome(ftcomm.CommFailed("boom", rank=0, op="allreduce", seq=1)))
+    kinds = [event.kind for event in got]
+    assert kinds in ([], ["issued", "failed"]), kinds
+    assert observer._ops["allreduce"].failed  # the statistics counted it either way
 
 
 @pytest.mark.parametrize("n", [1, FOLD_EVERY - 1, FOLD_EVERY, 3 * FOLD_EVERY + 5])
@@ -480,7 +511,7 @@ def test_noted_successes_give_the_statistics_each_end_records(n: int) -> None:
     for seq, (op, latency, window) in enumerate(ends):
         noted.succeeded_locked(op, latency, window)
         assert len(noted._noted) < FOLD_EVERY  # folded as they reach the bound
-        each.op_ended_locked(0, "", op, seq, latency, timed(latency, window), None)
+        each.op_ended_locked(0, "", op, seq, latency, timed(latency, window), None, False)
     got, want = noted.snapshot(0).ops, each.snapshot(0).ops
     assert list(got) == list(want)  # in the order of their first ends, as before
     for kind, stats in got.items():  # the mean: summed in another order
@@ -498,10 +529,10 @@ def test_noted_kinds_keep_the_order_of_their_first_ends() -> None:
     noted, each = (Observer(threading.Lock(), lambda f: f(), stats=True) for _ in range(2))
 
     noted.succeeded_locked("allreduce", 1e-4, 0.0)
-    each.op_ended_locked(0, "", "allreduce", 1, 1e-4, True, None)
+    each.op_ended_locked(0, "", "allreduce", 1, 1e-4, True, None, False)
     failure = CommAborted("no")
     for observer in (noted, each):
-        observer.op_ended_locked(0, "", "barrier", 2, 1e-4, True, failure)
+        observer.op_ended_locked(0, "", "barrier", 2, 1e-4, True, failure, False)
     assert list(noted.snapshot(0).ops) == list(each.snapshot(0).ops) == ["allreduce", "barrier"]
 
 

@@ -164,20 +164,22 @@ def _raw(value: Any) -> bytes:
 def _count_rounds(members: Any, rounds: int) -> Counting | None:
     """Put a :class:`Counting` between the member's heartbeat thread and its
     store client (the store engine's watcher: ``None`` on another engine)."""
-    engine = getattr(members, "_engine", None)
+    membership: Any = importlib.import_module("ftcomm._membership.membership")
+    engine = membership.engine_of(members)
     watcher = getattr(engine, "watcher", None)
-    if watcher is None or not hasattr(watcher, "_store"):
+    if watcher is None:
         return None
     beat_key: Any = importlib.import_module("ftcomm._membership._watch").beat_key
-    prefix = 1 + len(getattr(engine, "_prefix", ""))
-    counting = Counting(watcher._store, beat_key(members.member_id), prefix, rounds)
-    watcher._store = counting  # its thread reads the attribute at every call
+    prefix = 1 + len(engine.prefix)
+    counting = Counting(watcher.store, beat_key(members.member_id), prefix, rounds)
+    watcher.swap_store(counting)
     return counting
 
 
 def _uncount(members: Any, counting: Counting) -> None:
     """Give the heartbeat thread its own client back."""
-    members._engine.watcher._store = counting._inner
+    membership: Any = importlib.import_module("ftcomm._membership.membership")
+    membership.engine_of(members).watcher.swap_store(counting._inner)
 
 
 # -- a member -------------------------------------------------------------------------

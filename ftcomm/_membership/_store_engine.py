@@ -94,7 +94,7 @@ class StoreEngine:
         self.me = me
         self._interval = heartbeat_interval
         self._timeout = heartbeat_timeout
-        self._prefix = f"{addr.prefix + '/' if addr.prefix else ''}ftcomm/members/{job}/"
+        self.prefix = f"{addr.prefix + '/' if addr.prefix else ''}ftcomm/members/{job}/"
         self._store: Any = None  # the calls' client (one call at a time)
         self._closing = threading.Lock()  # close() may come from two threads at once
         self.watcher: Watcher | None = None
@@ -126,7 +126,7 @@ class StoreEngine:
             ) from exc
         try:
             progress = ConnectProgress()
-            prefixed = StoreAddr(plain.host, plain.port, self._prefix.rstrip("/"))
+            prefixed = StoreAddr(plain.host, plain.port, self.prefix.rstrip("/"))
             # open()'s own deadline bounds the connects and the claim (a
             # store that takes connections and never answers); then the
             # ops get OP_TIMEOUT. They never wait on the server's side: it

@@ -199,6 +199,13 @@ class Watcher:
         """The watcher's own client (its thread's: not for other threads' calls)."""
         return self._store
 
+    def swap_store(self, store: Any) -> Any:
+        """Put ``store`` in place of the watcher's client, and return the one it
+        had (its thread reads the attribute at every call): for the scale
+        bench, which counts a heartbeat round's store calls."""
+        old, self._store = self._store, store
+        return old
+
     # -- what it concludes ------------------------------------------------
 
     def alive(self, member: Member) -> bool:

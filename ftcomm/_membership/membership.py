@@ -647,3 +647,9 @@ class Membership:
     async def _blocking(self, fn: Callable[[], object]) -> None:
         future = get_runtime().run_control(fn, until=time.monotonic() + 5.0)
         await asyncio.shield(asyncio.wrap_future(future))
+
+
+def engine_of(members: Membership) -> Engine:
+    """``members``' coordination engine: for ftcomm's own tools (the scale
+    bench). Not API."""
+    return members._engine

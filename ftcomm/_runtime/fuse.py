@@ -41,7 +41,7 @@ import torch
 
 from .loop import LoopPoller
 from .native import Done, NativeOp, without_tracebacks
-from .table import EARLY, AbandonAbort, CutPoint, OpRecord, end_all, peek
+from .table import EARLY, AbandonAbort, CutPoint, OpRecord, complete, end_all, peek
 
 if TYPE_CHECKING:
     from .table import OpTable
@@ -470,9 +470,7 @@ class Batch(CutPoint):
             # whenever someone looks at it: its batch-mates then end with the
             # same typed error, each naming its own op and seq.
             first = self._earliest()
-            # reach-in: the batch ends its earliest member's op as its native op
-            # would (the op core's record and its batch share the table's lock).
-            first._complete(self.outcome_for(first))
+            complete(first, self.outcome_for(first))
         for member, callback in callbacks:
             callback(self.outcome_for(member.work))
         # The members' tensors are theirs again: a member kept by its caller

@@ -85,14 +85,14 @@ class _Spinners(threading.local):
         self.count = [0]
 
 
-_SPINNERS = _Spinners()
+SPINNERS = _Spinners()
 
 
 def spinners() -> list[int]:
     """This thread's count of awaits spinning on an op, in a box: a spin whose
     generator is closed on another thread (by a garbage collection) counts
     down the box of the thread it counted up."""
-    return _SPINNERS.count
+    return SPINNERS.count
 
 
 class LoopPoller:

@@ -54,12 +54,9 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import CommAborted, CommError, CommTimeout, WorkerDied
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("ftcomm")
 
@@ -432,11 +429,13 @@ class Observer:
         seconds: float,
         timed: bool,
         error: BaseException | None,
+        notify: bool,
     ) -> None:
         """Under the group's lock: record an op's end (``seconds`` from its
         issue to its end as seen; ``timed``: seen as it happened, see the
-        module); queue its event if anyone subscribed (its ``"issued"`` is
-        out: its record saw to it)."""
+        module); queue its event where ``notify`` (the caller's one read of
+        ``subscribers``, by which it also queued the op's ``"issued"`` first:
+        a subscriber arriving meanwhile never gets an end without it)."""
         if self.stats_on:
             counters = self._counters(op)
             counters.count += 1
@@ -447,7 +446,7 @@ class Observer:
                     counters.untimed += 1
             else:
                 counters.failed[_name(error)] += 1
-        if self.subscribers:
+        if notify:
             kind = "ended" if error is None else "failed"
             self.emit(Event(kind, rank, store, op, seq, seconds, error))
 

@@ -789,6 +789,7 @@ class OpRecord(Generic[R]):
                     latency,
                     timed(latency, window),
                     end.error,
+                    bool(subscribers),
                 )
         return waiters or []
 
@@ -885,6 +886,12 @@ class OpRecord(Generic[R]):
         else:
             error = self._aborted_by(cause)
         return self._settle_quietly(error, False) or []
+
+
+def complete(record: OpRecord[Any], native_error: BaseException | None) -> None:
+    """End ``record`` as its native op's end would (a fused batch ends its
+    earliest member so, with the batch's own failure)."""
+    record._complete(native_error)
 
 
 def on_end(record: OpRecord[Any], callback: Callable[[], object]) -> None:

@@ -32,8 +32,8 @@ from .deadline import to_seconds
 from .driven import Drivers, TaskDriven
 from .fuse import MemberOp
 from .loop import (
-    _SPINNERS,
     HOLD_SECONDS,
+    SPINNERS,
     LoopPoller,
     require_asyncio,
     sched_yield,
@@ -402,7 +402,7 @@ class Work(OpRecord[R], TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         µs faster); with several, each turn is one poll, so that no await
         holds another up. It stops as soon as the op's end is out, whoever
         published it (a break, an abort, the deadline's sweep)."""
-        spinning = _SPINNERS.count  # spinners(), without the call
+        spinning = SPINNERS.count  # spinners(), without the call
         spinning[0] += 1
         try:
             spin_until = time.perf_counter() + getattr(native, "spin", SPIN_SECONDS)

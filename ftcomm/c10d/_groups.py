@@ -82,7 +82,7 @@ class _Facade(ProcessGroup):
 
     # -- dispatch -----------------------------------------------------------
     def _target(self, op: str) -> Target:
-        if _registry.provisional(self):  # registered without the default-group ranks
+        if _registry.any_provisional and _registry.provisional(self):  # no default-group ranks yet
             _registry.check_entry(self, op)
         target: Target | None = self._inner if self._inner is not None else self._ops
         if target is None:
@@ -100,7 +100,7 @@ class _Facade(ProcessGroup):
             ops is not None
             and self._inner is None
             and type(self)._run is _Facade._run
-            and not _registry.provisional(self)
+            and not (_registry.any_provisional and _registry.provisional(self))
         ):
             return ops.allreduce(tensors, opts)  # the hot path: nothing to intercept
         return self._run("allreduce", tensors, lambda t: t.allreduce(tensors, opts))

@@ -58,6 +58,9 @@ _lock = threading.Lock()
 # The groups entered in torch's tables without their members' default-group
 # ranks yet (see check_entry), under _lock.
 _provisional: weakref.WeakSet[ProcessGroup] = weakref.WeakSet()
+any_provisional = False
+"""Whether any entry was ever provisional: the facade's ops look no further
+while none was (a plain read on their hot path)."""
 
 
 def _rank_mapping(pg: ProcessGroup, initialized: bool) -> tuple[dict[int, int], bool]:
@@ -131,7 +134,9 @@ def provisional(pg: ProcessGroup) -> bool:
 
 def _mark(pg: ProcessGroup, flag: bool) -> None:
     """Under ``_lock``: note whether ``pg``'s entry is provisional."""
+    global any_provisional
     if flag:
+        any_provisional = True
         _provisional.add(pg)
     else:
         _provisional.discard(pg)
@@ -210,6 +215,7 @@ def refresh(pg: ProcessGroup) -> None:
                 _mark(group, provisional)
             else:
                 _provisional.discard(group)
+            # reach-in: the facade wrappers over this group (c10d/_groups.py's _inner)
             stale += [w for w in world.pg_group_ranks if getattr(w, "_inner", None) is group]
 
 

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from .._runtime.deadline import to_seconds
 from .._runtime.loop import get_runtime
 from .._runtime.work import Work as FtWork
-from .._runtime.work import order_stream, outcome, wait_blocking, when_done
+from .._runtime.work import order_stream, wait_blocking, when_done
+from .._runtime.work import outcome as outcome_of
 
 Outcome = Callable[[BaseException | None], BaseException | None]
 """Maps an op's error (or ``None``) to the error its work reports (or ``None``)."""
@@ -135,7 +136,7 @@ class OpWork(dist.Work):
     def is_completed(self) -> bool:
         if not self._op.done():
             return False
-        if self._finish is not None and outcome(self._op).error is None:
+        if self._finish is not None and outcome_of(self._op).error is None:
             try:
                 return self._finish.done()
             except Exception:  # wait() and is_success() say it
@@ -143,7 +144,7 @@ class OpWork(dist.Work):
         return True
 
     def is_success(self) -> bool:
-        if not self.is_completed() or outcome(self._op).error is not None:
+        if not self.is_completed() or outcome_of(self._op).error is not None:
             return False
         return self._finish is None or self._finish.error is None
 
@@ -162,7 +163,7 @@ class OpWork(dist.Work):
             value = self._value
             op = self._op  # on the thread that ends it, whatever loop runs here
             finish = self._finished if self._finish is not None else None
-            when_done(op, lambda: _complete_off_loop(source, outcome(op).error, value, finish))
+            when_done(op, lambda: _complete_off_loop(source, outcome_of(op).error, value, finish))
         return fut
 
 

@@ -143,11 +143,11 @@ async def rank_coroutine(fn: RankFn, ctx: RankContext, args: tuple[Any, ...]) ->
     return fn(ctx, *args)
 
 
-def _fds() -> set[str]:
+def fd_names() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def _threads() -> set[int]:
+def thread_ids() -> set[int]:
     """Python threads other than ftcomm's own. A native thread (Gloo's, a
     c10d future's) that once ran a Python callback is listed too, as a
     ``_DummyThread``, and Python 3.11 keeps it listed after it has ended: it
@@ -159,7 +159,7 @@ def _threads() -> set[int]:
     }
 
 
-def _stat(pid: object) -> list[str]:
+def proc_stat(pid: object) -> list[str]:
     """``/proc/<pid>/stat`` past the command name (state, ppid, ...); [] if gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -168,12 +168,12 @@ def _stat(pid: object) -> list[str]:
         return []
 
 
-def _children(zombies: bool = False, *, descendants: bool = False) -> set[int]:
+def child_pids(zombies: bool = False, *, descendants: bool = False) -> set[int]:
     """Child processes of this process, from /proc: live ones, or also
     zombies (exited, never reaped); with ``descendants``, their children
     too, and so on (ranks are the forkserver's children, not ours)."""
     parents, found = {str(os.getpid())}, set[str]()
-    stats = [(entry, _stat(entry)) for entry in os.listdir("/proc") if entry.isdigit()]
+    stats = [(entry, proc_stat(entry)) for entry in os.listdir("/proc") if entry.isdigit()]
     while parents:
         parents = {
             entry
@@ -186,7 +186,7 @@ def _children(zombies: bool = False, *, descendants: bool = False) -> set[int]:
     return {int(entry) for entry in found}
 
 
-def _segments() -> set[str]:
+def shm_segments() -> set[str]:
     """ftcomm's shared-memory segments in ``/dev/shm`` (every process's)."""
     try:
         return {name for name in os.listdir("/dev/shm") if name.startswith("ftcomm-")}
@@ -201,7 +201,7 @@ def _link(fd: str) -> str:
         return ""
 
 
-def _settled(left: Callable[[], set[str]], cap: float = 2.0) -> set[str]:
+def settle_fds(left: Callable[[], set[str]], cap: float = 2.0) -> set[str]:
     """What ``left()`` still finds after at most ``cap`` s. A Gloo device
     (its listening socket, epoll and pipe) may be let go on a thread of its
     own (a Gloo worker returning from a completion callback) just after the
@@ -218,13 +218,13 @@ def _settled(left: Callable[[], set[str]], cap: float = 2.0) -> set[str]:
 
 def _passing(link: str) -> bool:
     """An fd that may still be on its way out when the rank's code is done:
-    a native group's epoll (see :func:`_settled`), or a Python source file
+    a native group's epoll (see :func:`settle_fds`), or a Python source file
     that another thread has open to format a traceback (a logged error's,
     seen as ``threading.py``), which linecache closes once it is read."""
     return link == "anon_inode:[eventpoll]" or link.endswith(".py")
 
 
-def _leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str | None:
+def find_leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str | None:
     """What the rank left behind, once ftcomm's blocking work has ended."""
     # A finished call leaves the pool's books just after its future completes.
     # Bounded by the calls' own deadlines: a configure against a broken store may
@@ -237,11 +237,11 @@ def _leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str
         return "native objects handed to the reaper are still referenced elsewhere"
     if rt.workers.busy or rt.control.busy:
         return f"{rt.workers.busy + rt.control.busy} ftcomm worker call(s) still blocked"
-    if _children() - children:
-        return f"child processes left running: {sorted(_children() - children)}"
-    if _children(zombies=True) - children:
-        return f"child processes left unreaped: {sorted(_children(zombies=True) - children)}"
-    mine = {name for name in _segments() if name.startswith(f"ftcomm-{os.getpid()}-")}
+    if child_pids() - children:
+        return f"child processes left running: {sorted(child_pids() - children)}"
+    if child_pids(zombies=True) - children:
+        return f"child processes left unreaped: {sorted(child_pids(zombies=True) - children)}"
+    mine = {name for name in shm_segments() if name.startswith(f"ftcomm-{os.getpid()}-")}
     if mine:
         return f"shared-memory segments left in /dev/shm: {sorted(mine)}"
     if rt.reaper.pending:
@@ -249,19 +249,19 @@ def _leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str
         # in-process Gloo cannot be stopped earlier, by design. Its sockets
         # are the reaper's until then, so there is nothing to compare.
         return None
-    new_fds = _fds() - fds
+    new_fds = fd_names() - fds
     if any(_passing(_link(fd)) for fd in new_fds):
-        new_fds = _settled(lambda: _fds() - fds)  # see _passing
+        new_fds = settle_fds(lambda: fd_names() - fds)  # see _passing
     if new_fds:
         paths = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in new_fds]
         return f"fds left open: {paths}"
-    new_threads = _threads() - threads
+    new_threads = thread_ids() - threads
     if new_threads:
         return f"threads left running: {threading.enumerate()}"
     return None
 
 
-def _world_error(failures: list[str], plan: FaultPlan | None) -> WorldError:
+def world_error(failures: list[str], plan: FaultPlan | None) -> WorldError:
     """Every failure in full, then the plan, then one line per failure: a
     rank's traceback is long, and an output cut to its ends (a CI log)
     still shows which rank failed first and how."""
@@ -295,7 +295,7 @@ def _serve(host: str) -> Any:
     return TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
 
 
-class _StoreServer:
+class HarnessStore:
     """The world's TCPStore, which a rank's fault plan may break.
 
     A thread answers the ranks' control pipes: on ``"break_store"`` it drops

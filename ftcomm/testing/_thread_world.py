@@ -20,16 +20,16 @@ from .._runtime import faults as _seam
 from .._runtime.loop import get_runtime, new_event_loop
 from .._runtime.native import NativeOp
 from ._base import (
+    HarnessStore,
     RankContext,
     RankFn,
-    _children,
-    _fds,
-    _leaks,
-    _StoreServer,
-    _threads,
-    _world_error,
+    child_pids,
     exception_line,
+    fd_names,
+    find_leaks,
     rank_coroutine,
+    thread_ids,
+    world_error,
 )
 from ._faults import FaultPlan, Injector, Kind
 
@@ -37,7 +37,7 @@ from ._faults import FaultPlan, Injector, Kind
 class _DirectControl:
     """The control pipe of a process rank, as plain calls on the store."""
 
-    def __init__(self, store: _StoreServer) -> None:
+    def __init__(self, store: HarnessStore) -> None:
         self._store = store
 
     def send(self, request: object) -> None:
@@ -71,8 +71,8 @@ def run_thread_world(
     if plan is not None and plan.ranks_that(Kind.KILL, Kind.STOP):
         raise ValueError("kill and stop faults need run_world(mode='process')")
     rt = get_runtime()
-    base_fds, base_threads, base_children = _fds(), _threads(), _children()
-    store = _StoreServer()
+    base_fds, base_threads, base_children = fd_names(), thread_ids(), child_pids()
+    store = HarnessStore()
     world_id = uuid.uuid4().hex[:12]
     results: list[Any] = [None] * world_size
     failures: dict[int, str] = {}
@@ -130,11 +130,11 @@ def run_thread_world(
             _seam.set_injector(previous)
         store.close()
     if not failures:
-        leaked = _leaks(rt, base_fds, base_threads, base_children)
+        leaked = find_leaks(rt, base_fds, base_threads, base_children)
         if leaked:
             failures[-1] = f"the world left behind: {leaked}"
     if failures:
-        raise _world_error(
+        raise world_error(
             [f"rank {r} {text}" if r >= 0 else text for r, text in sorted(failures.items())], plan
         )
     return results

@@ -34,18 +34,18 @@ from typing import Any
 
 from ..backends.gloo import HOST_ENV
 from ._base import (
+    HarnessStore,
     RankContext,
     RankFailure,
     RankFn,
-    _children,
-    _fds,
-    _leaks,
-    _stat,
-    _StoreServer,
-    _threads,
-    _world_error,
+    child_pids,
     exception_line,
+    fd_names,
+    find_leaks,
+    proc_stat,
     rank_coroutine,
+    thread_ids,
+    world_error,
 )
 from ._faults import NETWORK_KINDS, FaultPlan, Kind, install
 from ._net import Network, NetworkFailed, enter, network_missing
@@ -176,11 +176,11 @@ def _rank_main(
 
         injector = install(plan, ctx.rank, control) if plan is not None else None
         rt = get_runtime()
-        fds, threads, children = _fds(), _threads(), _children()
+        fds, threads, children = fd_names(), thread_ids(), child_pids()
 
         def rebase() -> None:  # ctx.baseline(): what is open now stays open
-            fds.update(_fds())
-            threads.update(_threads())
+            fds.update(fd_names())
+            threads.update(thread_ids())
 
         ctx._rebase = rebase  # reach-in: the harness's hook in its RankContext (_base.py)
         if ctx.loop == "uvloop":
@@ -193,7 +193,7 @@ def _rank_main(
         stalls = [str(s) for s in rt.watchdog.stalls] if rt.watchdog else []
         if stalls:
             raise AssertionError(f"owner loop stalled {len(stalls)} time(s):\n{stalls[0]}")
-        leaked = _leaks(rt, fds, threads, children)
+        leaked = find_leaks(rt, fds, threads, children)
         if leaked:
             raise AssertionError(f"rank {ctx.rank} left behind: {leaked}")
         fired = [f.op for f in injector.applied] if injector is not None else []
@@ -215,7 +215,7 @@ def _rank_main(
 
 def _stopped(pid: int | None) -> bool:
     """Whether the process is stopped (SIGSTOP), from /proc where there is one."""
-    return _stat(pid)[:1] == ["T"]
+    return proc_stat(pid)[:1] == ["T"]
 
 
 def run_world(
@@ -291,12 +291,12 @@ def run_world(
     conns: list[Any] = []
     controls: list[Any] = []
     net: Network | None = None
-    store: _StoreServer | None = None
+    store: HarnessStore | None = None
     # From here on, whatever happens (a rank that cannot start, an interrupt),
     # every process is taken down and the network removed.
     try:
         net = Network(world_size) if network else None
-        store = _StoreServer(net)
+        store = HarnessStore(net)
         env_before = {name: os.environ.get(name) for name in ("FTCOMM_LOOP", "FTCOMM_DEBUG")}
         os.environ["FTCOMM_LOOP"] = loop
         os.environ.setdefault("FTCOMM_DEBUG", "1")
@@ -406,7 +406,7 @@ def run_world(
     finally:
         _tear_down(procs, conns, controls, store, stacks_dir, net)
     if failures:
-        raise _world_error(failures, plan)
+        raise world_error(failures, plan)
     return results
 
 
@@ -459,7 +459,7 @@ def _tear_down(
     procs: list[Any],
     conns: list[Any],
     controls: list[Any],
-    store: _StoreServer | None,
+    store: HarnessStore | None,
     stacks_dir: str,
     net: Network | None,
 ) -> None:
