@@ -152,6 +152,11 @@ async def test_cancelling_asyncio_gather_of_works_cancels_them_and_aborts_the_gr
         errored = g.errored()
         assert isinstance(errored, CommAborted)
         assert "cancelled with Work.cancel()" in str(errored)
+        # The cancel's mark is ftcomm's own, not the error's: what a caller
+        # sees is a plain CommAborted with its context, and nothing else.
+        for error in (works[0].exception(), works[1].exception(), errored):
+            assert type(error) is CommAborted
+            assert set(vars(error)) == {"message", "rank", "op", "seq"}
         native.finish()
 
 

@@ -55,6 +55,15 @@ WAIT_SLICE = 0.01
 """How long a blocked thread sleeps in a native wait before it rechecks the op."""
 
 
+# The errors of ops' own cancels (Work.cancel): the op (weakly) and the
+# message, by the error, which holds no mark of its own (its class and
+# attributes are what its caller and errored() see). Weakly: gone with the
+# error. A lookup or an insert is one dict operation under the GIL.
+_CANCELS: weakref.WeakKeyDictionary[CommAborted, tuple[weakref.ref[Any], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 class Work(OpRecord[R], TaskDriven, collections.abc.Coroutine[Any, Any, R]):
     """The awaitable handle of one issued collective.
 
@@ -186,7 +195,7 @@ class Work(OpRecord[R], TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         error = CommAborted(f"{self.op} was cancelled with Work.cancel(){why}", **self._ctx())
         # The mark of this op's own cancel (weakly: the error outlives the op
         # in the group's errored()); see cancelled().
-        error._cancel_of = (weakref.ref(self), msg)  # type: ignore[attr-defined]
+        _CANCELS[error] = (weakref.ref(self), msg)
         ended = self._abort(error)
         self._until_published()
         return ended
@@ -206,12 +215,14 @@ class Work(OpRecord[R], TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         """``(msg,)`` if ``error`` is this op's own cancel, or, for an op
         :meth:`cancel` was called on, the ``CommAborted`` of a cancel's break
         (another op's, first); else None."""
-        mark = getattr(error, "_cancel_of", None)
+        mark = _CANCELS.get(error) if isinstance(error, CommAborted) else None
         if mark is not None:
             return (mark[1],) if mark[0]() is self else None
         requested = self._cancel_requested
         by_cancel = (  # aborted_by(cause), a batch-mate's abort: by a cancel's break
-            type(error) is CommAborted and getattr(error.__cause__, "_cancel_of", None) is not None
+            type(error) is CommAborted
+            and isinstance(error.__cause__, CommAborted)
+            and error.__cause__ in _CANCELS
         )
         return requested if requested is not None and by_cancel else None
 
