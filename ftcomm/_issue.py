@@ -178,9 +178,9 @@ class Issuer:
                 work = Work(table, "allreduce", seq, deadline, native, tensor, issued, mark)
                 table.track(work, seconds)
                 return work
-        if not_issued is not None:  # always, here: raised with the lock released
-            self._raise_not_issued(table, "allreduce", *not_issued)
-        return None
+        # Refused: raised with the lock released (every other way out returned).
+        assert not_issued is not None
+        self._raise_not_issued(table, "allreduce", *not_issued)
 
     def allreduce(
         self, cfg: Config, tensor: torch.Tensor, rop: ReduceOpArg, timeout: Timeout | None

@@ -563,6 +563,7 @@ class OpRecord(Generic[R]):
         native: NativeOp,
         result: R,
         issued: float | None = None,
+        mark: CutPoint | None = None,
     ) -> None:
         self._table = table
         # Its latency, for the statistics (observe.py), in time.perf_counter():
@@ -586,7 +587,7 @@ class OpRecord(Generic[R]):
         # fuse.py): its open batch, sent then; or the mark of a fusible op
         # that went on its own. None once looked at, and for ops of a group
         # that does not fuse.
-        self._batch: CutPoint | None = None
+        self._batch: CutPoint | None = mark
 
     def _done(self) -> bool:
         """:meth:`~ftcomm.Work.done` without sending its batch (ftcomm's own looks)."""

@@ -138,9 +138,7 @@ class Work(OpRecord[R], TaskDriven, collections.abc.Coroutine[Any, Any, R]):
         mark: CutPoint | None = None,
     ) -> None:
         # Not super(): its lookup costs ~100 ns, on the path of every op issued.
-        OpRecord.__init__(self, table, op, seq, deadline, native, result, issued)
-        if mark is not None:  # its batch, or a cut point its first look reaches
-            self._batch = mark
+        OpRecord.__init__(self, table, op, seq, deadline, native, result, issued, mark)
         self._arming = False  # on_done being registered: a call now is not "as it happened"
         self._cb_armed = False  # the native completion callback is registered
         self._cancel_requested: tuple[Any] | None = None  # (msg,) once cancel() was called
