@@ -62,6 +62,53 @@ def test_a_leaked_thread_fails_the_world_a_native_callback_does_not() -> None:
     assert run_world(a_native_thread_runs_python, 1)[0].startswith("Dummy-")
 
 
+_finished: list[str] = []
+_kept: list[asyncio.Task[None]] = []
+
+
+async def leaves_an_executor_call_running(ctx: RankContext) -> None:
+    """``asyncio.to_thread`` and ``run_in_executor`` run on the loop's default
+    executor; a rank that returns while one is still running leaves its thread
+    to the loop's teardown (``asyncio.run`` joins it)."""
+    loop = asyncio.get_running_loop()
+    loop.run_in_executor(None, lambda: (time.sleep(0.5), _finished.append(f"rank {ctx.rank}")))
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_rank_loop_joins_its_default_executor_as_asyncio_run_does(mode: str) -> None:
+    # Seen in CI: a thread world closed its ranks' loops without joining the
+    # executor's thread, and its leak check found that thread still running.
+    _finished.clear()
+    run_world(leaves_an_executor_call_running, 2, mode=mode)
+    if mode == "thread":  # the calls ran in this process, and ended before the check
+        assert sorted(_finished) == ["rank 0", "rank 1"]
+
+
+async def leaves_a_task_pending(ctx: RankContext) -> str:
+    """A task the rank started and never awaited is cancelled at its loop's
+    close, as ``asyncio.run`` cancels it, and its ``finally`` runs."""
+    started = asyncio.Event()
+
+    async def forever() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            _finished.append(f"cancelled on rank {ctx.rank}")
+
+    _kept.append(asyncio.get_running_loop().create_task(forever()))
+    await started.wait()
+    return "returned"
+
+
+def test_a_thread_world_cancels_the_tasks_a_rank_left() -> None:
+    _finished.clear()
+    assert run_world(leaves_a_task_pending, 2, mode="thread") == ["returned", "returned"]
+    assert sorted(_finished) == ["cancelled on rank 0", "cancelled on rank 1"]
+    assert all(task.cancelled() for task in _kept)
+    _kept.clear()
+
+
 def reads_a_source_file_after_returning(ctx: RankContext, hold: float) -> None:
     """What a traceback logged on another thread does (linecache reading the
     source): a .py file open for a moment after the rank's code is done."""

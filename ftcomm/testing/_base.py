@@ -257,7 +257,8 @@ def find_leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) ->
         return f"fds left open: {paths}"
     new_threads = thread_ids() - threads
     if new_threads:
-        return f"threads left running: {threading.enumerate()}"
+        left = [t for t in threading.enumerate() if t.ident in new_threads]
+        return f"threads left running: {left}"
     return None
 
 

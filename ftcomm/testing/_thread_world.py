@@ -101,7 +101,7 @@ def run_thread_world(
             )
         finally:
             ctx._store = None
-            ev.close()
+            _close(ev)
 
     threads = [
         threading.Thread(target=rank_main, args=(r,), name=f"world-rank{r}", daemon=True)
@@ -138,3 +138,21 @@ def run_thread_world(
             [f"rank {r} {text}" if r >= 0 else text for r, text in sorted(failures.items())], plan
         )
     return results
+
+
+def _close(ev: asyncio.AbstractEventLoop) -> None:
+    """Close a rank's loop as ``asyncio.run`` closes its own (the process
+    world's ranks run under it): cancel what the rank left, finish async
+    generators, and join the default executor's threads (``asyncio.to_thread``)
+    before closing. ``close()`` alone lets those threads end on their own time,
+    after the world has looked for threads left running."""
+    try:
+        left = asyncio.all_tasks(ev)
+        for task in left:
+            task.cancel()
+        if left:
+            ev.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        ev.run_until_complete(ev.shutdown_asyncgens())
+        ev.run_until_complete(ev.shutdown_default_executor())
+    finally:
+        ev.close()
