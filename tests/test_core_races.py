@@ -896,7 +896,13 @@ class _StopFailsOthers(ScriptedOp):
 
 @pytest.mark.parametrize("stops", [False, True], ids=["not-stopped", "stopped"])
 @pytest.mark.parametrize(
-    "how", ["a sibling op fails", "a verified op's check fails", "abort() is called"]
+    "how",
+    [
+        "a sibling op fails",
+        "an unwatched sibling op fails",
+        "a verified op's check fails",
+        "abort() is called",
+    ],
 )
 @pytest.mark.parametrize("cause", ["deadline", "cancel"])
 def test_a_failure_the_stop_causes_does_not_replace_the_stops_cause(
@@ -910,12 +916,14 @@ def test_a_failure_the_stop_causes_does_not_replace_the_stops_cause(
     meanwhile keeps its own cause."""
     sibling_native = ScriptedOp()
     sibling = issue(table, sibling_native, 60.0)
-    sibling._add_waiter(sibling_native, lambda: None)  # its native callback armed
+    if how != "an unwatched sibling op fails":
+        sibling._add_waiter(sibling_native, lambda: None)  # its native callback armed
+    # else nothing settles it on its native end: the break finds it failed
     closed = RuntimeError("Connection closed by peer [127.0.0.1]:4242")
     aborted = ftcomm.CommAborted("abort() was called")
 
     def stopped() -> None:
-        if how == "a sibling op fails":
+        if how in ("a sibling op fails", "an unwatched sibling op fails"):
             sibling_native.finish(closed)
         elif how == "a verified op's check fails":  # what Chain._break's on_error does
             table.break_(ftcomm.CommFailed(f"the check before an op failed: {closed}"))
@@ -945,6 +953,11 @@ def test_a_failure_the_stop_causes_does_not_replace_the_stops_cause(
     assert type(error) is ftcomm.CommAborted, error
     assert table.error is not None
     assert table.error.message in str(error)  # names the group's cause
+    if cause == "cancel" and how != "abort() is called":
+        # ended by the cancel's break: cancel() on it then marks it cancelled
+        # (as cancelling asyncio.gather of works does, one work at a time)
+        assert sibling.cancel() is False
+        assert sibling.cancelled()
 
 
 def test_a_settler_that_fails_before_its_break_leaves_no_stale_cause(table: OpTable) -> None:

@@ -884,6 +884,10 @@ class OpRecord(Generic[R]):
         if native is not None and peek(native):
             native_error = native.outcome()  # it completed before the break
             error = None if native_error is None else self._native_failure(native_error)
+            if type(error) is CommFailed and cause is self._table.stopping:
+                # Failed by the stop that broke the table (its sockets shut)
+                # before the break looked: by that stop, as in _settle_quietly.
+                error = self._aborted_by(cause)
         else:
             error = self._aborted_by(cause)
         return self._settle_quietly(error, False) or []
