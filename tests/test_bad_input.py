@@ -1259,12 +1259,12 @@ async def test_gap_max_on_complex(gloo: ftcomm.Group) -> None:
 
 
 @pytest.mark.asyncio
-async def test_gap_unsupported_dtype(gloo: ftcomm.Group) -> None:
-    for dtype in (torch.uint16, torch.float8_e4m3fn):
-        t = torch.ones(2, dtype=dtype)
-        with pytest.raises(ValueError, match=r"^tensor "):
-            gloo.allreduce(t)
-        await assert_usable(gloo)
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.float8_e4m3fn], ids=str)
+async def test_gap_unsupported_dtype(gloo: ftcomm.Group, dtype: torch.dtype) -> None:
+    t = torch.ones(2, dtype=dtype)
+    with pytest.raises(ValueError, match=r"^tensor "):
+        gloo.allreduce(t)
+    await assert_usable(gloo)
 
 
 @pytest.mark.asyncio

@@ -482,10 +482,13 @@ def test_the_state_copy_over_links_of_their_own_runs_and_leaves_no_namespace() -
     assert ours() == []
 
 
-def test_a_rate_of_the_links_must_be_a_finite_number_at_least_zero() -> None:
-    for bad in ("-1", "nan", "inf"):
-        with pytest.raises(SystemExit):
-            _bench.parser().parse_args(["--state-link-gbit", bad])
+@pytest.mark.parametrize("bad", ["-1", "nan", "inf"])
+def test_a_rate_of_the_links_must_be_a_finite_number_at_least_zero(
+    bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        _bench.parser().parse_args(["--state-link-gbit", bad])
+    assert "--state-link-gbit" in capsys.readouterr().err
 
 
 # -- the chaos soak and the scale rows (--chaos, --scale) --------------------------------
@@ -497,29 +500,51 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return capsys.readouterr().err
 
 
-def test_the_chaos_and_scale_options_are_checked_before_anything_runs(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+@pytest.fixture
+def bench_must_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
     def must_not_run(*_: object, **__: object) -> Any:
         raise AssertionError("the bench ran although its options were refused")
 
     for name in ("_run_children", "_soak"):
         monkeypatch.setattr(_bench, name, must_not_run)
-    assert "--chaos-seconds needs --chaos" in _refused(["--chaos-seconds", "5"], capsys)
-    assert "--scale-sizes needs --scale" in _refused(["--scale-sizes", "3"], capsys)
-    assert "--chaos-state-mib needs --chaos" in _refused(["--chaos-state-mib", "8"], capsys)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--chaos-seconds", "5"], "--chaos-seconds needs --chaos"),
+        (["--scale-sizes", "3"], "--scale-sizes needs --scale"),
+        (["--chaos-state-mib", "8"], "--chaos-state-mib needs --chaos"),
+        (
+            ["--chaos", "--chaos-interval", "10", "--chaos-seconds", "5"],
+            "--chaos-interval (10 s) must be shorter than --chaos-seconds (5 s)",
+        ),
+        (["--chaos", "--chaos-seconds", "8"], "no fault would strike"),  # the default rows' 10 s
+        (["--scale", "--plot", "b.png"], "--plot draws the latency tables"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
+)
+@pytest.mark.usefixtures("bench_must_not_run")
+def test_the_chaos_and_scale_options_are_checked_before_anything_runs(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert said in _refused(argv, capsys)
+
+
+@pytest.mark.usefixtures("bench_must_not_run")
+def test_network_chaos_is_refused_where_network_faults_cannot_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from ftcomm.testing import _net
 
-    with monkeypatch.context() as m:  # where network faults cannot run, it says why
-        m.setattr(_net, "network_missing", lambda: "network faults need root (namespaces)")
-        err = _refused(["--chaos", "--chaos-kinds", "kill,partition"], capsys)
+    monkeypatch.setattr(_net, "network_missing", lambda: "network faults need root (namespaces)")
+    err = _refused(["--chaos", "--chaos-kinds", "kill,partition"], capsys)
     assert "--chaos-kinds partition: network faults need root (namespaces)" in err
-    err = _refused(["--chaos", "--chaos-interval", "10", "--chaos-seconds", "5"], capsys)
-    assert "--chaos-interval (10 s) must be shorter than --chaos-seconds (5 s)" in err
-    err = _refused(["--chaos", "--chaos-seconds", "8"], capsys)  # the default rows' 10 s
-    assert "no fault would strike" in err
-    assert "--plot draws the latency tables" in _refused(["--scale", "--plot", "b.png"], capsys)
-    for bad in (
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
         ["--chaos-kinds", "kill,bogus"],
         ["--chaos-kinds", ""],
         ["--chaos-members", "1"],
@@ -530,9 +555,18 @@ def test_the_chaos_and_scale_options_are_checked_before_anything_runs(
         ["--chaos-interval", "nan"],
         ["--scale-sizes", "1,3"],
         ["--scale-sizes", "3,x"],
-    ):
-        with pytest.raises(SystemExit):
-            _bench.parser().parse_args(bad)
+    ],
+    ids=" ".join,
+)
+def test_bad_chaos_and_scale_values_are_refused_by_the_parser(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        _bench.parser().parse_args(argv)
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_the_chaos_kinds_and_scale_sizes_are_parsed_as_lists() -> None:
     args = _bench.parser().parse_args(["--chaos-kinds", " kill, stop ", "--scale-sizes", "3,8"])
     assert (args.chaos_kinds, args.scale_sizes) == (("kill", "stop"), (3, 8))
 

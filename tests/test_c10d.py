@@ -851,21 +851,32 @@ def test_bad_input_is_refused_and_harmless(gloo1: c10d.ProcessGroupGloo, case: s
     assert torch.equal(t, before)
 
 
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        pytest.param(("127.0.0.1/nope", "0", 0, 1), {}, ValueError, "has no port", id="no port"),
+        pytest.param(("127.0.0.1:1/p", "0", 2, 2), {}, ValueError, "rank must be < world_size",
+                     id="rank past the world"),
+        pytest.param(("127.0.0.1:1/p", "0", 0, 0), {}, ValueError, "world_size must be >= 1",
+                     id="world_size 0"),
+        pytest.param(("127.0.0.1:1/p", 0, 0, 1), {}, TypeError, "replica_id must be a str",
+                     id="replica_id not a str"),
+        pytest.param(("127.0.0.1:1/p", "0", "0", 1), {}, TypeError, "rank must be an int",
+                     id="rank not an int"),
+        pytest.param(("127.0.0.1:1/p", "0", 0, 1), {"global_ranks": [3, 3]}, ValueError,
+                     "global_ranks", id="repeated global_ranks"),
+    ],
+)  # fmt: skip
 def test_bad_configure_keeps_the_previous_configuration(
     gloo1: c10d.ProcessGroupGloo,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    error: type[Exception],
+    match: str,
 ) -> None:
     before = repr(gloo1)
-    for args, error in (
-        (("127.0.0.1/nope", "0", 0, 1), ValueError),
-        (("127.0.0.1:1/p", "0", 2, 2), ValueError),
-        (("127.0.0.1:1/p", "0", 0, 0), ValueError),
-        (("127.0.0.1:1/p", 0, 0, 1), TypeError),
-        (("127.0.0.1:1/p", "0", "0", 1), TypeError),
-    ):
-        with pytest.raises(error):
-            gloo1.configure(*args)
-    with pytest.raises(ValueError, match="global_ranks"):
-        gloo1.configure("127.0.0.1:1/p", "0", 0, 1, global_ranks=[3, 3])
+    with pytest.raises(error, match=match):
+        gloo1.configure(*args, **kwargs)
     assert repr(gloo1) == before
     assert gloo1.allreduce([torch.ones(1)], dist.AllreduceOptions()).wait()
 

@@ -380,29 +380,44 @@ def store() -> Any:
         yield server
 
 
-def test_bad_arguments_are_refused_at_once(store: Any) -> None:
-    a = store.address
-    with pytest.raises(ValueError, match=r"min_size \(3\) must not exceed max_size \(2\)"):
-        ftcomm.Membership(a, "job", "m", min_size=3, max_size=2)
-    with pytest.raises(ValueError, match="member_id must not be empty"):
-        ftcomm.Membership(a, "job", "")
-    with pytest.raises(ValueError, match="must not contain whitespace"):
-        ftcomm.Membership(a, "job", "a b")
-    with pytest.raises(ValueError, match="job must not be empty"):
-        ftcomm.Membership(a, " ", "m")
-    with pytest.raises(TypeError, match="member_id must be a str"):
-        ftcomm.Membership(a, "job", 3)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="min_size must be an int"):
-        ftcomm.Membership(a, "job", "m", min_size=1.5)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="min_size must be >= 1"):
-        ftcomm.Membership(a, "job", "m", min_size=0)
-    with pytest.raises(ValueError, match="heartbeat_interval must be > 0 and at most a third"):
-        ftcomm.Membership(a, "job", "m", heartbeat_timeout=1, heartbeat_interval=0.4)
-    ftcomm.Membership(a, "job", "m", heartbeat_timeout=0.9, heartbeat_interval=0.3)
-    with pytest.raises(ValueError, match="join_window must be >= 0"):
-        ftcomm.Membership(a, "job", "m", join_window=-1)
-    with pytest.raises(ValueError, match=r"address .* has no port"):
-        ftcomm.Membership("localhost", "job", "m")
+_ADDR = "127.0.0.1:29400"  # never reached: arguments are checked before anything connects
+
+
+def _refused(error: type[Exception], match: str, id: str, **changes: Any) -> Any:
+    """A refused construction: the good arguments with ``changes``."""
+    kwargs = {"address": _ADDR, "job": "job", "member_id": "m", **changes}
+    return pytest.param(kwargs, error, match, id=id)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        _refused(ValueError, r"min_size \(3\) must not exceed max_size \(2\)",
+                 "min_size over max_size", min_size=3, max_size=2),
+        _refused(ValueError, "member_id must not be empty", "empty member_id", member_id=""),
+        _refused(ValueError, "must not contain whitespace", "member_id with a space",
+                 member_id="a b"),
+        _refused(ValueError, "job must not be empty", "blank job", job=" "),
+        _refused(TypeError, "member_id must be a str", "member_id not a str", member_id=3),
+        _refused(TypeError, "min_size must be an int", "min_size not an int", min_size=1.5),
+        _refused(ValueError, "min_size must be >= 1", "min_size 0", min_size=0),
+        _refused(ValueError, "heartbeat_interval must be > 0 and at most a third",
+                 "heartbeat_interval too long", heartbeat_timeout=1, heartbeat_interval=0.4),
+        _refused(ValueError, "join_window must be >= 0", "negative join_window", join_window=-1),
+        _refused(ValueError, r"address .* has no port", "address without a port",
+                 address="localhost"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_are_refused_at_once(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        ftcomm.Membership(**kwargs)
+
+
+def test_a_heartbeat_interval_of_a_third_of_the_timeout_is_accepted() -> None:
+    members = ftcomm.Membership(_ADDR, "job", "m", heartbeat_timeout=0.9, heartbeat_interval=0.3)
+    assert members.world is None
 
 
 @pytest.mark.asyncio

@@ -111,19 +111,33 @@ async def _nothing(ctx: RankContext) -> None:
     return None
 
 
-def test_network_worlds_are_refused_where_they_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    plan = FaultPlan.of(Fault.partition(0, 0))
-    with pytest.raises(ValueError, match="mode='process'"):
-        run_world(_nothing, 2, plan=plan, mode="thread")
-    with pytest.raises(ValueError, match="mode='process'"):
-        run_world(_nothing, 2, network=True, mode="thread")
-    with pytest.raises(ValueError, match="need network=True"):
-        run_world(_nothing, 2, plan=plan, network=False)
-    with pytest.raises(TypeError, match="network must be a bool"):
-        run_world(_nothing, 2, network="yes")  # type: ignore[arg-type]
+_PARTITION = FaultPlan.of(Fault.partition(0, 0))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        pytest.param({"plan": _PARTITION, "mode": "thread"}, ValueError, "mode='process'",
+                     id="a partition in a thread world"),
+        pytest.param({"network": True, "mode": "thread"}, ValueError, "mode='process'",
+                     id="a network thread world"),
+        pytest.param({"plan": _PARTITION, "network": False}, ValueError, "need network=True",
+                     id="a partition without a network"),
+        pytest.param({"network": "yes"}, TypeError, "network must be a bool",
+                     id="network not a bool"),
+    ],
+)  # fmt: skip
+def test_network_worlds_are_refused_where_they_cannot_run(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        run_world(_nothing, 2, **kwargs)
+
+
+def test_a_network_world_is_refused_where_nft_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("ftcomm.testing._world.network_missing", lambda: "no nft here")
     with pytest.raises(RuntimeError, match="cannot run here: no nft here"):
-        run_world(_nothing, 2, plan=plan)
+        run_world(_nothing, 2, plan=_PARTITION)
 
 
 # -- worlds ------------------------------------------------------------------------------

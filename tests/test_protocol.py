@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -483,21 +484,26 @@ def test_encode_op_tells_options_that_are_equal_in_python_apart(
     assert encode_op(2, "allreduce", (), {"x": then}) == want
 
 
-def test_encode_op_refuses_what_encode_refuses_after_a_cached_payload() -> None:
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        pytest.param({"op_id": 2**64}, "op_id", id="op_id past 64 bits"),
+        pytest.param({"op_id": -1}, "op_id", id="negative op_id"),
+        pytest.param({"op": ""}, "op", id="empty op"),
+        pytest.param({"options": {"timeout": math.nan}}, "timeout", id="nan timeout"),
+        pytest.param({"options": {"x": (1, -1)}}, "option x", id="negative in a tuple"),
+        pytest.param({"options": {"x": [1, {"nested": 1}]}}, "option x", id="nested dict"),
+    ],
+)
+def test_encode_op_refuses_what_encode_refuses_after_a_cached_payload(
+    change: dict[str, Any], match: str
+) -> None:
     op, tensors, options = PAYLOADS[0]
     encode_op(1, op, tensors, options)  # cached now
-    with pytest.raises(ProtocolError, match="op_id"):
-        encode_op(2**64, op, tensors, options)
-    with pytest.raises(ProtocolError, match="op_id"):
-        encode_op(-1, op, tensors, options)
-    with pytest.raises(ProtocolError, match="op"):
-        encode_op(2, "", tensors, options)
-    with pytest.raises(ProtocolError, match="timeout"):
-        encode_op(2, op, tensors, {**options, "timeout": math.nan})
-    with pytest.raises(ProtocolError, match="option x"):
-        encode_op(2, op, tensors, {**options, "x": (1, -1)})
-    with pytest.raises(ProtocolError, match="option x"):
-        encode_op(2, op, tensors, {**options, "x": [1, {"nested": 1}]})
+    bad = {"op_id": 2, "op": op, "tensors": tensors, **change}
+    bad["options"] = {**options, **change.get("options", {})}
+    with pytest.raises(ProtocolError, match=match):
+        encode_op(bad["op_id"], bad["op"], bad["tensors"], bad["options"])
     assert encode_op(3, op, tensors, options) == encode(Op(3, op, tensors, options))
 
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -52,21 +53,31 @@ def test_serve_store_listens_on_the_address_asked_for_only() -> None:
     assert _refused("127.0.0.1", server.port)
 
 
-def test_serve_store_rejects_bad_arguments_by_name() -> None:
-    with pytest.raises(TypeError, match="port must be an int"):
-        ftcomm.serve_store(port="29500")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"port must be in 0\.\.65535"):
-        ftcomm.serve_store(port=70000)
-    with pytest.raises(ValueError, match="does not resolve"):
-        ftcomm.serve_store("no-such-host.invalid")
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        pytest.param({"port": "29500"}, TypeError, "port must be an int", id="port a str"),
+        pytest.param({"port": 70000}, ValueError, r"port must be in 0\.\.65535", id="port 70000"),
+        pytest.param({"host": "no-such-host.invalid"}, ValueError, "does not resolve", id="host"),
+        pytest.param({"timeout": "x"}, TypeError, "timeout must be seconds", id="timeout a str"),
+        pytest.param({"timeout": 0}, ValueError, "timeout must be at least 1 ms", id="timeout 0"),
+    ],
+)
+def test_serve_store_rejects_bad_arguments_by_name(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        ftcomm.serve_store(**kwargs)
+
+
+def test_serve_store_refuses_a_port_in_use() -> None:
     with ftcomm.serve_store() as server, pytest.raises(OSError, match="in use"):
-        ftcomm.serve_store(port=server.port)  # in use
+        ftcomm.serve_store(port=server.port)
+
+
+def test_serve_store_listens_on_ipv6_and_on_every_address() -> None:
     with ftcomm.serve_store("::1") as v6:
         assert v6.address == f"[::1]:{v6.port}"
-    with pytest.raises(TypeError, match="timeout must be seconds"):
-        ftcomm.serve_store(timeout="x")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="timeout must be at least 1 ms"):
-        ftcomm.serve_store(timeout=0)
     with ftcomm.serve_store("::") as anywhere:  # every address, IPv4 ones too
         for host in ("127.0.0.1", "::1"):
             socket.create_connection((host, anywhere.port), timeout=2).close()
