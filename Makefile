@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 comma := ,
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: install test unit lint typecheck demo bench chaos scale soak gpu-check clean
+.PHONY: install test unit lint typecheck demo bench bench-page chaos scale soak gpu-check clean
 
 install: $(STAMP)
 
@@ -53,6 +53,12 @@ demo: install
 
 bench: install
 	$(PY) -m ftcomm bench
+
+# Measure with every rank pinned, keep the JSON beside docs/performance.md,
+# and rewrite that page's bench section from it (scripts/performance_page.py).
+bench-page: install
+	$(PY) -m ftcomm bench --pin --json docs/bench.json
+	$(PY) scripts/performance_page.py docs/bench.json
 
 # The chaos soak: ftcomm at 3, 4 and 8 members and torchft's Manager at 3 and
 # 4, each CHAOS_SECONDS without faults, then as long with a fault every 5 or

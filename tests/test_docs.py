@@ -28,6 +28,8 @@ Line numbers in a failing block's traceback are the doc file's own.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
 import os
 import re
 import shlex
@@ -38,6 +40,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -290,3 +293,56 @@ def test_the_parser_finds_tags_markers_and_indented_fences() -> None:
     ]
     assert blocks[2].code == "make test\n"
     assert blocks[3].code == "```\n"
+
+
+# -- docs/performance.md's bench section is docs/bench.json rendered ------------------------
+def _performance_page() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "performance_page", ROOT / "scripts" / "performance_page.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RAW_OURS = ("raw", "ftcomm")
+
+
+def test_the_performance_page_shows_the_figures_of_its_bench_json() -> None:
+    proc = subprocess.run(
+        [sys.executable, "scripts/performance_page.py", "--check", "docs/bench.json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_performance_page_script_renders_ratios_and_refuses_what_it_cannot_place(
+    tmp_path: Path,
+) -> None:
+    page = _performance_page()
+    doc = json.loads((ROOT / "docs" / "bench.json").read_text("utf-8"))
+    section = page.render(doc)
+    assert section.startswith(page.BEGIN)
+    assert section.endswith(page.END)
+    first = doc["rows"][0]["workload"]
+    raw, ours = ({r["case"]: r for r in doc["rows"] if r["workload"] == first}[c] for c in RAW_OURS)
+    assert f"| raw | {raw['p50_us']:,.0f} |" in section
+    assert f"| ftcomm | {ours['p50_us']:,.0f} |" in section
+    assert f" {ours['ratio_p50_vs_raw']:.2f}x |" in section
+    with pytest.raises(ValueError, match="no section between"):
+        page.splice("# a page without the markers\n", section)
+    with pytest.raises(ValueError, match="not the JSON of python -m ftcomm bench"):
+        page.render({"bench": "other"})
+    stale = tmp_path / "page.md"  # a page whose section is not the JSON's: --check says so
+    stale.write_text(f"# p\n\n{page.BEGIN}\nold figures\n{page.END}\n", "utf-8")
+    argv = ["--check", "--page", str(stale), str(ROOT / "docs" / "bench.json")]
+    assert page.main(argv) == 1
+    assert page.main(argv[1:]) == 0  # without --check: rewritten
+    assert page.main(argv) == 0
+    assert "old figures" not in stale.read_text("utf-8")

@@ -13,7 +13,8 @@ import threading
 import time
 import tracemalloc
 import weakref
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -190,43 +191,54 @@ async def test_timers_and_memory_stay_flat_over_100k_ops() -> None:
     assert end_mem - base_mem < 256 * 1024, f"grew by {end_mem - base_mem} bytes"
 
 
-def test_watchdog_excuses_time_the_owner_thread_queued_for_a_cpu() -> None:
-    # On an oversubscribed machine the owner thread can sit runnable but off
-    # the CPU. The kernel's counters are mocked to say it queued the whole
-    # time, so a 0.3 s late beat is not the callback's stall.
+@dataclass
+class Watched:
+    """A runtime in debug mode (0.05 s threshold), its watchdog, and the
+    owner thread's watch, whose kernel counters a test mocks."""
+
+    rt: Runtime
+    watchdog: Any
+    owner: Any
+
+    def block_the_loop(self, then: Callable[[], object] = lambda: None) -> None:
+        """A callback that calls ``then`` and blocks the loop for 0.3 s."""
+        done = threading.Event()
+        self.rt.call_soon(lambda: (then(), time.sleep(0.3), done.set()))
+        assert done.wait(5)
+
+
+@pytest.fixture
+def watched() -> Iterator[Watched]:
     rt = Runtime("asyncio")
     try:
         rt.set_debug(0.05)
         watchdog = rt.watchdog
         assert watchdog is not None
-        watchdog._watched[rt.thread_id or -1].clock.read = lambda: (0.0, time.monotonic())  # type: ignore[method-assign]
-        done = threading.Event()
-        rt.call_soon(lambda: (time.sleep(0.3), done.set()))
-        assert done.wait(5)
-        assert watchdog.stalls == []
+        yield Watched(rt, watchdog, watchdog._watched[rt.thread_id or -1])
     finally:
         rt.close()
 
 
-def test_watchdog_excuses_the_main_threads_cpu_queueing_while_the_owner_is_off_the_cpu() -> None:
+def test_watchdog_excuses_time_the_owner_thread_queued_for_a_cpu(watched: Watched) -> None:
+    # On an oversubscribed machine the owner thread can sit runnable but off
+    # the CPU. The kernel's counters are mocked to say it queued the whole
+    # time, so a 0.3 s late beat is not the callback's stall.
+    watched.owner.clock.read = lambda: (0.0, time.monotonic())
+    watched.block_the_loop()
+    assert watched.watchdog.stalls == []
+
+
+def test_watchdog_excuses_the_main_threads_cpu_queueing_while_the_owner_is_off_the_cpu(
+    watched: Watched,
+) -> None:
     # The trainer's main thread, preempted mid-bytecode, keeps the GIL: the
     # owner loop waits for it, off the CPU and not queued itself. The
     # counters are mocked: the owner neither runs nor queues, the main
     # thread queues the whole time, so a 0.3 s late beat is the machine's.
-    rt = Runtime("asyncio")
-    try:
-        rt.set_debug(0.05)
-        watchdog = rt.watchdog
-        assert watchdog is not None
-        owner = watchdog._watched[rt.thread_id or -1]
-        owner.clock.read = lambda: (0.0, 0.0)  # type: ignore[method-assign]
-        owner.holder.read = lambda: (0.0, time.monotonic())  # type: ignore[method-assign]
-        done = threading.Event()
-        rt.call_soon(lambda: (time.sleep(0.3), done.set()))
-        assert done.wait(5)
-        assert watchdog.stalls == []
-    finally:
-        rt.close()
+    watched.owner.clock.read = lambda: (0.0, 0.0)
+    watched.owner.holder.read = lambda: (0.0, time.monotonic())
+    watched.block_the_loop()
+    assert watched.watchdog.stalls == []
 
 
 @pytest.mark.parametrize(
@@ -250,32 +262,24 @@ def test_watchdog_excuses_only_the_machines_part_of_a_late_beat(
     assert loop_mod._excused((0.0, 0.0, 0.0, 0.0), now, held) == pytest.approx(excused)
 
 
-def test_watchdog_counts_the_holders_queueing_only_while_the_beat_is_overdue() -> None:
+def test_watchdog_counts_the_holders_queueing_only_while_the_beat_is_overdue(
+    watched: Watched,
+) -> None:
     # The main thread queued for a CPU before the callback began, and not
     # since: a callback blocked for 0.3 s (off the CPU, not queued) is its own.
-    rt = Runtime("asyncio")
-    try:
-        rt.set_debug(0.05)
-        watchdog = rt.watchdog
-        assert watchdog is not None
-        owner = watchdog._watched[rt.thread_id or -1]
-        queueing = threading.Event()
-        queueing.set()
-        until = [0.0]
+    queueing = threading.Event()
+    queueing.set()
+    until = [0.0]
 
-        def holder() -> tuple[float, float]:
-            if queueing.is_set():
-                until[0] = time.monotonic()
-            return 0.0, until[0]
+    def holder() -> tuple[float, float]:
+        if queueing.is_set():
+            until[0] = time.monotonic()
+        return 0.0, until[0]
 
-        owner.clock.read = lambda: (0.0, 0.0)  # type: ignore[method-assign]
-        owner.holder.read = holder  # type: ignore[method-assign]
-        done = threading.Event()
-        rt.call_soon(lambda: (queueing.clear(), time.sleep(0.3), done.set()))
-        assert done.wait(5)
-        assert watchdog.stalls, "a callback blocked for 0.3 s went unnoticed"
-    finally:
-        rt.close()
+    watched.owner.clock.read = lambda: (0.0, 0.0)
+    watched.owner.holder.read = holder
+    watched.block_the_loop(then=queueing.clear)
+    assert watched.watchdog.stalls, "a callback blocked for 0.3 s went unnoticed"
 
 
 def test_watchdog_reports_a_blocked_callback_while_another_thread_holds_the_gil() -> None:
