@@ -7,10 +7,12 @@ matplotlib, imported when drawing).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib
 import math
 import os
 import platform
+import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -87,6 +89,23 @@ def format_table(plan: Plan, report: Report, notes: Sequence[str]) -> str:
 
 
 # -- JSON and plot ---------------------------------------------------------------------
+def commit() -> str | None:
+    """The git commit of the ftcomm measured (``+dirty`` with uncommitted
+    changes), or None outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty=+dirty", "--abbrev=12"],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def machine() -> str:
     """This machine in a few words: CPU model, CPUs this process may use, OS."""
     model = ""
@@ -150,6 +169,8 @@ def results(
         )
     return {
         "bench": "ftcomm",
+        "measured": datetime.datetime.now(datetime.UTC).date().isoformat(),
+        "commit": commit(),
         "ftcomm": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
