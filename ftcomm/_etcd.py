@@ -1,22 +1,10 @@
 """A small blocking client of etcd's v3 API, over its JSON gateway.
 
-Owns: :class:`Etcd` (one client of a cluster: its endpoints, the one in
-use, a deadline on every call) and its errors. It runs on ftcomm's control
-threads, as the store engine's calls do; nothing here touches a loop.
-
-Why the gateway and the standard library, not a gRPC client: etcd serves
-the same API as JSON over HTTP on its client port (``/v3/kv/range``,
-``/v3/kv/txn``, ``/v3/lease/grant``...), so no dependency is needed; every
-call is one request with a socket timeout, so a deadline is a deadline;
-and a cluster's failover is ours to write: a call that finds its endpoint
-gone, or an endpoint that has no leader, goes on to the next one until its
-deadline. The asyncio gRPC clients on PyPI (``aetcd``, ``etcd3aio``) pull
-in grpcio, run on a loop of their own, and leave failover and deadlines to
-gRPC's channel settings.
-
-Keys and values are bytes (base64 on the wire). A call retried after a
-lost answer may have taken effect: :meth:`Etcd.create` reads back what it
-lost to, and counts its own value as its win.
+Owns :class:`Etcd` (one client of a cluster: its endpoints, the one in use,
+a deadline on every call), its errors and etcd addresses. It runs on
+ftcomm's control threads, as the store engine's calls do; nothing here
+touches a loop. Why the gateway and not gRPC: :class:`Etcd`. The engine
+that uses it: docs/membership.md ("The etcd engine").
 """
 
 from __future__ import annotations
@@ -182,6 +170,18 @@ class Etcd:
     that last answered (over a connection kept from the last call, with
     ``keep``: :meth:`close` closes them), and on a refused or silent connection, or an
     endpoint without a leader, to the next, until then.
+
+    Why the gateway and the standard library, not a gRPC client: etcd serves
+    the same API as JSON over HTTP on its client port (``/v3/kv/range``,
+    ``/v3/kv/txn``, ``/v3/lease/grant``...), so no dependency is needed;
+    every call is one request with a socket timeout, so a deadline is a
+    deadline; and a cluster's failover is ours to write. The asyncio gRPC
+    clients on PyPI (``aetcd``, ``etcd3aio``) pull in grpcio, run on a loop of
+    their own, and leave failover and deadlines to gRPC's channel settings.
+
+    Keys and values are bytes (base64 on the wire). A call retried after a
+    lost answer may have taken effect: :meth:`create` reads back what it lost
+    to, and counts its own value as its win.
 
     Raises (every call):
         EtcdUnavailable: no endpoint answered in time.

@@ -1,17 +1,10 @@
 """``python -m ftcomm run``: start a job's members; restart only the dead.
 
-torchrun's agent runs its ranks as one unit: when one fails, it stops
-every other and restarts them all, or gives up. With ``ftcomm.Membership``
-the survivors go on without the dead member, so this launcher does the
-opposite: it restarts the member that died, under its old id (with a
-backoff, up to ``--max-restarts`` times), and never signals a survivor.
-Each member finds the engine, its job and its id in its environment
-(:meth:`ftcomm.Membership.from_env`); the engine is a store this launcher
-hosts on loopback, unless ``--engine`` names one (a store, a torchft
-lighthouse or an etcd cluster) that the launchers of several hosts share.
-
-Owns: the command line, one supervisor task per member, the embedded
-store, the stop on SIGINT/SIGTERM.
+Owns the command line, one supervisor task per member (a member that dies is
+restarted alone, under its old id, with a backoff, up to ``--max-restarts``
+times; a survivor is never signalled), the engine it hosts on loopback unless
+``--engine`` names a shared one, and the stop on SIGINT, SIGTERM or SIGHUP.
+Why not torchrun, what each member gets, the exit codes: docs/running.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ view of the store it is built through.
 Owns: :func:`meet` (each rank counted once, named when missing, stopped
 when given up), the rule of one native group per rank and prefix
 (``NATIVE_KEY``, ``REFUSED_KEY``: :class:`~ftcomm.errors.PrefixReused`),
-and :class:`StoppableStore`.
+and :class:`StoppableStore`. See docs/configure.md ("The meet").
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """A store to configure against: :func:`serve_store` and ``python -m ftcomm store``.
 
-``Group.configure()`` is a client of a c10d ``TCPStore``; someone must host
-it. Under ``torchrun`` its agent does (``configure("env://...")``); elsewhere
-run ``python -m ftcomm store --port N`` on one machine (it outlives every
-rank, so the survivors of any failure can meet again), or call
-:func:`serve_store` in a launcher process.
-
-A c10d store server listens on every interface whatever host it is given
-(torch 2.13). This one listens only on the address asked for, loopback by
-default: it binds the socket itself and hands it to the store. A store has
-no authentication: whoever reaches its port can join a group or poison a
-quorum, so a multi-host run belongs on a private network.
+Owns :class:`StoreServer`, :func:`serve_store` and the ``store`` command: a
+c10d ``TCPStore`` hosted in this process, which must outlive every rank so
+the survivors of a failure can meet again. It listens only on the address
+asked for, loopback by default (it binds the socket itself; c10d's server
+listens on every interface), and has no authentication. See docs/running.md.
 """
 
 from __future__ import annotations
@@ -114,10 +108,9 @@ def serve_store(host: str = DEFAULT_HOST, port: int = 0, *, timeout: float = 300
     """Host a c10d ``TCPStore`` for ``Group.configure()`` in this process.
 
     Args:
-        host: the address to listen on: loopback (``127.0.0.1``) by default;
-            an interface's address (or ``0.0.0.0`` / ``::`` for all) to let
-            other machines in. The store has no authentication: anyone who
-            reaches the port can join or poison a quorum.
+        host: the address to listen on, loopback by default; an interface's
+            (``0.0.0.0`` or ``::`` for all) lets other machines in, with no
+            authentication (docs/running.md).
         port: the port; 0 picks a free one (read it from ``.port``).
         timeout: how long the server's own blocking calls may wait, in seconds.
 
@@ -126,9 +119,11 @@ def serve_store(host: str = DEFAULT_HOST, port: int = 0, *, timeout: float = 300
     ``server.addr("run/q0")``.
 
     Raises:
-        TypeError: ``port`` is not an int, or ``timeout`` not a number.
-        ValueError: a port outside 0..65535, a host that does not resolve,
-            or a timeout that is not a positive number of seconds.
+        TypeError: ``port`` is not an int, or ``timeout`` neither a number
+            nor a ``timedelta``.
+        ValueError: a port outside 0..65535, a host that is not a non-empty
+            str or does not resolve, or a timeout below 1 ms, NaN, infinite
+            or over 1e9 seconds.
         OSError: the address cannot be bound (in use, not this machine's).
     """
     if isinstance(port, bool) or not isinstance(port, int):

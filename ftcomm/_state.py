@@ -1,33 +1,10 @@
 """A group's state: one lock, five states, every transition in :meth:`GroupCore._go`.
 
-The rules, stated once (docs/ops.md has the same table and who calls what):
-
-====================  ===============  ===============================================
-event                 from             to
-====================  ===============  ===============================================
-``begin``             any              CONFIGURING (a new attempt; the old
-                                       configuration and any older attempt are over)
-``ready``             CONFIGURING      READY, if the attempt is still the current
-                                       one; else refused: the caller disposes of
-                                       what it built
-``fail``              CONFIGURING      UNCONFIGURED, if the attempt is current
-``break``             READY            ERRORED (an op's deadline, failure or
-                                       cancel, a dead worker: the op table's
-                                       ``error`` is set under this same lock)
-``abort``             READY, ERRORED   ERRORED
-``abort``             CONFIGURING      ERRORED (the attempt is superseded)
-``abort``             UNCONFIGURED,    unchanged
-                      CLOSED
-``shutdown``          any              CLOSED
-====================  ===============  ===============================================
-
-Transitions never block: they run under the lock, and what must happen
-because of them (ending the ops of a configuration, disposing of its native
-group) runs after the lock is released, on the calling thread, and never
-waits for a native call. ``abort()`` and ``shutdown()`` may come from any
-thread while ``configure()`` runs on another: they win, because a
-configuration becomes READY only through ``ready``, under the lock, for the
-attempt that is still current.
+Owns :class:`State`, the transition table (:data:`TRANSITIONS`, which ``_go``
+checks every transition against), :class:`GroupCore` (the state under its
+lock, shared with the current configuration's op table), :class:`Config`,
+:class:`Attempt` and :class:`Teardown`. The table with who causes each event,
+who may call what from which thread, and why ``abort()`` wins: docs/ops.md.
 """
 
 from __future__ import annotations
@@ -72,6 +49,7 @@ class State(enum.Enum):
 
 
 # (event, from) -> to. Anything not here is refused by _go (a bug in ftcomm).
+# docs/ops.md ("State: one lock, named states, one table") gives who causes each.
 _ANY = tuple(State)
 TRANSITIONS: dict[tuple[str, State], State] = {
     **{("begin", s): State.CONFIGURING for s in _ANY},
@@ -180,6 +158,14 @@ class GroupCore:
 
     The op table of the current configuration shares the lock, so an op that
     breaks its table and ``abort()`` on another thread see one order.
+
+    Transitions never block: they run under the lock and only change fields;
+    what must happen because of them (ending the ops of a configuration,
+    disposing of its native group) runs after the lock is released, on the
+    calling thread, and never waits for a native call. ``abort()`` and
+    ``shutdown()`` may come from any thread while ``configure()`` runs on
+    another: they win, because a configuration becomes READY only through
+    ``ready``, under the lock, for the attempt that is still current.
     """
 
     def __init__(self) -> None:

@@ -1,5 +1,5 @@
 """Store addresses: ``host:port/prefix`` parsing and the store client (the
-ranks' meeting in it: ``_meet``)."""
+ranks' meeting in it: ``_meet``). See docs/configure.md and docs/running.md."""
 
 from __future__ import annotations
 

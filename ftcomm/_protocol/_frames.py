@@ -1,20 +1,11 @@
 """The parent <-> worker frame codec: bytes in, frames out, no I/O.
 
-Rules the codec keeps:
-
-1. A frame is a 16-byte header -- magic ``b"FT"``, version, kind, op id
-   (unsigned 64-bit), payload length (unsigned 32-bit), big-endian -- then
-   that many payload bytes: one JSON object, UTF-8.
-2. Everything about a header is decided from its 16 bytes: a wrong magic, an
-   unknown version or kind, or a length over the decoder's cap raises
-   :class:`~ftcomm.errors.ProtocolError` before a byte of the payload is
-   awaited or stored.
-3. A payload is data, never a pickle: each kind has a fixed set of fields with
-   fixed types (``bool`` is not an ``int``; no NaN or infinity; no unknown
-   field). Anything else is a ``ProtocolError``.
-4. ``Decoder.feed`` returns the frames completed by the bytes given, however
-   the stream is split. After a ``ProtocolError`` the decoder stays broken:
-   the stream can no longer be trusted, so its owner must drop the worker.
+Owns the header, the frame kinds and their payloads (:class:`Kind`, one class
+each), :class:`TensorDesc`, :class:`Decoder`, :func:`encode` and
+:func:`encode_op`. A header is judged from its 16 bytes alone; a payload is
+JSON data with a fixed set of typed fields, never a pickle; a decoder that
+raised :class:`~ftcomm.errors.ProtocolError` stays broken, since its stream
+can no longer be trusted. The format, field by field: docs/protocol.md.
 """
 
 from __future__ import annotations

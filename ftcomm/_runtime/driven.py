@@ -1,14 +1,10 @@
 """The coroutine protocol over ``__await__``, one await per driving task.
 
-A ``Work`` (and a ``Closing``) is awaitable any number of times, and also a
-``collections.abc.Coroutine``, so that ``asyncio.create_task(work)`` and
-anyio's ``tg.start_soon(group.allreduce, t)`` take it. A coroutine is driven
-by one task; these may be driven by several (``create_task(work)`` twice,
-anyio's tasks; and, for a ``Closing``, ``ensure_future``, ``wait_for``,
-``gather``): each driving task gets an await of its own, as ``await work``
-would give it, so each gets the result, or the error. (Where a loop runs,
-asyncio's functions that take futures take a ``Work`` as a future, without
-a task: work.py.)
+Owns :class:`TaskDriven`, the base that makes a ``Work`` (and a ``Closing``)
+a ``collections.abc.Coroutine`` as well as awaitable any number of times, so
+that ``asyncio.create_task(work)`` and anyio's ``tg.start_soon(group.allreduce,
+t)`` take it, with an await of its own for each task that drives it. See
+docs/ops.md ("A Work is an asyncio future").
 """
 
 from __future__ import annotations
@@ -43,6 +39,13 @@ may drive one object (a read of the slot is one load, and needs none)."""
 
 class TaskDriven:
     """``send``/``throw``/``close`` over ``__await__``, per driving task.
+
+    A coroutine is driven by one task; these may be driven by several
+    (``create_task(work)`` twice, anyio's tasks; and, for a ``Closing``,
+    ``ensure_future``, ``wait_for``, ``gather``): each driving task gets an
+    await of its own, as ``await work`` would give it, so each gets the
+    result, or the error. (Where a loop runs, asyncio's functions that take
+    futures take a ``Work`` as a future, without a task: work.py.)
 
     Subclasses have a ``_drivers`` slot (``None`` until first driven) and may
     override :meth:`_cancel_before_start`.

@@ -1,30 +1,12 @@
 """Small allreduces fused into one native op: a :class:`Batch` and its members.
 
-With ``Group(fuse=True)`` (or inside ``group.batch()``), a small allreduce is
-not issued at once: it joins the group's open batch, and the batch is sent
-as **one** native allreduce of a private flat buffer when the program
-reaches a cut point (docs/fusion.md): an op
-that cannot join it is issued, the batch reaches its byte cap, one of its
-ops is looked at (awaited, waited on, ``done()``, a callback, its future),
-``group.flush()`` or the end of a ``group.batch()`` block. Nothing that
-depends on time cuts a batch, so every rank that makes the same calls cuts
-the same batches. Each member keeps its own :class:`~ftcomm.Work`, seq,
-deadline and result; its tensor is written once, by the copy back from the
-flat buffer, and only if the batch succeeded and no member's settler had
-abandoned it: an aborted member's tensor is never written.
-
-A batch's life, under its own lock, every transition in :meth:`Batch._go`::
-
-    event       from   to       who
-    ---------   ----   -------  ----------------------------------------------
-    send        OPEN   SENT     the group, under its issue lock, before the
-                                native issue (so an abandon meanwhile is seen)
-    drop        OPEN   DROPPED  a member's settler (abandon), before it was sent
-    conclude    SENT   DONE     the first to see the native op ended (a poll, a
-                                peek, its completion callback) or refused;
-                                the copy back happens here, under the lock
-
-A member's outcome is read only once the batch is DONE or DROPPED.
+Owns :class:`Batch` (an open run of fusible allreduces, sent as **one**
+native allreduce of a private flat buffer at a cut point; its states are in
+its docstring), :class:`MemberOp` (a member's view of it: each keeps its own
+``Work``, seq, deadline and result, its tensor written once, by the copy
+back, only if the batch succeeded and no settler abandoned it) and
+:class:`AloneMark`. Where a batch is cut, and why every rank cuts alike:
+``_issue.py`` and docs/fusion.md.
 """
 
 from __future__ import annotations
@@ -84,7 +66,25 @@ def copy_back_cpu(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
 
 class Batch(CutPoint):
     """An open run of fusible allreduces of one key (dtype and reduce op; host
-    tensors only), and then the one native op they share."""
+    tensors only), and then the one native op they share.
+
+    Its life, under its own lock, every transition in :meth:`_go`
+    (:data:`TRANSITIONS`)::
+
+        event       from   to       who
+        ---------   ----   -------  ------------------------------------------
+        send        OPEN   SENT     the group, under its issue lock, before
+                                    the native issue (so an abandon meanwhile
+                                    is seen)
+        drop        OPEN   DROPPED  a member's settler (abandon), before it was
+                                    sent
+        conclude    SENT   DONE     the first to see the native op ended (a
+                                    poll, a peek, its completion callback) or
+                                    refused; the copy back happens here, under
+                                    the lock
+
+    A member's outcome is read only once the batch is DONE or DROPPED.
+    """
 
     __slots__ = (
         "_abandoned",

@@ -1,15 +1,12 @@
 """The owner loop: one asyncio event loop per process that owns every group.
 
-The loop runs in a daemon thread named ``ftcomm-owner`` (uvloop when it is
-installed and ``FTCOMM_LOOP`` is not ``asyncio``). It holds the control plane:
-deadline timers, aborts, and the hand-off of native objects to the reaper.
-The data plane does not pass through it: a collective is issued on the
-caller's thread and its completion wakes the caller directly, so the owner
-loop costs the caller nothing on the fast path (``docs/ops.md``).
-
-Callers on other threads reach the loop through :meth:`Runtime.call_soon`
-(fire and forget) and :meth:`Runtime.call` (blocking, like anyio's
-``BlockingPortal.call``; refused on the loop thread itself).
+Owns :class:`Runtime`: the loop, in the daemon thread ``ftcomm-owner``
+(uvloop when installed, unless ``FTCOMM_LOOP=asyncio``), which holds the
+control plane (deadline timers, aborts, hand-offs to the reaper) but not the
+data plane; the bridge from other threads (:meth:`Runtime.call_soon`, fire
+and forget; :meth:`Runtime.call`, blocking, refused on the loop's thread);
+its threads and reaper. Also :class:`LoopPoller` and debug mode's
+:class:`Watchdog`. See docs/ops.md and docs/observability.md.
 """
 
 from __future__ import annotations

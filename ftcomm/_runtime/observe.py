@@ -1,43 +1,12 @@
 """What a group did: its statistics, its events and its log lines.
 
-One :class:`Observer` per :class:`~ftcomm.Group`. It is told of every op's
-end, every configure and every break, and keeps:
-
-- **statistics** (``Group.stats()``): per op kind, how many ended, how many
-  failed by error type, and the latency of those that succeeded in a
-  fixed-size histogram (:class:`Histogram`: 8 buckets per doubling from 1 µs
-  to 128 s, so a percentile below 128 s is off by at most 1/16 of its
-  value, in constant memory); configures and their durations; aborts by
-  cause. An op's latency runs from its issue to its end as seen when it
-  happened, to within 1 ms or 1/16 of the latency (an await or ``wait()``
-  watching it, its completion callback, a look right after the issue); an
-  op found ended later (issued, then awaited after other work) has no known
-  end, and is counted as ``untimed`` instead.
-- **events** for subscribers (``Group.subscribe()``): each op issued and
-  ended, each configure, abort and worker death, with rank, op, seq, store
-  and duration.
-- **log records** on the ``ftcomm`` logger, one line each, with the same
-  fields in ``extra``: every abort (a timeout, a failure, ``abort()``, a
-  cancel, a dead worker: WARNING, or INFO for ``abort()``), every configure
-  (INFO; a failed one: WARNING) and every shutdown (DEBUG).
-
-Statistics are recorded where the op is published, under the group's lock.
-A success with no subscriber is only noted there (one append: the op,
-its latency and how late it was seen, no object of the op's; a fused
-batch's successes are recorded together, in one pass); the notes
-are folded into the histograms, still under that lock, every
-:data:`FOLD_EVERY` successes and whenever the statistics are read, so the
-histogram's work is off the small-op path (measured, 2 ranks on 2 cores: a
-histogram increment there cost about 5 µs per op, cold after every wait;
-one op in 256 now pays a fold, about 90 µs).
-
-Events and log lines are queued under the lock too, and delivered on one
-thread of ftcomm's (``ftcomm-events``), one at a time, in the order they
-were queued: never on a native library's thread (Gloo ends
-ops on its own, where Python code would make a ``_DummyThread`` per
-thread), never under a lock of ftcomm, and an op's ``"issued"`` always
-before its end. With no subscriber, no op event is built or queued.
-``Group(stats=False)`` records nothing per op.
+Owns :class:`Observer` (one per :class:`~ftcomm.Group`, told of every op's
+end, every configure and every break), :class:`Histogram`, the public
+:class:`GroupStats`, :class:`OpStats`, :class:`Event` and
+:class:`Subscription`, and the log lines on the ``ftcomm`` logger. Statistics
+are recorded where an op's end is published, under the group's lock; events
+and log lines are queued there and delivered on ``ftcomm-events``, in order.
+See docs/observability.md.
 """
 
 from __future__ import annotations
@@ -67,8 +36,9 @@ _BUCKETS = (_HIGH - _LOW) * _SUB + 2  # + one below _LOW, one from _HIGH up
 
 
 FOLD_EVERY = 256
-"""How many noted successes are folded into the statistics at once (see the
-module): a bound on the notes' memory, not a visible delay (a read folds)."""
+"""How many noted successes are folded into the statistics at once
+(:meth:`Observer.succeeded_locked`): a bound on the notes' memory, not a
+visible delay (a read folds)."""
 
 SEEN_WITHIN = 0.001
 """An op's end seen this soon after it was last seen running (or issued)
@@ -101,7 +71,9 @@ def _middle(index: int) -> float:
 
 
 class Histogram:
-    """Durations in a fixed number of log-spaced buckets (see the module)."""
+    """Durations in a fixed number of log-spaced buckets: 8 per doubling from
+    1 µs to 128 s, so a percentile below 128 s is off by at most 1/16 of its
+    value, in constant memory (docs/observability.md)."""
 
     __slots__ = ("count", "counts", "max", "total")
 
@@ -359,7 +331,7 @@ class _OpCounters:
 
 
 class Observer:
-    """One group's statistics, subscribers and log lines (see the module).
+    """One group's statistics, subscribers and log lines (docs/observability.md).
 
     Op ends are recorded under the group's lock (passed in as ``lock``: the
     one the op is published under); the rest under this observer's own.
@@ -378,7 +350,7 @@ class Observer:
         self._ops_lock = lock
         self._lock = threading.Lock()
         self._ops: dict[str, _OpCounters] = {}
-        # Successes not yet in _ops (op, latency, window): see the module.
+        # Successes not yet in _ops (op, latency, window): succeeded_locked.
         self._noted: list[tuple[str, float, float]] = []
         self.subscribers: tuple[Subscriber, ...] = ()
         """Read without a lock on the hot path (replaced whole, never mutated)."""
@@ -432,8 +404,8 @@ class Observer:
         notify: bool,
     ) -> None:
         """Under the group's lock: record an op's end (``seconds`` from its
-        issue to its end as seen; ``timed``: seen as it happened, see the
-        module); queue its event where ``notify`` (the caller's one read of
+        issue to its end as seen; ``timed``: seen as it happened, see
+        :data:`SEEN_WITHIN`); queue its event where ``notify`` (the caller's one read of
         ``subscribers``, by which it also queued the op's ``"issued"`` first:
         a subscriber arriving meanwhile never gets an end without it)."""
         if self.stats_on:
@@ -454,7 +426,9 @@ class Observer:
         """Under the group's lock, statistics on and no subscriber: note an
         op of kind ``op`` that succeeded, seen end ``seconds`` after its issue
         to within ``window``; what :meth:`op_ended_locked` records for it,
-        folded in later (see the module)."""
+        folded in, still under that lock, every :data:`FOLD_EVERY` notes
+        and whenever the statistics are read, so the histogram's work is off
+        the small-op path."""
         if op not in self._ops:  # the kinds in the order of their first ends
             self._ops[op] = _OpCounters()
         noted = self._noted

@@ -1,54 +1,12 @@
 """The op core: an op's record, how it ends, and the table of a
 configuration's ops, which share one lock.
 
-Owns, in sections: the table's break and the two shapes of a done-callback
+Owns, in sections: a table's break and the two shapes of a done-callback
 (:class:`Broken`, :class:`LoopCall`, :class:`ThreadCall`, :func:`wake_all`);
-:class:`OpTable`, the ops in flight on one group configuration, one deadline
-timer on the owner loop, and the table's break (the first error marks it,
-the group's ERRORED state, under the group's lock; then every op in flight
-ends, and the native group is handed over, once); and :class:`OpRecord`,
-the fields of one issued op that decide its end and every step of that end.
-What a caller does with an op (``await``, ``wait()``, done-callbacks,
-``cancel()``) is the :class:`~ftcomm.Work` handle over a record, in
-``work.py``. One module, past the line cap by name (tests/test_layers.py):
-the table and its records share one lock and call each other's privates.
-
-Rules this module keeps:
-
-1. Every op ends exactly once: success, or one ftcomm error. The first of the
-   native completion, the deadline sweeper, a cancellation or an abort to
-   settle it wins (under the table's lock); the others find it settled.
-   An op's life is a table of three states, kept by :meth:`OpRecord._settle`
-   alone (the table's lock guards both steps)::
-
-       PENDING  --claim (first settler)-->  SETTLING  --publish-->  ENDED
-
-   SETTLING is invisible: every observer (``await``, ``wait()``, ``done()``,
-   ``exception()``, done-callbacks) still sees the op pending, and waits for
-   ENDED. A success goes from PENDING to ENDED in one step. On an error the
-   settler first abandons the native op (after which nothing writes into the
-   op's tensors); then, under the lock, breaks the table (``errored()``) and
-   publishes the outcome, as **one** assignment of ``OpRecord._end``; then ends
-   the other ops in flight the same way, and only then wakes the waiters of
-   all of them. So no observer can see an op ended before its error is
-   there, hold its error (or the group's) while the native op may still
-   write, or find a sibling ended but unpublished. A settler that will break
-   the table names its error as the table's ``stopping`` cause when it
-   claims the op: a failure its own stop causes elsewhere (another op's
-   sockets shut, a verified op's check) that breaks the table first breaks
-   it with that cause, so ``errored()`` says why the group was stopped.
-2. An op that has not completed by its deadline ends with ``CommTimeout``,
-   breaks its :class:`~ftcomm._runtime.table.OpTable`, and every other op in
-   flight ends with ``CommAborted``. A broken table refuses new ops at once.
-3. The deadline is enforced twice: the native op gets the remaining time as
-   its own timeout, and the owner loop keeps **one** timer per table, armed at
-   the earliest deadline in flight, or, with nothing in flight, one op-timeout
-   ahead as a sentinel. A caller wakes the owner loop only when its op's
-   deadline comes before the armed time (and at most one wake-up is queued),
-   so a steady stream of ops costs the owner loop one wake-up per timeout and
-   the timer count stays at one per group however many ops run. A sentinel
-   that finds its table idle for a whole timeout lets go, so the owner loop
-   never keeps a dropped group alive.
+:class:`OpTable` (the ops in flight, their deadline timer, the break); and
+:class:`OpRecord` (one op's end: its states are in its docstring). Past the
+line cap by name (tests/test_layers.py): the table and its records share one
+lock and each other's privates. Callers hold a ``Work`` (``work.py``). See docs/ops.md.
 """
 
 from __future__ import annotations
@@ -262,6 +220,18 @@ class OpTable:
     (the issuer, ``GroupCore``) use its
     unprefixed names -- ``lock``, ``inflight``, ``break_locked()`` and
     ``after_break()`` -- as a package-internal API.
+
+    Deadlines: an op that has not completed by its deadline ends with
+    ``CommTimeout`` and breaks the table; every other op in flight ends with
+    ``CommAborted``, and a broken table refuses new ops at once. The deadline
+    is enforced twice: the native op gets the time left as its own timeout,
+    and the owner loop keeps **one** timer per table, armed at the earliest
+    deadline in flight or, with nothing in flight, one op-timeout ahead (a
+    sentinel). A caller wakes the owner loop only when its op's deadline comes
+    before the armed time, with at most one wake-up queued, so a steady stream
+    of ops costs one wake-up per timeout and one timer per group however many
+    ops run. A sentinel that finds the table idle for a whole timeout lets go,
+    so the owner loop never keeps a dropped group alive.
     """
 
     def __init__(
@@ -530,7 +500,30 @@ class CutPoint:
 
 
 class OpRecord(Generic[R]):
-    """One issued op's record, and the one place it ends (rules 1 and 2).
+    """One issued op's record, and the one place it ends.
+
+    Every op ends exactly once: success, or one ftcomm error. Its life is a
+    table of three states, kept by :meth:`_settle` alone (the table's lock
+    guards both steps)::
+
+        PENDING  --claim (first settler)-->  SETTLING  --publish-->  ENDED
+
+    The first of the native completion, the deadline sweeper, a cancel or a
+    break to claim the op wins; the others find it claimed and do nothing. A
+    success goes from PENDING to ENDED in one step. On an error the settler
+    first abandons the native op (after which nothing writes into the op's
+    tensors), lock released; then, under the lock, breaks the table (if the
+    error breaks it) and publishes the outcome as **one** assignment of
+    ``_end``; then ends the other ops in flight the same way, and only then
+    wakes the waiters of all of them. (A native op stopped but still ending,
+    as a severed Gloo op, breaks the table at once and is published once it
+    has ended: :meth:`_stop_and_publish`.) SETTLING is invisible: every
+    observer (``await``, ``wait()``, ``done()``, ``exception()``,
+    done-callbacks) sees the op pending until ENDED, so none sees an op ended
+    before its error is there, holds its error while the native op may still
+    write, or finds a sibling ended but unpublished. A settler that will break
+    the table names its error as the table's cause as it claims the op
+    (:attr:`OpTable.stopping`).
 
     Owned by its table's lock: ``_claimed`` (PENDING -> SETTLING), ``_end``
     (published once), ``_waiters``; ``_native`` is cleared only after
@@ -617,9 +610,9 @@ class OpRecord(Generic[R]):
         return {"rank": self._table.rank, "op": self.op, "seq": self.seq}
 
     def _settle(self, error: BaseException | None, *, breaks: bool = False) -> bool:
-        """End this op once (see the state table at the top); with ``breaks``,
-        also break the table. Returns whether this call was the one that
-        ended it."""
+        """End this op once (its states: the class docstring); with
+        ``breaks``, also break the table. Returns whether this call was the
+        one that ended it."""
         wakeups = self._settle_quietly(error, breaks)
         if wakeups is None:
             return False

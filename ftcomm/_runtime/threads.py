@@ -1,25 +1,12 @@
 """Worker threads: where everything that may block runs, off the owner loop.
 
-Two kinds, both daemon threads so a blocked native call never holds up
-interpreter exit:
-
-* :class:`WorkerPool` runs blocking calls (store connects, group construction,
-  Gloo point-to-point waits) and hands results back as
-  ``concurrent.futures.Future`` objects. Calls that only block in a native
-  wait bounded by their op's deadline are spawned, never queued.
-* :class:`Reaper` drops references to native objects. Dropping the last
-  reference to a Gloo group with an op in flight blocks the dropping thread
-  until that op's own timeout; the reaper is that thread. And dropping it on
-  one of the group's own threads (a completion callback runs there) kills
-  the process: its destructor joins that thread. So a group is handed over
-  in a :class:`Handoff`, and the reaper drops it only once its own reference
-  is the last one (parking it meanwhile: later batches do not wait).
-
-Each blocking item may say by when (``time.monotonic()``) it will end, at the
-latest. At interpreter exit the runtime waits a few seconds for the items that
-end soon (a native call that returns into Python *during* finalization aborts
-the process: "terminate called without an active exception"), and abandons the
-ones that end long after the process is gone.
+Owns, all daemon threads so a blocked native call never holds up exit:
+:class:`WorkerPool` (blocking calls: ``submit`` bounded, ``spawn`` never
+queued, for native waits bounded by a deadline), :class:`Reaper` (drops
+native objects, a :class:`Handoff`'s once its reference is the last) and
+:class:`EventQueue` (events and log lines, in order). Each blocking item says
+by when it ends at the latest, so that interpreter exit waits only for those
+that end soon (``Runtime.close``). See docs/ops.md ("Teardown").
 """
 
 from __future__ import annotations

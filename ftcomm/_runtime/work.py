@@ -1,16 +1,11 @@
 """The awaitable :class:`Work`: the handle a caller holds on one issued op.
 
-Owns: every way of looking at an op -- ``await``, ``wait()``, ``done()``,
+Owns every way of looking at an op -- ``await``, ``wait()``, ``done()``,
 ``result()``/``exception()``, done-callbacks, ``cancel()``, asyncio's future
-protocol -- and how a look waits: the await's spin, the loop's poll, a
-thread's block. How the op ends (its record, rules 1-2) and its table and
-deadline timer (rule 3) are ``table.py``'s, the op core.
-
-Rule this module keeps (the others are numbered in ``table.py``):
-
-4. Awaiting polls the native op for a short spin (raw speed for small ops),
-   yielding the core between polls, then sleeps until the native completion
-   or the sweeper wakes it.
+protocol -- and how a look waits: the await's spin (polls, yielding the core
+between them, then a sleep until the native completion or the sweeper), the
+loop's poll, a thread's block. How the op ends, and its table's deadline
+timer, are the op core's (``table.py``: ``OpRecord``, ``OpTable``). See docs/ops.md.
 """
 
 from __future__ import annotations

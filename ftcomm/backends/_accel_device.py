@@ -1,13 +1,11 @@
 """Every CUDA/XPU and NCCL/XCCL call the accelerator backend makes, and nothing else.
 
 :class:`DeviceCalls` is the one seam between :mod:`.accelerator` and the
-device: machines without a GPU test the backend with these calls replaced by
-a fake (``tests/fake_accel.py``) whose events complete when the test says so
-and whose ``abort`` unblocks them. Nothing here decides anything: when to
-abort, what an event means and which error an op gets are the backend's.
-
-A :class:`Flavor` names what differs between NCCL and XCCL (the device type,
-the native class, the environment variables); the code is the same for both.
+device: machines without a GPU test the backend with a fake in its place
+(``tests/fake_accel.py``), whose events complete when the test says so and
+whose ``abort`` unblocks them. Nothing here decides anything. A
+:class:`Flavor` names what differs between NCCL and XCCL (the device type,
+the native class, the environment variables). See docs/accelerators.md.
 """
 
 from __future__ import annotations

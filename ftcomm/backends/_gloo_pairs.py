@@ -1,38 +1,11 @@
 """The TCP sockets of one in-process Gloo group, found exactly, and severed.
 
-Gloo keeps a group's state in its pairs, one TCP connection per peer, and
-``ProcessGroupGloo.abort()`` does nothing (torch 2.13). Shutting those
-connections down (``shutdown(SHUT_RDWR)``) is a real abort, measured in
-``docs/gloo.md`` ("A real abort for in-process Gloo"): the local op fails
-within a millisecond or two and never writes into its tensors after its
-error, and every peer's matching op fails with "Connection closed by peer"
-instead of completing against an op that was given up.
-
-Which sockets are the group's is found, never guessed:
-
-1. Gloo's listening socket is made by ``create_device``, before the group
-   exists. It is the one socket in ``LISTEN`` state that appeared while the
-   device was made, under a process-wide lock (so two groups made at once in
-   one process cannot take each other's). It is never shut down: Gloo's
-   listener thread calls ``std::terminate`` when its socket fails.
-2. Every member publishes its listener's address in the group's store
-   before it builds the group, and reads the others' after.
-3. The pair sockets are the sockets that appeared while the group was built,
-   are connected, and have a member's listener at one end: accepted by ours
-   (local address), or connected to another member's (peer address). No
-   store, user or other group's socket has a member's listener at either end.
-
-When that cannot be established (the listener is ambiguous, a member did
-not publish its address, a pair is missing), the group has no
-:class:`PairSockets`: its aborts stay local, and the backend says so.
-
-Sockets are described from the kernel's table (``/proc/self/net/tcp{,6}``,
-matched by inode), never through their descriptors: duplicating other
-threads' sockets to ask them disturbed Gloo groups being built at the same
-moment. Only :meth:`PairSockets.sever` touches a socket: through a
-duplicate of its descriptor, after checking that the duplicate is still the
-socket found at construction (same inode), since Gloo may have closed the
-descriptor and the number been reused.
+Owns :func:`make_device` (Gloo's listener: the one new ``LISTEN`` socket),
+:func:`find_pairs` (the pair sockets: connected, a member's listener at one
+end) and :class:`PairSockets`, whose ``sever`` (``shutdown(SHUT_RDWR)``) is
+the real abort that ``ProcessGroupGloo.abort()`` is not. Where the pairs
+cannot be established the group has none, and its aborts stay local. How
+they are found, and what a sever does: docs/gloo.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,12 @@
 """NCCL (CUDA) and XCCL (XPU): one backend, parametrised by a :class:`Flavor`.
 
-How a deadline really ends an op here:
-
-* **The group is built as torchft builds it**, which torchft's GPU CI
-  verifies: a non-blocking communicator (``config.blocking = False``), the
-  configure arguments' global ranks and a group name of its own, the
-  sequence number set, and the communicator connected at once on the
-  current device. ``configure()``'s deadline (or an ``abort()`` meanwhile)
-  aborts a communicator that is still connecting: a peer that never shows up
-  costs the configure timeout, not torch's 30 minutes.
-* **An op ends when its device work has**, not when it was queued: after
-  the op, an event is recorded on a stream of ftcomm's own that waits for
-  the op's stream (the caller's stream is not held up). ``await work``
-  returns once that event has completed; whoever looks (the awaiting task
-  spinning a moment, then a watcher thread per group) only queries it.
-* **The deadline is the owner loop's.** At the deadline the loop queries the
-  op's event (never a synchronize): if it has not completed, the op ends
-  with ``CommTimeout`` at once, the group is errored, and the communicator
-  is aborted (``ncclCommAbort``) on a worker thread, exactly once per
-  configuration; every other op in flight ends with ``CommAborted``.
-  ``Closing`` (what ``abort()`` and ``shutdown()`` return) waits for that
-  abort to have returned.
-* **An op is a success only if its event was seen completed before an abort
-  began**, and its library reports no error: the kernels an abort stops
-  complete their events too, and must not read as a success.
-* c10d's own per-op timeout is set well past ftcomm's deadline and its
-  watchdog is told to clean up only (:func:`prepare_environment`), so c10d
-  never ends the process for an op ftcomm owns.
-
-What stays unverified without a GPU, and the truth table, are in
-docs/errors.md and docs/accelerators.md.
+Owns :class:`AcceleratorBackend`: the communicator built as torchft builds it;
+an op's end taken from an event recorded after it on a stream of ftcomm's
+own; the deadline held by the owner loop, which aborts the communicator once
+per configuration, on a worker thread; success only for an event seen
+completed before any abort began; and the environment that keeps c10d from
+ending the process (:func:`prepare_environment`). How, and what is verified
+without a GPU: docs/accelerators.md; the abort truth table: docs/errors.md.
 """
 
 from __future__ import annotations

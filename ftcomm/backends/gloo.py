@@ -1,35 +1,12 @@
 """In-process c10d Gloo on CPU tensors.
 
-Facts of torch 2.13 this backend is built around (docs/gloo.md):
-
-* ``abort()`` and ``shutdown()`` do nothing, but a per-op ``timeout`` fires on
-  time. Every collective is issued with the remaining deadline as its own
-  timeout, so a hung op ends by itself no later than its deadline.
-* Send and recv return works without a future. Their data moves on Gloo's
-  device thread without anyone waiting, but the work learns that it
-  completed only inside ``wait()`` (``is_completed()`` stays false until
-  then), and a ``wait()`` that times out closes every pair of the group.
-  So each is waited on, with the remaining deadline, on a thread of its own
-  that starts at once (:meth:`WorkerPool.spawn`): one thread hop, about
-  50-100 µs, which the collectives do not pay. Never a bounded pool: with
-  its N threads waiting for recvs whose sends come later, the waits of the
-  ops that complete sooner would queue behind them and a pipeline with many
-  outstanding recvs would stall.
-* Gloo's own ``reduce_scatter`` and ``_reduce_scatter_base`` also complete
-  only inside ``wait()`` (the latter even copies its result there): they are
-  allreduces, one per chunk, wrapped in a work without a future. ftcomm
-  issues one fused allreduce itself instead (see
-  :meth:`GlooBackend._reduce_scatter`), whose future ends the op with no
-  thread at all.
-* The construction of ``ProcessGroupGloo`` waits in the store for each
-  peer's address until its own timeout, and nothing ends that wait early:
-  it is built through a store view whose waits poll and end once nobody
-  waits for the connect (``StoppableStore``), so a configure given up there
-  gives its control thread back at once.
-* The backend has no ``allgather_into_tensor_coalesced``: it is issued as one
-  ``_allgather_base`` per tensor, all in flight at once, and ends when all
-  have (:class:`WorksOp`). The cost is one native op per tensor instead of
-  one fused op (no extra copies).
+Owns :class:`GlooBackend`: every collective issued with the time left to its
+deadline as its own Gloo timeout (``abort()`` and ``shutdown()`` do nothing);
+send and recv waited on by spawned threads; ``reduce_scatter`` and coalesced
+allgathers made of ops with futures (:class:`WorksOp`); the group built
+through a store view a given-up connect stops (``StoppableStore``); the real
+abort, by severing its pairs (``_gloo_pairs.py``). The facts of torch's Gloo
+it is built around: docs/gloo.md.
 """
 
 from __future__ import annotations
