@@ -3,7 +3,7 @@
 Every collective returns an awaitable :class:`Work` with a deadline; when the
 deadline passes or the awaiting task is cancelled, the group is aborted and a
 typed error (:mod:`ftcomm.errors`) is raised, so a trainer can reconfigure with
-the survivors and carry on.
+the survivors and carry on. How it works: docs/design.md.
 """
 
 from . import errors as errors

@@ -1,11 +1,11 @@
 """The collectives of :class:`~ftcomm.Group`: argument checks, then one issue.
 
 :class:`Collectives`, ``Group``'s base class, is what a group offers to
-issue. Each method checks its arguments (``TypeError``/``ValueError``
-naming the argument, before anything is sent: the group stays usable) and
-hands the native call to the group's :class:`~ftcomm._issue.Issuer`, which
-issues it on the calling thread at once, so issue order is call order on
-every rank.
+issue. Each method checks its arguments (``TypeError``/``ValueError`` naming
+the argument, before anything is sent: the group stays usable) and hands the
+native call to the group's :class:`~ftcomm._issue.Issuer`, which issues it on
+the calling thread at once, so issue order is call order on every rank. See
+docs/ops.md.
 """
 
 from __future__ import annotations
@@ -76,11 +76,13 @@ class Collectives:
     ) -> Work[torch.Tensor]:
         """Reduce ``tensor`` in place across all ranks; ``await`` gives ``tensor``.
 
-        ``op``: a ``ReduceOp`` member or its lower-case name (``"sum"``,
-        ``"avg"``, ``"max"`` ...), or ``ReduceOp.PREMUL_SUM(factor)``. Where
-        the backend lacks AVG or PREMUL_SUM (Gloo), ftcomm makes them: a SUM,
-        then a division before the op ends; each rank's input multiplied by
-        its own factor, then a SUM (as NCCL does).
+        Args:
+            tensor: the tensor to reduce, in place.
+            op: a ``ReduceOp`` member, its lower-case name (``"sum"``, ``"avg"``,
+                ``"max"`` ...) or ``ReduceOp.PREMUL_SUM(factor)``; where the backend
+                lacks AVG or PREMUL_SUM, ftcomm makes it around a SUM (docs/migrating.md).
+            timeout: this op's deadline, in seconds or a timedelta (default:
+                the group's).
 
         Raises:
             TypeError, ValueError: bad arguments (the group stays usable).
@@ -116,6 +118,12 @@ class Collectives:
     ) -> Work[list[torch.Tensor]]:
         """Reduce several tensors of one dtype in place as one op; ``await`` gives the list.
 
+        Args:
+            tensors: the tensors to reduce in place, all of one dtype.
+            op: as :meth:`allreduce`.
+            timeout: this op's deadline, in seconds or a timedelta (default:
+                the group's).
+
         Raises: as :meth:`allreduce`.
         """
         cfg = self._issuer.configured("allreduce_coalesced")
@@ -146,6 +154,12 @@ class Collectives:
         """Gather ``tensor`` from every rank into ``out`` (allocated if ``None``):
         one tensor per rank, in rank order. ``await`` gives that list.
 
+        Args:
+            tensor: this rank's input.
+            out: one tensor per rank, each like ``tensor``, to gather into.
+            timeout: this op's deadline, in seconds or a timedelta (default:
+                the group's).
+
         Raises: as :meth:`allreduce`.
         """
         cfg = self._issuer.configured("allgather")
@@ -171,6 +185,12 @@ class Collectives:
         """For each pair, gather every rank's ``inputs[i]`` into ``outputs[i]``
         (``world_size`` times as many elements, rank-major). ``await`` gives ``outputs``.
 
+        Args:
+            outputs: one tensor per input, ``world_size`` times its size.
+            inputs: this rank's tensors, one per output.
+            timeout: this op's deadline, in seconds or a timedelta (default:
+                the group's).
+
         Raises: as :meth:`allreduce`.
         """
         cfg = self._issuer.configured("allgather_into_tensor_coalesced")
@@ -192,6 +212,12 @@ class Collectives:
         self, tensor: torch.Tensor, root: int = 0, *, timeout: Timeout | None = None
     ) -> Work[torch.Tensor]:
         """Copy ``root``'s ``tensor`` into every rank's ``tensor``; ``await`` gives it.
+
+        Args:
+            tensor: the root's source, every other rank's destination.
+            root: the rank whose tensor is sent.
+            timeout: this op's deadline, in seconds or a timedelta (default:
+                the group's).
 
         Raises: as :meth:`allreduce`.
         """
@@ -218,6 +244,13 @@ class Collectives:
     ) -> Work[torch.Tensor]:
         """Reduce ``inputs[r]`` across ranks into rank ``r``'s ``output``
         (``inputs`` holds one tensor per rank, each shaped like ``output``).
+
+        Args:
+            output: this rank's result.
+            inputs: one tensor per rank, each shaped like ``output``.
+            op: as :meth:`allreduce`.
+            timeout: this op's deadline, in seconds or a timedelta (default:
+                the group's).
 
         Raises: as :meth:`allreduce`.
         """
@@ -249,6 +282,13 @@ class Collectives:
     ) -> Work[list[torch.Tensor]]:
         """For each pair, reduce ``inputs[i]`` (``world_size`` chunks, rank-major)
         across ranks and keep this rank's chunk in ``outputs[i]``.
+
+        Args:
+            outputs: this rank's chunk of each reduction.
+            inputs: one tensor per output, ``world_size`` times its size.
+            op: as :meth:`allreduce`.
+            timeout: this op's deadline, in seconds or a timedelta (default:
+                the group's).
 
         Raises: as :meth:`allreduce`.
         """
@@ -286,6 +326,14 @@ class Collectives:
         rank ``r``'s slice into slice ``r`` of ``output``. Split sizes default to
         equal slices. ``await`` gives ``output``.
 
+        Args:
+            output: where each rank's slice is received.
+            tensor: the slices to send, one per rank.
+            output_split_sizes: how many rows of ``output`` each rank sends here.
+            input_split_sizes: how many rows of ``tensor`` go to each rank.
+            timeout: this op's deadline, in seconds or a timedelta (default:
+                the group's).
+
         Raises: as :meth:`allreduce`.
         """
         cfg = self._issuer.configured("alltoall_base")
@@ -317,6 +365,10 @@ class Collectives:
     def barrier(self, *, timeout: Timeout | None = None) -> Work[None]:
         """Wait until every rank has reached the barrier.
 
+        Args:
+            timeout: this op's deadline, in seconds or a timedelta (default:
+                the group's).
+
         Raises: as :meth:`allreduce`.
         """
         cfg = self._issuer.configured("barrier")
@@ -326,6 +378,13 @@ class Collectives:
         self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: Timeout | None = None
     ) -> Work[None]:
         """Send ``tensor`` to rank ``dst``; the matching ``recv`` uses the same ``tag``.
+
+        Args:
+            tensor: the tensor to send.
+            dst: the receiving rank (not this one).
+            tag: a number >= 0 that matches this send to its ``recv``.
+            timeout: this op's deadline, in seconds or a timedelta (default:
+                the group's).
 
         Raises: as :meth:`allreduce`.
         """
@@ -341,6 +400,13 @@ class Collectives:
         self, tensor: torch.Tensor, src: int, tag: int = 0, *, timeout: Timeout | None = None
     ) -> Work[torch.Tensor]:
         """Receive into ``tensor`` from rank ``src``; ``await`` gives ``tensor``.
+
+        Args:
+            tensor: where the data is received.
+            src: the sending rank (not this one).
+            tag: the ``tag`` of the matching ``send``.
+            timeout: this op's deadline, in seconds or a timedelta (default:
+                the group's).
 
         Raises: as :meth:`allreduce`.
         """

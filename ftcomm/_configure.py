@@ -5,7 +5,7 @@ Owns ``configure()``: its argument checks, the store address and ranks
 (``env://`` included), the connect on a control thread within the configure
 timeout, the op table of each configuration, and the one place a failed
 connect becomes an ftcomm error. The transitions themselves (begin, ready,
-fail) are ``GroupCore``'s (``_state.py``).
+fail) are ``GroupCore``'s (``_state.py``). See docs/configure.md.
 """
 
 from __future__ import annotations

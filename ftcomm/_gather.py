@@ -1,4 +1,7 @@
-"""``ftcomm.gather``: await many issued ops in one await, without a task each."""
+"""``ftcomm.gather``: await many issued ops in one await, without a task each.
+
+See docs/fusion.md ("Awaiting many ops").
+"""
 
 from __future__ import annotations
 
@@ -17,26 +20,15 @@ _CANCELLED = "was cancelled in ftcomm.gather()"
 def gather(*works: Work[Any], return_exceptions: bool = False) -> Gathering:
     """Await ops already issued, in the order given; their results in that order.
 
-    ``asyncio.gather`` takes works as futures (no task per op), but still
-    registers a done-callback on each and runs it on the loop: for 1000
-    one-float allreduces fused into one native op (``Group(fuse=True)``)
-    that is a third of the time they take (docs/fusion.md). This awaits
-    them in the calling task instead.
-
-    The call itself looks at every op, in argument order: each batch an op
-    waits in is sent now (the same cut points on every rank running the same
-    code, as nothing is issued between these looks), so every op is on the
-    wire before the first is awaited, and awaiting them one after another
-    waits no longer than awaiting them at once.
-
-    Unlike ``asyncio.gather``, it returns or raises only once every op has
-    ended: an op's failure breaks its group, and the group's other ops end
-    with ``CommAborted`` at once, so nothing is left running unseen.
+    Unlike ``asyncio.gather``, it registers no callback per op: it awaits
+    them in the calling task. The call itself looks at every op, in argument
+    order, so each open batch is sent before the first await; it returns or
+    raises only once every op has ended (docs/fusion.md).
 
     Args:
         works: the :class:`Work` of each op (of one group or several).
-        return_exceptions: return each failed op's error in its place
-            instead of raising the first one.
+        return_exceptions: return each failed op's error in its place instead
+            of raising the first one.
 
     Returns:
         An awaitable of the list of results (``await`` it, or hand it to

@@ -1,11 +1,11 @@
 """The issuer: how a :class:`~ftcomm.Group` puts an op on the wire, one at a
 time, in call order.
 
-Owns the issue lock, fusion (``fuse=True``, ``batch()``, ``flush()``: the
-open batch and when it is sent; the batch itself is ``_runtime/fuse.py``'s),
-the default deadline, and the one issue path: the open and configured
-checks, the fault seam, ``verify=True``'s agreement, the op table's record
-of each op, and the short path of the plain small allreduce.
+Owns the issue lock, fusion (``fuse=True``, ``batch()``, ``flush()``: the open
+batch and when it is sent; the batch itself is ``_runtime/fuse.py``'s), the
+default deadline, and the one issue path: the open and configured checks, the
+fault seam, ``verify=True``'s agreement, the op table's record of each op, and
+the short path of the plain small allreduce. See docs/ops.md and docs/fusion.md.
 """
 
 from __future__ import annotations

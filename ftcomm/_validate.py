@@ -2,7 +2,7 @@
 
 Each check raises ``TypeError`` for a wrong type and ``ValueError`` for a wrong
 value, names the argument, and touches nothing: a rejected call leaves the
-group and the caller's tensors as they were.
+group and the caller's tensors as they were (docs/errors.md).
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """``Group(verify=True)``: the ranks agree on an op before it runs.
 
-A rank whose op differs from its peers' (another op, shape or dtype) makes
-Gloo read more bytes than were posted, and Gloo's enforce then kills the
-process (``std::terminate``), or, with fewer bytes, hands back garbage as a
-success. With ``verify=True`` each collective is preceded by an exchange of
-a small descriptor (op, sequence number, dtype, shape, root or reduce op),
-an ``allgather`` of ``DESC_LEN`` int64 per rank on the same native group, and the
-op itself is issued only if every rank described the same op; otherwise it
-fails with ``CommFailed`` naming both sides, on every rank, and nothing of
-it is sent.
-
-The native group matches ops by issue order, so the descriptor exchanges
-and the ops must be issued in one order on every rank: one :class:`Chain`
-per configuration issues "descriptor 1, op 1, descriptor 2, op 2, ..." with
-each op issued by the thread that sees its descriptor exchange complete
-(a backend's thread), and the next descriptor only after that. The cost is
-one small allgather per op (docs/verify.md).
+Owns an op's descriptor (:func:`describe`: ``DESC_LEN`` int64 naming the op, its
+sequence number, dtypes, shapes, root or reduce op), the check of the
+descriptors every rank sent (:func:`mismatch`), and :class:`Chain`, which
+issues "descriptor 1, op 1, descriptor 2, op 2, ..." in one order on every
+rank: an op goes only once every rank described the same one, and otherwise
+fails with ``CommFailed`` on every rank, unsent. See docs/verify.md.
 """
 
 from __future__ import annotations

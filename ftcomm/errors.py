@@ -1,23 +1,10 @@
 """The exception hierarchy of ftcomm.
 
-Two families, kept apart on purpose:
-
-* **Argument errors** are the builtin ``TypeError`` / ``ValueError``. They name
-  the offending argument, are raised before anything is sent, and leave the
-  group usable.
-* **Communication errors** derive from :class:`CommError` (itself a
-  ``RuntimeError``). They say what broke the group, and carry the rank, the op
-  name and the op's sequence number when those are known.
-
-``CommAborted`` means "closed or aborted on purpose" (by ``abort()``, a
-cancelled await, ``configure()`` replacing the group, or an earlier failure);
-``CommTimeout`` and ``CommFailed`` mean "broken by something outside" (a
-deadline passed, a peer or the transport failed).
-
-A third family, :class:`MembershipError`, is :class:`ftcomm.Membership`'s: who
-is in the world could not be agreed (its store went away, its deadline
-passed, or this member was dropped). It is *not* a ``CommError``, so a loop
-that answers ``CommError`` with ``members.recover()`` does not catch it.
+Owns :class:`CommError` (a ``RuntimeError``: what broke a group, with the rank,
+op and sequence number where known) and its subclasses, and
+:class:`MembershipError`, ``Membership``'s, which is not a ``CommError``.
+Argument errors are the builtin ``TypeError``/``ValueError``. The families
+and when each is raised: docs/errors.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The async :class:`Group`: one group's parts, and the calls that read or end it.
 
-A ``Group`` holds its state (a ``GroupCore``, ``_state.py``: one lock, named
-states, a transition table, one ``Config`` per ``configure()``), its issuer
-(``_issue.py``: the issue lock, fusion, the one issue path) and its connect
-step (``_configure.py``). Its collectives come from its one base class,
-:class:`~ftcomm._collectives.Collectives`. This module owns construction
-(argument checks, the backend, the subprocess launcher), ``abort()``,
-``shutdown()`` and their :class:`Closing`, ``errored()``, ``stats()``,
-``subscribe()``, the default timeout, rank and size. Tearing a configuration
-down never blocks: in-flight ops end with ``CommAborted`` and the native
-group goes to the reaper thread.
+A ``Group`` holds its state (``_state.py``'s ``GroupCore``), its issuer
+(``_issue.py``) and its connect step (``_configure.py``); its collectives come
+from its base class, :class:`~ftcomm._collectives.Collectives`. This module
+owns construction (argument checks, the backend, the subprocess launcher),
+``abort()``, ``shutdown()`` and their :class:`Closing`, ``errored()``,
+``stats()``, ``subscribe()``, the default timeout, rank and size. See
+docs/ops.md (state, teardown).
 """
 
 from __future__ import annotations
@@ -108,63 +105,31 @@ class Group(Collectives):
     """A fault-tolerant process group whose collectives are awaitable.
 
     Args:
-        backend: ``"gloo"`` (CPU tensors), ``"nccl"`` (CUDA tensors),
-            ``"xccl"`` (Intel XPU tensors) or ``"dummy"`` (world size 1, no
-            communication). An NCCL/XCCL op ends when its device work has;
-            its deadline aborts the communicator (docs/errors.md).
+        backend: ``"gloo"`` (CPU tensors), ``"nccl"`` (CUDA tensors), ``"xccl"``
+            (Intel XPU tensors) or ``"dummy"`` (world size 1, no communication)
+            (docs/accelerators.md for NCCL/XCCL).
         subprocess: run the native group in a worker process, one per
-            configuration. Aborts are then total: a deadline, a cancel,
-            ``abort()`` or ``configure()`` kills the worker, so nothing writes
-            into the tensors afterwards; and the worker's death is an error
-            at once (``WorkerDied``). Tensors are copied through shared memory,
-            and results copied back only on success; a tensor already in
-            shared memory (``t.share_memory_()``) is used in place, without
-            copies (docs/subprocess.md); ``share_min_bytes`` moves large ones.
-        timeout: default deadline of every op, in seconds or a timedelta.
+            configuration, which an abort kills, so that nothing writes into
+            the tensors afterwards (docs/subprocess.md).
+        timeout: the default deadline of every op, in seconds or a timedelta.
         configure_timeout: how long ``configure()`` may take (default: ``timeout``).
         spare_worker: with ``subprocess=True``, keep one worker started ahead
-            so that ``configure()`` after a failure does not wait for Python
-            and torch to start (about 1.7 s here). Costs one idle process.
-        share_min_bytes: with ``subprocess=True``, opt in to moving large
-            CPU storages into shared memory: when a tensor of at least this
-            many bytes comes back for another op, its storage is moved in
-            place (``Tensor.share_memory_()``: same tensor objects, same
-            values, new memory) and used in place from then on, instead of
-            being copied in and out on every op (at 16 MiB: ~1.1x raw Gloo's
-            bandwidth instead of ~0.75x). Only for storages nothing else
-            aliases: the old memory is freed, so a ``np.from_dlpack(t)``
-            array or a native kernel still reading it on another thread
-            would read freed memory; and a storage in shared memory can no
-            longer be resized (FSDP-style ``resize_``). An op that fails may
-            also have written part of its result, as on in-process Gloo. Storages torch does
-            not own (``from_numpy``) and pinned memory are never moved.
-            ``None`` (the default): always copy.
-        verify: (Gloo only) before each collective, check that every rank issued the
-            same op (name, dtype, shape, root or reduce op), with one small
-            allgather; if not, the op fails with ``CommFailed`` naming both
-            sides, on every rank, nothing of it is sent, and the group is
-            errored. Without it, ranks that disagree can crash the process
-            in Gloo (``std::terminate``) or, for an allgather, get garbage
-            (docs/errors.md). Costs one small op per collective (a small
-            op takes about 4x raw Gloo's time; docs/performance.md). Send and recv
-            are not checked.
-        stats: keep per-op statistics (:meth:`stats`): on by default; an
-            op's end then costs one histogram increment
-            (docs/observability.md). Events and log lines come either way.
-        fuse: fuse small allreduces: one of a host tensor of at most
-            ``fuse_bytes / 16`` bytes is not issued at once (but for the
-            first after a cut point, which goes on its own) and joins the
-            group's open batch,
-            sent as one native allreduce when the program looks at one of
-            its ops (``await``, ``wait()``, ``done()``, a callback), issues
-            an op that cannot join it, fills it, or calls :meth:`flush`
-            (:meth:`batch` fuses within a block on a group without it).
-            1000 concurrent one-float allreduces then go as two native ops.
-            Every rank must make the same calls in the same order, the
-            looks included (docs/fusion.md).
-            Off by default: an op then goes on the wire when it is issued.
-        fuse_bytes: a batch's byte cap (default 1 MiB): reaching it sends
-            the batch; larger allreduces than 1/16 of it are never fused.
+            (one idle process), so that ``configure()`` after a failure does
+            not wait for Python and torch to start (docs/subprocess.md).
+        share_min_bytes: with ``subprocess=True``, move a CPU storage that a
+            tensor of at least this many bytes brings back for another op into
+            shared memory, in place, where nothing else may alias it (``None``,
+            the default: always copy; docs/subprocess.md).
+        verify: (Gloo only) check with one small allgather before each
+            collective that every rank issued the same op, else fail it with
+            ``CommFailed`` on every rank, unsent (docs/verify.md).
+        stats: keep per-op statistics for :meth:`stats` (on by default; events
+            and log lines come either way: docs/observability.md).
+        fuse: send small host-tensor allreduces as one native allreduce at the
+            next cut point, which every rank must then reach alike (off by
+            default; docs/fusion.md).
+        fuse_bytes: a fused batch's byte cap (default 1 MiB); allreduces larger
+            than 1/16 of it are never fused (docs/fusion.md).
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -273,21 +238,29 @@ class Group(Collectives):
     ) -> None:
         """(Re)build the native group; every rank calls it with the same store address.
 
-        Use a fresh store prefix each time (``host:port/prefix``; IPv6 as
-        ``[::1]:port/prefix``). A previous configuration is torn down first
-        without blocking: its in-flight ops end with ``CommAborted``.
-        Someone must host the store: ``python -m ftcomm store``,
-        :func:`ftcomm.serve_store`, or torchrun's agent.
+        A previous configuration is torn down first without blocking: its
+        in-flight ops end with ``CommAborted``. Someone must host the store:
+        ``python -m ftcomm store``, :func:`ftcomm.serve_store`, or torchrun's
+        agent (docs/running.md).
 
-        ``store_addr="env://prefix"`` (or ``"env://"``: prefix ``ftcomm``)
-        takes the store from ``MASTER_ADDR``/``MASTER_PORT`` and, where
-        ``rank``/``world_size`` are not given, ``RANK``/``WORLD_SIZE``: under
-        ``torchrun`` its agent hosts that store. Pass ``rank`` and
-        ``world_size`` to reconfigure with the survivors.
-
-        ``device_id`` (NCCL/XCCL only): the device index the communicator
-        uses; by default the calling thread's current device
-        (``torch.cuda.set_device``).
+        Args:
+            store_addr: ``host:port/prefix`` (IPv6: ``[::1]:port/prefix``) at a
+                prefix no earlier configuration used, or ``env://prefix`` for
+                the store at ``MASTER_ADDR``/``MASTER_PORT`` (docs/running.md).
+            rank: this process's rank (with ``env://``, default: ``RANK``).
+            world_size: the number of ranks (with ``env://``, default:
+                ``WORLD_SIZE``); pass it and ``rank`` to go on with the survivors.
+            replica_id: a label, in the native group's name in torch's logs and tables.
+            quorum_id: torchft's quorum number, a label in that name too.
+            group_rank: this rank's place in its replica group (torchft's
+                argument: checked, not otherwise used).
+            group_world_size: the size of that replica group (likewise).
+            global_ranks: every member's rank in torch's default process group,
+                by group rank, for the native group's own tables.
+            timeout: how long this configure may take (default: the group's
+                ``configure_timeout``).
+            device_id: (NCCL/XCCL only) the device the communicator uses
+                (default: the calling thread's current one, ``torch.cuda.set_device``).
 
         Raises:
             TypeError, ValueError: a bad argument (checked before anything is

@@ -1,15 +1,12 @@
 """The sync facade: torchft's c10d process groups, on ftcomm's async core.
 
 Swap ``from torchft.process_group import X`` for ``from ftcomm.c10d import X``.
-Every class here is a real ``torch.distributed.ProcessGroup``: pass it to
-``DistributedDataParallel(process_group=pg)`` or ``torch.distributed.*(group=pg)``;
-after ``pg.register(name)`` functional collectives find it too. After
-``register_backends()``, ``init_process_group("ftcomm-gloo")`` makes the
-default group one of them. Ops are issued
-on the calling thread and their works are ``torch.distributed.Work`` objects:
-``wait()`` blocks the thread until the op ends or its deadline passes (then
-``ftcomm.CommTimeout``, and the group is aborted until ``configure``),
-``get_future()`` completes with the same outcome. See ``docs/migrating.md``.
+Every class here is a real ``torch.distributed.ProcessGroup`` (for DDP,
+``torch.distributed.*(group=pg)``, functional collectives after
+``pg.register(name)``, ``init_process_group("ftcomm-gloo")`` after
+``register_backends()``), and its ops return ``torch.distributed.Work``
+objects whose ``wait()`` and future end at the op's deadline. See
+docs/migrating.md and docs/facade.md.
 """
 
 from ._baby import ProcessGroupBabyGloo as ProcessGroupBabyGloo

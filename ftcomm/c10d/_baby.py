@@ -1,7 +1,8 @@
 """torchft's ``ProcessGroupBaby*``: the reconfigurable groups whose native
 group runs in a worker process (``Group(subprocess=True)``).
 
-Owns: the Baby classes (their own option, ``share_min_bytes``).
+Owns: the Baby classes (their own option, ``share_min_bytes``). See
+docs/subprocess.md.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class _Baby(ProcessGroupWrapper):
     written only when their op succeeds; tensors already in shared memory
     (``t.share_memory_()``) are used in place. ``share_min_bytes`` opts in to
     moving large reused storages there (as torchft's does with every tensor):
-    see :class:`ftcomm.Group`, which also says what it costs.
+    docs/subprocess.md says when that is unsafe, and what it saves.
     """
 
     _subprocess = True
@@ -46,7 +47,18 @@ class _Baby(ProcessGroupWrapper):
 
 
 class ProcessGroupBabyGloo(_Baby, ProcessGroupGloo):
-    """Gloo in a worker process (CPU tensors); every collective, send and recv."""
+    """Gloo in a worker process (CPU tensors); every collective, send and recv.
+
+    Args:
+        timeout: the default deadline of every op and of ``configure``.
+        share_min_bytes: move a CPU storage that a tensor of at least this many
+            bytes brings back for another op into shared memory, in place
+            (``None``, the default: always copy; docs/subprocess.md).
+        fuse: as :class:`ProcessGroupWrapper`'s.
+
+    Raises:
+        TypeError, ValueError: a bad ``timeout``, ``share_min_bytes`` or ``fuse``.
+    """
 
 
 class ProcessGroupBabyNCCL(_Baby, ProcessGroupNCCL):
@@ -54,7 +66,8 @@ class ProcessGroupBabyNCCL(_Baby, ProcessGroupNCCL):
     blocks until the worker has replied (once the op's device work is done),
     and the caller's stream then waits for the worker's through an event. A
     deadline or ``abort()`` kills the worker. ``configure`` raises
-    ``RuntimeError`` where torch has no NCCL or sees no GPU."""
+    ``RuntimeError`` where torch has no NCCL or sees no GPU. Its arguments
+    are :class:`ProcessGroupBabyGloo`'s."""
 
 
 class ProcessGroupBabyXCCL(_Baby, ProcessGroupXCCL):

@@ -1,16 +1,11 @@
 """ftcomm's facade groups as torch backends: ``init_process_group("ftcomm-gloo")``.
 
-Owns: :func:`register_backends` (torch's ``Backend.register_backend`` for
-each facade class) and the creator torch calls for a group of one of them.
-torch keeps a group a creator returns as the process group itself, so the
-default group (and ``new_group(backend=...)``'s) is then a facade: a job
-with no group of torch's own runs DeviceMesh, FSDP2, DTensor and DCP on
-ftcomm's groups, each op with a deadline.
-
-A creator gets the group's store from torch (a ``PrefixStore`` over the
-job's ``TCPStore``); the facade meets at the ``TCPStore``'s address under a
-prefix of its own, which rank 0 draws and hands the others through that
-store.
+Owns :func:`register_backends` (torch's ``Backend.register_backend`` for each
+facade class) and the creator torch calls for a group of one of them, which
+torch keeps as the process group itself. A creator gets the group's store
+from torch (a ``PrefixStore`` over the job's ``TCPStore``) and meets at that
+``TCPStore``'s address under a prefix of its own, which rank 0 draws and
+hands the others through torch's store. See docs/migrating.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The facade's base class and store helper (torchft's ``ProcessGroup`` contract)."""
+"""The facade's base class and store helper (torchft's ``ProcessGroup`` contract).
+
+See docs/facade.md.
+"""
 
 from __future__ import annotations
 
@@ -19,8 +22,12 @@ logger = logging.getLogger("ftcomm.c10d")
 
 
 def create_store_client(store_addr: str, timeout: timedelta) -> Store:
-    """A client of the TCPStore at ``store_addr`` (``host:port/prefix``; IPv6 as
-    ``[::1]:port/prefix``), scoped to its prefix. Blocks until connected.
+    """A client of the TCPStore at ``store_addr``, scoped to its prefix. Blocks
+    until connected.
+
+    Args:
+        store_addr: ``host:port/prefix`` (IPv6: ``[::1]:port/prefix``).
+        timeout: how long to wait for the store.
 
     Raises:
         TypeError, ValueError: a malformed address or timeout.
@@ -151,14 +158,14 @@ class ProcessGroup(dist.ProcessGroup):
         Args:
             store_addr: ``host:port/prefix`` (or ``env://prefix``), the same
                 on every rank, at a prefix no earlier configuration used.
-            replica_id: a name for this rank's replica (torchft passes its
-                replica group's id). A label only: it names the native
-                group in torch's logs and tables; any string will do, e.g.
-                ``f"replica-{rank}"``.
-            rank, world_size: this rank and the world's size.
-            quorum_id: torchft's quorum number; a label too, in the name.
-            group_rank, group_world_size: this rank's place in its replica
-                group (torchft's; kept for its callers).
+            replica_id: a label for this rank's replica (torchft passes its
+                replica group's id), in the native group's name; any string will do.
+            rank: this process's rank.
+            world_size: the number of ranks.
+            quorum_id: torchft's quorum number, a label in that name too.
+            group_rank: this rank's place in its replica group (torchft's;
+                kept for its callers).
+            group_world_size: the size of that replica group (likewise).
             global_ranks: every member's default-group rank, by group rank,
                 where the caller knows them (found by exchange otherwise).
         """

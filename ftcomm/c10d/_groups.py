@@ -1,12 +1,10 @@
 """The reconfigurable c10d groups: wrapper, Gloo, NCCL/XCCL, dummy.
 
-Each one is a thin shell over an ftcomm :class:`~ftcomm.Group` (or over another
-facade group it wraps): collectives are issued on the calling thread through
-:class:`~ftcomm.c10d._ops.GroupOps`, configure runs on the owner loop through
-the blocking bridge (``Runtime.call``), and the loop's op table holds every
-deadline. The seed's three hooks (``_wrap_work``, ``_opts_hook``,
-``_run_context``) are one here: :meth:`_Facade._run` sees every op, its
-default result and how to issue it; wrappers override that.
+Each is a thin shell over an ftcomm :class:`~ftcomm.Group` (or over the facade
+group it wraps): collectives are issued on the calling thread through
+:class:`~ftcomm.c10d._ops.GroupOps`, configure runs on the owner loop
+(``Runtime.call``), and every op passes through one hook, :meth:`_Facade._run`,
+which wrappers override. See docs/facade.md.
 """
 
 from __future__ import annotations
@@ -240,7 +238,12 @@ class _Facade(ProcessGroup):
     def monitored_barrier(self, timeout: object = None, wait_all_ranks: bool = False) -> None:
         """``torch.distributed.monitored_barrier``: a barrier with a deadline
         (``timeout``, else the group's). ftcomm's barrier already ends at
-        its deadline on every rank, so ``wait_all_ranks`` changes nothing.
+        its deadline on every rank.
+
+        Args:
+            timeout: the barrier's deadline (default: the group's).
+            wait_all_ranks: accepted and ignored: every rank's barrier ends at
+                the deadline.
 
         Raises:
             CommTimeout: a rank did not come by the deadline (the group is
@@ -329,8 +332,9 @@ class _Facade(ProcessGroup):
         raise it, ``errored()`` reports it, until ``configure``. Bounded (never
         waits for the native group) and safe to call twice.
 
-        ``errored``: log the abort at WARNING (torchft's error log); False for
-        planned teardowns.
+        Args:
+            errored: log the abort at WARNING (torchft's error log); False for
+                planned teardowns.
         """
         if errored:
             logger.warning("aborting %r", self)
@@ -355,15 +359,13 @@ class _Facade(ProcessGroup):
         return self._group.errored() if self._group is not None else None
 
     def raising(self) -> contextlib.AbstractContextManager[None]:
-        """``with pg.raising(): loss.backward()``: the group's typed error
-        out of code that runs its ops for you.
+        """``with pg.raising(): loss.backward()``: the group's typed error out
+        of code that runs its ops for you (docs/migrating.md).
 
-        DDP's reducer turns a failed allreduce into a plain ``RuntimeError``
-        ("Got the following error when running the callback: CommTimeout:
-        ..."), with no ``__cause__``. Inside the block, such an error (a
-        ``RuntimeError`` that names an ftcomm error, while the group is
-        errored) is raised again as a copy of :meth:`errored`'s error, from
-        torch's. Anything else passes through unchanged.
+        Inside the block, a ``RuntimeError`` that names an ftcomm error while
+        the group is errored (DDP's reducer makes a failed allreduce one, with
+        no ``__cause__``) is raised again as a copy of :meth:`errored`'s error,
+        from torch's; anything else passes through unchanged.
 
         Raises:
             CommError: the group's error (``CommTimeout``, ``CommFailed``,
@@ -443,13 +445,8 @@ class ProcessGroupWrapper(_Facade):
     Args:
         timeout: the default deadline of every op and of ``configure``.
         pg: the group to wrap, if any.
-        fuse: send concurrent small host-memory allreduces as one native op
-            (:class:`ftcomm.Group`'s ``fuse=True``: a batch is sent when one
-            of its works is waited on or looked at, or another op is issued).
-            Off by default: c10d's one native op per call. Only host tensors
-            fuse, so it changes nothing on NCCL/XCCL groups. Code that waits
-            on works from several threads must look at them in the same order
-            on every rank (docs/fusion.md).
+        fuse: send the small host-tensor allreduces issued before a work is
+            looked at as one native op (off by default; docs/fusion.md).
 
     Raises:
         TypeError: ``pg`` is not an ftcomm.c10d ``ProcessGroup``; ``fuse`` is
@@ -541,6 +538,9 @@ class ProcessGroupWrapper(_Facade):
         ``shutdown()`` and ``set_timeout()`` act on ``group`` (the owner's to
         call); ``register()`` it only after a ``configure()`` through it.
 
+        Args:
+            group: the group to view, of this class's backend.
+
         Raises:
             TypeError: ``group`` is not an ``ftcomm.Group``.
             ValueError: its backend is not this class's (a Baby class:
@@ -612,21 +612,15 @@ class ProcessGroupGloo(ProcessGroupWrapper):
 
     Every collective, including ``reduce_scatter`` and
     ``reduce_scatter_tensor_coalesced`` (which torchft's refused), send and recv.
+    Its arguments are :class:`ProcessGroupWrapper`'s.
     """
 
     _backend = "gloo"
 
 
 class _AcceleratorGroup(ProcessGroupWrapper):
-    """NCCL and XCCL: one class, parametrised by the backend.
-
-    ``wait()`` keeps c10d's meaning for these: the calling thread's current
-    stream waits for the op, the CPU does not (``wait(timeout)`` blocks the
-    CPU, with ``timeout`` as a deadline); ftcomm's owner loop still holds
-    the op's deadline and aborts the communicator when it passes.
-    ``get_future()`` completes once the op's device work has.
-    ``errored()`` never blocks (no synchronize, unlike torchft's).
-    """
+    """NCCL and XCCL: one class, parametrised by the backend. ``wait()`` keeps
+    c10d's stream meaning, and ``errored()`` never blocks (docs/accelerators.md)."""
 
     def _new_group(self) -> Group:
         # RuntimeError where torch has no such library, before anything is built.
@@ -637,7 +631,7 @@ class ProcessGroupNCCL(_AcceleratorGroup):
     """A reconfigurable NCCL group (CUDA tensors): each op's deadline aborts
     the communicator (``ncclCommAbort``) and raises ``CommTimeout``.
     Constructing it always works; ``configure`` raises ``RuntimeError`` where
-    torch has no NCCL or sees no GPU."""
+    torch has no NCCL or sees no GPU. Its arguments are :class:`ProcessGroupWrapper`'s."""
 
     _backend = "nccl"
 
@@ -663,6 +657,10 @@ class ProcessGroupDummy(_Facade):
 
     ``configure`` only counts its calls (``configure_count``) and clears an
     ``abort()``; its arguments are ignored.
+
+    Args:
+        rank: this process's rank, 0.
+        world: the world size, 1.
 
     Raises:
         ValueError: ``rank`` is not 0 or ``world`` is not 1.

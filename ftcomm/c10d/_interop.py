@@ -1,14 +1,12 @@
 """Where sync torch code and async ftcomm code share a group: views, typed errors.
 
-A facade class's view of an :class:`ftcomm.Group` (``ProcessGroupGloo.of``)
-lets DDP run on a group that ``Membership`` reconfigures. And torch's
-reducer runs the gradient allreduce in a communication hook: when the
-hook's future fails, it raises a plain ``RuntimeError`` whose text holds
-the ftcomm error's ("Got the following error when running the
-callback: CommTimeout: ..."): the type is gone, and so is ``__cause__``.
-The facade group still knows the typed error (``errored()``). Owns:
-:func:`check_view` (what ``of`` accepts) and :func:`raising`, which puts the
-two back together.
+Owns :func:`check_view`, what a facade class's view of an :class:`ftcomm.Group`
+(``ProcessGroupGloo.of``: DDP on a group that ``Membership`` reconfigures)
+accepts, and :func:`raising`. When the future of torch's reducer's
+communication hook fails, the reducer raises a plain ``RuntimeError`` whose
+text holds the ftcomm error's, its type and ``__cause__`` gone; the facade
+group still knows the typed error (``errored()``), and :func:`raising` puts
+the two back together. See docs/migrating.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """c10d call signatures onto an ftcomm :class:`~ftcomm.Group`.
 
 :class:`GroupOps` takes the arguments torch passes to a ``ProcessGroup``
-(tensor lists, ``*Options`` objects) and issues the matching ``Group`` op on
-the calling thread; it returns an :class:`~ftcomm.c10d._work.OpWork` whose
-future holds what c10d's would (the output tensors, in c10d's nesting).
-
-Options: ``reduceOp`` and ``rootRank`` are honoured; ``timeout`` is the op's
-deadline when positive, and c10d's "unset" value (negative) means the
-group's default. ftcomm drives one tensor per rank (no multi-device lists), so
-list arguments that c10d nests per device must hold exactly one entry.
+(tensor lists, ``*Options``), issues the matching ``Group`` op on the calling
+thread and returns an :class:`~ftcomm.c10d._work.OpWork` whose future holds
+what c10d's would (the outputs, in c10d's nesting). Options: ``reduceOp`` and
+``rootRank`` are honoured; ``timeout`` is the op's deadline when positive, the
+group's when negative (c10d's "unset"). ftcomm drives one tensor per rank, so
+c10d's per-device lists must hold exactly one entry. See docs/facade.md.
 """
 
 from __future__ import annotations

@@ -3,32 +3,10 @@
 Functional collectives resolve a group by name through c10d's C++ registry;
 ``torch.distributed`` calls (``broadcast(src=...)``, ``get_process_group_ranks``,
 ``DeviceMesh.from_group``) look groups up in ``distributed_c10d._world``. Both
-are torch internals, so every touch of them lives here.
-
-Rank mapping (``pg_group_ranks``: global rank -> group rank), refreshed at
-every ``configure``: with a default process group (``init_process_group``),
-the members' global ranks, found by :func:`global_ranks` (an exchange in
-the new configuration's store, by every member), so that ``src``/``dst`` (global) and
-``group_src``/``group_dst`` mean what they mean for torch's own groups and
-DeviceMesh sees the group's real ranks. A group whose members do not share
-one default world (torchft's replica groups), or that cannot say (a
-wrapper over a manager), is entered as torchft enters it: this process's
-global rank alone. Without a default group, global and group ranks are the
-same: ``{r: r}``.
-
-The default group may come later than either step (:class:`MemberRanks`):
-
-| order                                  | what finds the mapping                          |
-|----------------------------------------|-------------------------------------------------|
-| default group, configure, register     | configure's exchange                            |
-| default group, register, configure     | configure's exchange, then :func:`refresh`      |
-| register, default group, configure     | configure's exchange, then :func:`refresh`      |
-| configure, default group, register     | register's exchange (every member registers)    |
-| configure and register (either first), | entered provisionally as ``{r: r}``; at each op |
-| then the default group                 | :func:`check_entry` writes an entry known here  |
-|                                        | (one member, apart), or lets a member of which  |
-|                                        | ``{r: r}`` is true go on, or aborts the group;  |
-|                                        | the next configure's exchange finds the ranks   |
+are torch internals, so every touch of them lives here, with the rank mapping
+(``pg_group_ranks``: global rank -> group rank) that :func:`refresh` rewrites at
+every ``configure`` (:func:`global_ranks`, :class:`MemberRanks`). See
+docs/migrating.md ("Registered rank mapping").
 """
 
 from __future__ import annotations
@@ -363,6 +341,22 @@ class MemberRanks:
     then, the exchange is kept, pending: :meth:`settle` (at ``register()``)
     asks again once this process has a default group. Then every member
     must register, as every rank must call torch's ``new_group``.
+
+    The default group may come later than either step; what finds the mapping:
+
+    | order                                  | what finds the mapping                          |
+    |----------------------------------------|-------------------------------------------------|
+    | default group, configure, register     | configure's exchange                            |
+    | default group, register, configure     | configure's exchange, then :func:`refresh`      |
+    | register, default group, configure     | configure's exchange, then :func:`refresh`      |
+    | configure, default group, register     | register's exchange (every member registers)    |
+    | configure and register (either first), | entered provisionally as ``{r: r}``; at each op |
+    | then the default group                 | :func:`check_entry` writes an entry known here  |
+    |                                        | (one member, apart), or lets a member of which  |
+    |                                        | ``{r: r}`` is true go on, or aborts the group;  |
+    |                                        | the next configure's exchange finds the ranks   |
+
+    Its own states:
 
     | state   | ``ranks``  | ``pending``   | after                                  |
     |---------|------------|---------------|----------------------------------------|

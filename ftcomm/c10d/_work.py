@@ -1,19 +1,11 @@
 """``torch.distributed.Work`` objects for the c10d facade.
 
-Three shapes, all real ``dist.Work`` subclasses (C++ callers such as DDP's
-reducer and functional collectives call into them through torch's trampoline):
-
-- :class:`OpWork`: one ftcomm op (the fast path: ``pg.allreduce([t]).wait()``).
-- :class:`ChainedWork`: another c10d work whose outcome a wrapper rewrites
-  (an error swallowed and reported, or an injected error) exactly once.
-- :class:`DoneWork`: an op that ended when it was issued (skipped, dummy).
-
-Rules they keep: ``wait()`` and ``get_future()`` always agree on the outcome;
-an error is raised by both, never lost (``wait()`` raises the ftcomm error
-itself; the future fails with a ``RuntimeError`` carrying it, the only kind of
-error a torch future holds for its C++ consumers); the future is completed on the thread
-that ends the op, except the owner loop's, which hands it to a worker so user
-callbacks chained on the future never run on (and stall) the loop.
+Three shapes, all real ``dist.Work`` subclasses (torch's C++ callers, DDP's
+reducer among them, reach them through its trampoline): :class:`OpWork` (one
+ftcomm op), :class:`ChainedWork` (a work whose outcome a wrapper rewrites,
+once) and :class:`DoneWork` (an op that ended when it was issued: skipped,
+dummy). ``wait()`` and ``get_future()`` always agree on the outcome, and the
+future is never completed on the owner loop's thread (docs/facade.md).
 """
 
 from __future__ import annotations

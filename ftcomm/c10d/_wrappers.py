@@ -1,7 +1,8 @@
 """Wrappers that change what ops report: error swallowing, error injection, managed.
 
 Each overrides the one hook every op passes through (``_run``), so each
-covers every collective, not just allreduce as torchft's did.
+covers every collective, not just allreduce as torchft's did
+(docs/migrating.md).
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
     checked: ``TypeError``/``ValueError`` are raised, never swallowed (a
     skipped op is not checked: it goes nowhere).
 
+    Args:
+        pg: the ftcomm.c10d group whose ops it runs.
+
     Raises:
         TypeError: ``pg`` is not an ftcomm.c10d ``ProcessGroup``.
     """
@@ -110,6 +114,9 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
     fails with ``e``, from ``wait()`` and from ``get_future()`` alike (or
     from the future only: see :meth:`report_future_error`).
 
+    Args:
+        pg: the ftcomm.c10d group whose ops it runs.
+
     Raises:
         TypeError: ``pg`` is not an ftcomm.c10d ``ProcessGroup``.
     """
@@ -125,11 +132,12 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
     def report_future_error(self, e: Exception, *, wait_raises: bool = True) -> None:
         """Make the next op fail with ``e``.
 
-        ``wait_raises=False``: the op's ``wait()`` returns ``True`` and only
-        its future fails, which is what torchft's wrapper does. Use it under
-        torchft's ``DistributedDataParallel``: its Manager reads the error
-        from the future, and in torchft 0.2.0 an error raised by ``wait()``
-        makes DDP's comm hook assert (``assert fut._fut``, torchft/ddp.py).
+        Args:
+            e: the error the next op ends with.
+            wait_raises: whether its ``wait()`` raises ``e`` too; with ``False``
+                it returns ``True`` and only the future fails, as with torchft's
+                wrapper (what torchft's ``DistributedDataParallel`` needs:
+                docs/migrating.md#torchfts-manager-and-ddp).
 
         Raises:
             TypeError: ``e`` is not an exception instance, or ``wait_raises``
@@ -176,6 +184,11 @@ class ManagedProcessGroup(ProcessGroupWrapper):
     manager's ``_pg``, as torchft's Manager keeps it, if that is an
     ftcomm.c10d group); their errors are reported to the manager and the op
     ends as a success with its inputs unchanged.
+
+    Args:
+        manager: the fault-tolerance manager that runs the allreduces.
+        pg: the ftcomm.c10d group for the other collectives (default: the
+            manager's ``_pg``, if that is one).
 
     Raises:
         TypeError: ``manager`` lacks a method of :class:`Manager`, or ``pg``

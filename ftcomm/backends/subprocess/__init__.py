@@ -1,25 +1,11 @@
 """The subprocess backend: the native group runs in a child process.
 
-On Gloo an in-process abort does nothing (docs/gloo.md); here abort is total:
-the group's worker process is killed, and nothing writes anywhere any more.
-Pieces, each in its own module:
-
-* :mod:`._channel` -- the codec on a socketpair that only the worker inherits;
-* :mod:`._shm` -- the shared-memory segments CPU tensors travel through;
-  :mod:`._pool` -- the parent's side of them: tensors copied in and out, or
-  used in place when their storage is shared; :mod:`._mappings` -- the
-  worker's side: the segments and storages it maps;
-* :mod:`._device` -- CUDA tensors travel by IPC handle, ordered by events;
-* :mod:`._layout` -- dtype names and bounds checks for both;
-* :mod:`._client` -- the parent's handle on a worker: ops in flight by op id,
-  replies, the worker's death;
-* :mod:`._worker` -- the child: its own event loop around the in-process backend;
-* :mod:`._ops` -- how each backend call is laid out in an OP frame.
-
-:class:`Launcher` is what :class:`~ftcomm.Group` holds with
-``subprocess=True``: every ``configure()`` gets a fresh worker, by default
-one started ahead of time (a *spare*), since starting Python and importing
-torch takes 1.5-2 s on the CI machine.
+Gloo's own ``abort()`` does nothing (docs/gloo.md); here abort is total: the
+group's worker process is killed, and nothing writes anywhere any more. Owns
+:class:`SubprocessBackend` (a configured group whose ops go to a worker) and
+:class:`Launcher`, what a :class:`~ftcomm.Group` holds with ``subprocess=True``:
+every ``configure()`` gets a fresh worker, by default one started ahead (a
+*spare*). See docs/subprocess.md; its modules: docs/design.md's map.
 """
 
 from __future__ import annotations
@@ -232,14 +218,14 @@ class Launcher:
 
     Args:
         backend: the backend the workers run (``"gloo"``, ``"dummy"``, ...).
-        spare: keep one worker started ahead, so that ``configure()`` does not
-            wait for a new process to import torch. The group starts it (with
-            :meth:`refill`) once a configuration is up, and again after each;
-            it costs one idle process.
+        spare: keep one worker started ahead (one idle process), so that
+            ``configure()`` does not wait for a new process to start Python
+            and import torch (1.5-2 s on the CI machine); the group starts it
+            with :meth:`refill` once each configuration is up.
         share_min_bytes: move a CPU storage into shared memory, in place, when
             a tensor of at least this many bytes brings it back for another
             op, and use it in place from then on (``None``, the default:
-            always copy; see ``_pool.py``, rule 3).
+            always copy; see :class:`._pool.Pool`, rule 3).
 
     Raises:
         ValueError, NotImplementedError: as :func:`~ftcomm.backends.backend_class`.

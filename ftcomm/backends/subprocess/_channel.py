@@ -1,22 +1,9 @@
 """One end of the parent <-> worker socketpair: a thin shell around the codec.
 
-Frames go out from any thread: ``send`` writes straight to the non-blocking
-socket under a lock (one syscall, no hop to the loop), and only when the
-socket's buffer is full does the rest wait in a backlog that the loop
-flushes -- in order, since later frames queue behind it. Frames come in on
-one event loop (``add_reader``: no stream objects, no task per read), which
-hands them to the owner's callbacks together with end-of-stream and
-protocol errors. Before :meth:`Channel.start`, a thread may also exchange
-frames synchronously with a deadline (the READY/CONFIGURE handshake).
-A thread waiting for a reply may read too (:meth:`Channel.pump`).
-
-A frame may carry file descriptors (``SCM_RIGHTS``). One waiting in the
-backlog keeps whatever owns them alive until they are out (an fd number
-alone can be closed, or even reused, meanwhile). A frame whose descriptors
-the kernel refuses (``EBADF``, ``ETOOMANYREFS``, ...) is dropped whole --
-nothing of it was written, its descriptors go with its first byte -- and
-its sender hears of it (``refused``); the frames behind it go on. Only the
-peer going away ends the channel.
+Owns :class:`Channel`: frames out from any thread, in on one event loop or on
+a thread that waits for a reply, file descriptors with them, and the backlog
+of frames waiting for room in the socket. See docs/subprocess.md; the frames
+themselves: docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -59,7 +46,26 @@ class _Queued:
 
 
 class Channel:
-    """Frames over one connected stream socket."""
+    """Frames over one connected stream socket.
+
+    Frames go out from any thread: ``send`` writes straight to the
+    non-blocking socket under a lock (one syscall, no hop to the loop), and
+    only when the socket's buffer is full does the rest wait in a backlog that
+    the loop flushes, in order, since later frames queue behind it. Frames
+    come in on one event loop (``add_reader``: no stream objects, no task per
+    read), which hands them to the owner's callbacks together with
+    end-of-stream and protocol errors. Before :meth:`start`, a thread may also
+    exchange frames synchronously with a deadline (the READY/CONFIGURE
+    handshake). A thread waiting for a reply may read too (:meth:`pump`).
+
+    A frame may carry file descriptors (``SCM_RIGHTS``). One waiting in the
+    backlog keeps whatever owns them alive until they are out (an fd number
+    alone can be closed, or even reused, meanwhile). A frame whose descriptors
+    the kernel refuses (``EBADF``, ``ETOOMANYREFS``, ...) is dropped whole
+    (nothing of it was written: its descriptors go with its first byte), and
+    its sender hears of it (``refused``); the frames behind it go on. Only the
+    peer going away ends the channel.
+    """
 
     def __init__(
         self, sock: socket.socket, max_payload: int = MAX_PAYLOAD, *, receive_fds: bool = False

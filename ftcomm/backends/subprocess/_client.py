@@ -1,25 +1,9 @@
 """The parent's handle on one worker process.
 
-Rules:
-
-1. Op ids come from one process-wide counter and are never reused, so a
-   reply can only ever match the request it answers. A reply whose op id is
-   not in flight (its op was abandoned, its worker replaced) is dropped and
-   counted, never given to another op.
-2. Requests are written by the issuing thread (see :mod:`._channel`); replies
-   are read by a thread polling for one, or else by the owner loop, which
-   copies outputs back and ends the op (large copies go to a worker thread
-   from the loop). Outputs reach the caller's tensors only on success.
-3. The worker's exit is seen through a pidfd on the owner loop, at once,
-   whether or not an op is in flight. Its end of the socket closing is the
-   other sign: the worker is killed if it has not exited a moment later.
-   Every op in flight then fails with :class:`~ftcomm.errors.WorkerDied`
-   (exit code or signal) -- or :class:`~ftcomm.errors.ProtocolError` if a
-   malformed frame, either way, is why it ended -- and the owner hears of it
-   through ``on_break``, with or without ops in flight.
-4. Killing is ``pidfd_send_signal``: it can never reach a reused pid. A worker
-   still running when its handle is collected, or at interpreter exit, is
-   killed too; and a worker whose parent dies sees its socket close and exits.
+Owns :class:`WorkerProcess` (the process, its socket, its shared memory, its
+ops in flight by op id, its death; its rules are in its docstring), :class:`Call`
+(one op in flight) and how a worker's exit reads as an error. See
+docs/subprocess.md.
 """
 
 from __future__ import annotations
@@ -254,7 +238,31 @@ def _reap(
 
 
 class WorkerProcess:
-    """A worker process, its socket, its shared memory and the ops in flight on it."""
+    """A worker process, its socket, its shared memory and the ops in flight on it.
+
+    Rules:
+
+    1. Op ids come from one process-wide counter and are never reused, so a
+       reply can only ever match the request it answers. A reply whose op id
+       is not in flight (its op was abandoned, its worker replaced) is dropped
+       and counted, never given to another op.
+    2. Requests are written by the issuing thread (see :mod:`._channel`);
+       replies are read by a thread polling for one, or else by the owner
+       loop, which copies outputs back and ends the op (large copies go to a
+       worker thread from the loop). Outputs reach the caller's tensors only
+       on success.
+    3. The worker's exit is seen through a pidfd on the owner loop, at once,
+       whether or not an op is in flight. Its end of the socket closing is the
+       other sign: the worker is killed if it has not exited a moment later.
+       Every op in flight then fails with :class:`~ftcomm.errors.WorkerDied`
+       (exit code or signal), or :class:`~ftcomm.errors.ProtocolError` if a
+       malformed frame, either way, is why it ended, and the owner hears of it
+       through ``on_break``, with or without ops in flight.
+    4. Killing is ``pidfd_send_signal``: it can never reach a reused pid. A
+       worker still running when its handle is collected, or at interpreter
+       exit, is killed too; and a worker whose parent dies sees its socket
+       close and exits.
+    """
 
     def __init__(self, backend: str, runtime: Runtime) -> None:
         parent_end, child_end = socket.socketpair()

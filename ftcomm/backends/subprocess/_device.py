@@ -1,32 +1,11 @@
 """CUDA tensors across the process boundary: IPC handles and events.
 
-A CUDA tensor is never copied to the worker: the worker maps the caller's
-device memory through a CUDA IPC handle, and events keep stream order on
-both sides, as torchft's subprocess group does:
-
-* **Storages are shared once per worker.** The first OP that uses a storage
-  carries its IPC record (``storage._share_cuda_()``) in the descriptor's
-  handle, ``ipc:<id>:<record>``; later OPs name it ``ipc:<id>``. When the
-  caller's storage dies, the next OP lists its id in ``release_ipc`` and the
-  worker drops its mapping; torch's IPC reference counter keeps the block
-  out of the caller's allocator until then.
-* **The caller's stream comes first.** The parent records an interprocess
-  event on the caller's current stream and sends its handle (``event``)
-  with the stream's id (``stream``). The worker runs the op on a stream of
-  its own for that caller stream (one each, so unrelated caller streams are
-  not serialised) after making it wait on the event. The parent keeps the
-  event alive until the op's reply.
-* **The caller's stream waits for the op.** The worker records an event on
-  its stream after the op and sends its handle in DONE; the parent makes the
-  caller's stream (the one current when the op was issued) wait on it, so
-  the op's result is ordered before anything the caller queues later, and
-  the CPU does not wait for the device. The worker keeps that event alive
-  until the parent says it has waited on it (``events_done`` in a later OP).
-
-Every device call goes through :class:`DeviceCalls`, so machines without a
-GPU test this logic with those calls replaced (tests/test_subprocess_device.py).
-torch 2.13 has no IPC for XPU tensors (no ``_share_xpu_``, no XPU
-``Event.ipc_handle``): the parent refuses them.
+A CUDA tensor is never copied: the worker maps the caller's device memory, and
+events keep stream order both ways, as in torchft's subprocess group. Owns the
+parent's side (:class:`DeviceStorages`), the worker's (:class:`DeviceMappings`)
+and :class:`DeviceCalls`, every device call, which the CPU tests replace
+(tests/test_subprocess_device.py). XPU tensors are refused: torch 2.13 has no
+XPU IPC. See docs/subprocess.md; the frames' fields: docs/protocol.md.
 """
 
 from __future__ import annotations

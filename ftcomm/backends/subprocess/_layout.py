@@ -2,7 +2,7 @@
 
 CPU tensors go through shared memory (:mod:`._shm`) and CUDA tensors by IPC
 handle (:mod:`._device`); both name dtypes the protocol's way and both check
-that a descriptor stays inside the memory it names.
+that a descriptor stays inside the memory it names (docs/protocol.md).
 """
 
 from __future__ import annotations

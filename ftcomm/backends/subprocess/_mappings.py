@@ -3,9 +3,7 @@ has mapped, kept for its lifetime.
 
 Owns :class:`Mappings`: turning a descriptor into a tensor over the memory
 it names, and taking the names the worker mapped out of ``/dev/shm`` when
-its parent is gone. Imports segments from :mod:`._shm` and dtype names and
-bounds checks from :mod:`._layout`; never :mod:`._pool` (the parent's
-side), and :mod:`._shm` never imports it.
+its parent is gone. See docs/subprocess.md.
 """
 
 from __future__ import annotations

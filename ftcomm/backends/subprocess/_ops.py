@@ -4,7 +4,7 @@ Both ends read this one table: the parent lays a call's tensors out in the
 order given here (with the role each plays: copied in, copied back, or
 both), and the worker rebuilds the call from the same order. Every OP
 carries ``timeout`` (the seconds left to the op's deadline), which the worker
-gives the native op as its own timeout.
+gives the native op as its own timeout. The frames: docs/protocol.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,10 @@
 """The parent's side of shared memory: each worker's pool of segments, and
 how an op's CPU tensors are staged in it.
 
-Owns the pool of reusable segments (:class:`Pool`), an op's staged tensors
-(:class:`Staged`), the caller storages the worker maps in place
-(:class:`SharedStorages`) and the moves of storages into shared memory.
-Imports the segments themselves from :mod:`._shm`, CUDA staging from
-:mod:`._device` and dtype names from :mod:`._layout`; never
-:mod:`._mappings` (the worker's side), and :mod:`._shm` never imports it.
-
-Measured on the 2-core CI machine (16 MiB): a copy takes 0.26 ms, creating and
-unlinking a segment 0.03 ms, ``tensor.share_memory_()`` 8.8 ms -- and that one
-moves the caller's storage. So tensors are *copied* through a reusable pool of
-segments: the caller's tensors stay where they are, and an op whose worker is
-killed cannot write into them afterwards (its segment simply stops being read).
-
-Rules (and those of the segments themselves, in :mod:`._shm`):
-
-1. One segment per op, holding all its tensors contiguously, each at a
-   64-byte aligned offset. Segments come in power-of-two sizes (at least one
-   page) and go back to the pool when their op has ended and the worker is
-   done with them; the pool lives as long as its worker, and peaks at the
-   bytes that were in flight at once.
-2. A tensor whose storage is already in shared memory is not copied: its
-   file descriptor goes to the worker once (:class:`SharedStorages`), and
-   the worker maps the caller's storage itself.
-3. Opt-in (``Pool.share_min_bytes``, off by default): a CPU storage that
-   a tensor of at least that many bytes brings back for another op is moved
-   into shared memory in place (``share_memory_()``) and goes by rule 2 from
-   then on, the way training loops reuse their gradient buckets: two copies
-   per op (~1.5 ms each per 16 MiB on a busy 2-core box) become none, for
-   one move. A storage used by one op only is copied. Off by default because
-   the move frees the storage's old memory: anything that aliases it outside
-   torch's reach (``np.from_dlpack(t)``, a native kernel still reading it on
-   another thread) would then read freed memory. Never moved: storages torch
-   does not own (``from_numpy``, ``frombuffer``: not resizable), pinned
-   memory, a storage some op is copying (:data:`_pins`), and one whose move
-   failed once (it stays copied).
+Owns the pool of reusable segments (:class:`Pool`, whose docstring has the
+rules), an op's staged tensors (:class:`Staged`), the caller storages the
+worker maps in place (:class:`SharedStorages`) and the moves of storages into
+shared memory. See docs/subprocess.md.
 """
 
 from __future__ import annotations
@@ -279,7 +248,35 @@ class SharedStorages:
 
 
 class Pool:
-    """The parent's segments for one worker (thread-safe)."""
+    """The parent's segments for one worker (thread-safe).
+
+    Tensors are *copied* through a reusable pool of segments: the caller's
+    tensors stay where they are, and an op whose worker is killed cannot write
+    into them afterwards (its segment simply stops being read). A copy is
+    cheap next to moving a storage (docs/performance.md), and so is a
+    segment (creating and unlinking one of 16 MiB took 0.03 ms on the 2-core
+    CI machine).
+
+    Rules (and those of the segments themselves, :class:`~._shm.Segment`'s):
+
+    1. One segment per op, holding all its tensors contiguously, each at a
+       64-byte aligned offset. Segments come in power-of-two sizes (at least
+       one page) and go back to the pool when their op has ended and the
+       worker is done with them; the pool lives as long as its worker, and
+       peaks at the bytes that were in flight at once.
+    2. A tensor whose storage is already in shared memory is not copied: its
+       file descriptor goes to the worker once (:class:`SharedStorages`), and
+       the worker maps the caller's storage itself.
+    3. Opt-in (:attr:`share_min_bytes`, off by default): a CPU storage that a
+       tensor of at least that many bytes brings back for another op is moved
+       into shared memory in place (``share_memory_()``) and goes by rule 2
+       from then on, the way training loops reuse their gradient buckets: two
+       copies per op become none, for one move. A storage used by one op only
+       is copied. Never moved: storages torch does not own (``from_numpy``,
+       ``frombuffer``: not resizable), pinned memory, a storage some op is
+       copying (:data:`_pins`), and one whose move failed once (it stays
+       copied). Why it is off by default: docs/subprocess.md.
+    """
 
     def __init__(self, share_min_bytes: int | None = None) -> None:
         self._lock = threading.Lock()
@@ -445,7 +442,7 @@ class Pool:
             self.device.unstage(staged.device)
 
     def _take(self, nbytes: int) -> Segment:
-        """A segment with at least ``nbytes`` reserved (:mod:`._shm` rule 3).
+        """A segment with at least ``nbytes`` reserved (:class:`~._shm.Segment`, rule 3).
 
         Raises:
             OSError: no room in :data:`~._shm.SHM_DIR`; a new segment is not kept then.

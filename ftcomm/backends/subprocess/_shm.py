@@ -1,30 +1,9 @@
 """Shared-memory segments: the files under ``/dev/shm`` that both sides use.
 
-Owns a segment's name and file -- made with its bytes reserved, attached by
-name, unlinked, closed without leaving its name behind -- and the handles a
-descriptor gives what is not a segment (:data:`EMPTY`, :data:`FD_PREFIX`).
-Imports from this package only :class:`~._device.PoolClosed`. The parent's
-pool (:mod:`._pool`) and the worker's mappings (:mod:`._mappings`) import
-this module, never each other; it imports neither.
-
-Rules:
-
-1. Segments are files under ``/dev/shm`` opened with ``O_EXCL`` and mode 0600,
-   not :class:`multiprocessing.shared_memory.SharedMemory`, whose resource
-   tracker is a process of its own and would own (and report) them.
-2. A segment's name leaves ``/dev/shm`` as soon as the worker has mapped it
-   (the first reply of an op that used it): both sides keep their mappings,
-   and nothing is left behind if both processes then die. The worker unlinks
-   the names it mapped when its parent goes away; the parent unlinks the rest
-   when the pool closes.
-3. The bytes an op uses are reserved (``posix_fallocate``) before anything is
-   copied: tmpfs allocates a page on its first write, and a write that finds
-   ``/dev/shm`` full is a SIGBUS that kills the caller. A full ``/dev/shm``
-   is an :class:`OSError` (``ENOSPC``) from :meth:`~._pool.Pool.stage`
-   instead, that names the directory and its free space, and leaves no
-   segment behind. A segment keeps its descriptor (closed with the pool) to
-   reserve more when a larger op of its size class reuses it: only the bytes
-   ops use are reserved, not the power-of-two rounding.
+Owns :class:`Segment` (a segment's name and file: made with its bytes
+reserved, attached by name, unlinked, closed without leaving its name behind;
+its rules are in its docstring) and the handles a descriptor gives what is
+not a segment (:data:`EMPTY`, :data:`FD_PREFIX`). See docs/subprocess.md.
 """
 
 from __future__ import annotations
@@ -132,6 +111,27 @@ def _reserve(fd: int, start: int, end: int) -> None:
 
 class Segment:
     """One shared-memory segment of the parent's pool.
+
+    Rules:
+
+    1. Segments are files under ``/dev/shm`` opened with ``O_EXCL`` and mode
+       0600, not :class:`multiprocessing.shared_memory.SharedMemory`, whose
+       resource tracker is a process of its own and would own (and report)
+       them.
+    2. A segment's name leaves ``/dev/shm`` as soon as the worker has mapped
+       it (the first reply of an op that used it): both sides keep their
+       mappings, and nothing is left behind if both processes then die. The
+       worker unlinks the names it mapped when its parent goes away; the
+       parent unlinks the rest when the pool closes.
+    3. The bytes an op uses are reserved (``posix_fallocate``) before anything
+       is copied: tmpfs allocates a page on its first write, and a write that
+       finds ``/dev/shm`` full is a SIGBUS that kills the caller. A full
+       ``/dev/shm`` is an :class:`OSError` (``ENOSPC``) from
+       :meth:`~._pool.Pool.stage` instead, that names the directory and its
+       free space, and leaves no segment behind. A segment keeps its
+       descriptor (closed with the pool) to reserve more when a larger op of
+       its size class reuses it: only the bytes ops use are reserved, not the
+       power-of-two rounding.
 
     Raises (constructor):
         OSError: the file could not be made, or ``reserve`` bytes of it not

@@ -1,24 +1,9 @@
 """The worker: a child process that runs one native group for its parent.
 
-Started as ``python -m ftcomm.backends.subprocess FD BACKEND PARENT_PID`` with
-one end of a socketpair as ``FD`` (the only descriptor it inherits). It says
-READY, builds the group on CONFIGURE, and then runs every OP as it arrives:
-the op is issued on the worker's loop at once (ops pipeline: no reply is
-awaited before the next is read) and its DONE or FAILED is written by
-whichever thread sees it end -- the native op's own -- without a hop back
-to the loop.
-
-It exits, always through ``os._exit`` (a native group with an op in flight
-can block an orderly interpreter exit until the op's timeout):
-
-* on SHUTDOWN (code 0) or ABORT (:data:`EXIT_ABORTED`);
-* when its parent's end closes or its parent exits (:data:`EXIT_ORPHANED`),
-  after taking the shared-memory names it mapped out of ``/dev/shm``;
-* on a malformed frame (:data:`EXIT_PROTOCOL`), after a FAILED frame with op
-  id 0 that names the problem.
-
-SIGINT is ignored: a Ctrl-C at the terminal reaches the parent, whose exit
-then ends the worker through its closed socket.
+Owns :class:`Worker` (its channel, its group, what it mapped: READY, the group
+built on CONFIGURE, then every OP as it arrives) and :func:`main`, the process
+that ``python -m ftcomm.backends.subprocess`` starts, with its exit codes
+(``EXIT_*``, said in :func:`main`). See docs/subprocess.md.
 """
 
 from __future__ import annotations
@@ -80,7 +65,14 @@ def failed(op_id: int, exc: BaseException) -> Failed:
 
 
 class Worker:
-    """The worker's state: its channel, its group and the segments it mapped."""
+    """The worker's state: its channel, its group and the segments it mapped.
+
+    It says READY, builds the group on CONFIGURE, and then runs every OP as
+    it arrives: the op is issued on the worker's loop at once (ops pipeline:
+    no reply is awaited before the next is read) and its DONE or FAILED is
+    written by whichever thread sees it end (the native op's own), without a
+    hop back to the loop.
+    """
 
     def __init__(self, channel: Channel, backend_cls: type[Backend], parent: int) -> None:
         self.channel = channel
@@ -268,7 +260,22 @@ class Worker:
 
 def main(argv: list[str]) -> int:
     """Run the worker on the inherited socket ``argv[1]`` for backend ``argv[2]``,
-    for the parent whose pid is ``argv[3]``."""
+    for the parent whose pid is ``argv[3]``; the exit code.
+
+    ``argv[1]`` is one end of a socketpair, the only descriptor the worker
+    inherits. The process exits always through ``os._exit`` (a native group
+    with an op in flight can block an orderly interpreter exit until the op's
+    timeout):
+
+    * on SHUTDOWN (code 0) or ABORT (:data:`EXIT_ABORTED`);
+    * when its parent's end closes or its parent exits (:data:`EXIT_ORPHANED`),
+      after taking the shared-memory names it mapped out of ``/dev/shm``;
+    * on a malformed frame (:data:`EXIT_PROTOCOL`), after a FAILED frame with
+      op id 0 that names the problem.
+
+    SIGINT is ignored: a Ctrl-C at the terminal reaches the parent, whose exit
+    then ends the worker through its closed socket.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     fd, name, parent = int(argv[1]), argv[2], int(argv[3])
     sock = socket.socket(fileno=fd)
