@@ -277,7 +277,7 @@ FOREIGN_PRIVATES = {
 }
 # Each with a ``# reach-in:`` comment saying why, on its line or in the comment
 # block just above it. Issue 40 set the bound at 10; a ratchet: it may only fall.
-REACH_IN_CEILING = 7
+REACH_IN_CEILING = 5
 # Private names imported from a sibling module (mostly the bench's helpers):
 # a ratchet, to go down; it may only fall.
 PRIVATE_IMPORT_CEILING = 44

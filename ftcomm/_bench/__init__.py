@@ -1,43 +1,11 @@
 """``python -m ftcomm bench``: ftcomm against raw c10d Gloo, measured in one run.
 
-This module owns the command line: :func:`main`, its options and what is
-checked before a run.
-
-Two ranks run on loopback as two spawned processes. The parent owns the
-``TCPStore``; the children connect to it as clients. Every child builds one
-runner per *case* (an implementation: raw Gloo, ftcomm, torchft when it is
-installed), then measures every *workload* (an op at one size) in rounds,
-alternating the order of the cases from round to round, with a store barrier
-before every phase, so that drift on these noisy 2-core machines hits all the
-cases alike. Rank 0 sends its per-op latencies to the parent, which prints one
-table of medians, tails and ratios against raw Gloo; ``--json`` writes the same
-figures as one JSON object, ``--plot`` draws the latency distributions
-(matplotlib, ``pip install 'ftcomm[plot]'``).
-
-The modules, each importing only those listed below it:
-
-- ``cases``: the cases and workloads of a run, in the table's order (adding a
-  row or an op starts there);
-- ``recovery``: configure-to-first-op and dead-worker detection, world size 1;
-- ``membership``: a member of three SIGKILLed or SIGSTOPped, to the
-  survivors' first good allreduce, per membership engine and for torchft's
-  Manager, each member a process of its own;
-- ``state_copy``: ``sync_state`` of a big state against raw Gloo send/recv
-  and torchft's ``PGTransport``, to one member behind and to two, three
-  processes of their own; ``links``: the same to one and to two behind over
-  rate-limited links, each member in a network namespace of its own;
-- ``chaos`` (``--chaos``): members train while a fault strikes every few
-  seconds, goodput against the same run without faults, for ftcomm and for
-  torchft's Manager; ``chaos_members``: their processes; ``chaos_report``:
-  its table and JSON; ``scale``
-  (``--scale``): join and recovery times and the store's load per heartbeat
-  round as the world grows; ``fleet``: the processes of both, replaced as
-  they are killed;
-- ``latency``, ``fusion``, ``subproc``, ``torchft_rows``: the families of
-  cases, the functions that open each case's runner on a rank;
-- ``groups``: the runners on ftcomm's groups that the families share;
-- ``report``: the table, the JSON and the plot;
-- ``runner``: the plan, the report, the ranks, the rounds and the timing.
+Owns the command line: :func:`main`, its options and what is checked before
+a run. The main table's run is ``runner``'s (:func:`~.runner._run_children`),
+its cases and workloads ``cases``', its table, JSON and plot ``report``'s;
+every other part (the recovery, membership, state-copy, FSDP2, chaos and
+scale rows) is a module of its own, each named on docs/design.md's map.
+What the bench measures, and how to read it: docs/performance.md.
 """
 
 from __future__ import annotations

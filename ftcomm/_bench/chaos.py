@@ -1,39 +1,12 @@
-"""``python -m ftcomm bench --chaos``: members train for a while, and a fault
-strikes every few seconds; the figure is the work done, next to the same
-workload without faults.
+"""``python -m ftcomm bench --chaos``: members train while a fault strikes every
+few seconds; the figure is the work done, next to the same run without faults.
 
 Owns: the rows (:data:`ROWS`, :class:`RowSpec`), the fault kinds
-(:data:`KINDS`: what each does to its victim; the network faults', on
-fleet's :class:`Hosts`, and :func:`network_missing`), one phase of a row (a store
-or lighthouse, N member processes, a window of ``seconds``; with faults or
-not), and what is made of it (goodput, recovery gaps, generations, the
-check that every member ends with the same parameters; the table and JSON
-are ``chaos_report``'s).
-torchft is imported only in the processes that use it.
-
-A phase: the members start (each a process from the fork server) and join;
-once every member is in one generation of the full size, the bench says
-``go`` and the window of ``seconds`` starts. With faults, every
-``interval`` seconds the next kind (the kinds are taken in turn) strikes a
-member drawn by the seeded RNG among those in a world: ``kill`` SIGKILLs it
-and starts a replacement under the same member id at once; ``stop``
-SIGSTOPs it, and one op deadline later (when the survivors' allreduce has
-given up on it, and its heartbeat has long been silent: what a supervisor
-watching its heartbeat would do) SIGKILLs it and starts a replacement.
-With a network kind in the row, every member lives on a host of its own
-(ftcomm.testing's :class:`~ftcomm.testing._net.Network`: member ``m<k>``
-in namespace ``k``, a replacement too; the store on the hub), and
-``partition`` drops every packet between the victim's host and the other
-members' (the store still answers it: a gray failure), ``isolate`` every
-packet of its host (the store's too); either is lifted ``heal`` seconds
-later (the row's; by default half the interval). Nothing is killed: the
-victim, left out, comes back by itself (``Evicted``, ``join()`` again).
-When the window ends, faults stop, the bench waits for a full world again
-and tells every member to stop: they stop at one step, and each sends the
-SHA-256 of its parameters and momentum. Committed steps are the job's
-steps from ``go`` to the window's end (a step that was done by a member
-that then died, and done by no survivor, is not counted: the survivors'
-step is what the job kept).
+(:data:`KINDS`, :func:`network_missing`), one phase of a row
+(:func:`run_phase`), and what is made of it (:class:`Phase`: goodput,
+recovery gaps, generations, the check that every member ends with the same
+parameters; the table and JSON are ``chaos_report``'s). torchft is imported
+only in the processes that use it.
 """
 
 from __future__ import annotations
@@ -144,6 +117,18 @@ KINDS: Mapping[str, Kind] = {
     "stop": Kind("stop", Fleet.stop, _replace, hold=lambda settings: settings.op_deadline),
     **{name: Kind(name, functools.partial(_network, name), _replace) for name in NETWORK_KINDS},
 }
+"""What each kind does to its victim (a member in a world, drawn by the
+phase's seeded RNG). ``kill`` SIGKILLs it and starts a replacement under the
+same member id at once; ``stop`` SIGSTOPs it, and one op deadline later (when
+the survivors' allreduce has given up on it, and its heartbeat has long been
+silent: what a supervisor watching its heartbeat would do) SIGKILLs it and
+starts a replacement. The network kinds strike only where the members live on
+hosts of their own (:func:`run_phase` puts its own in place): ``partition``
+drops every packet between the victim's host and the other members' (the
+store still answers it: a gray failure), ``isolate`` every packet of its host
+(the store's too); either is lifted ``heal`` seconds later (the row's; by
+default half the interval). Nothing is killed: the victim, left out, comes
+back by itself (``Evicted``, ``join()`` again)."""
 
 
 def kinds_missing(kinds: Sequence[str]) -> str | None:
@@ -224,6 +209,9 @@ class Phase:
 
     seconds: float
     committed: int
+    """The job's steps from ``go`` to the window's end (a step done by a
+    member that then died, and by no survivor, is not counted: the
+    survivors' step is what the job kept)."""
     generations: int
     evictions: int = 0
     """Times a member was taken for dead while alive: the others went on
@@ -472,9 +460,18 @@ def run_phase(
 ) -> Phase:
     """Run one phase of ``spec``: ``seconds`` of training, with its faults or without.
 
-    With a network kind, each member lives on a host of its own (with
-    faults or not: the same network for both phases' figures); every
-    namespace (and the rules in it) is gone when it returns or raises.
+    The members start (each a process from the fork server) and join; once
+    every member is in one generation of the full size, the bench says
+    ``go`` and the window of ``seconds`` starts. With faults, every
+    ``spec.interval`` seconds the next kind (the kinds are taken in turn)
+    strikes (:data:`KINDS`). When the window ends, faults stop, the bench
+    waits for a full world again and tells every member to stop: they stop
+    at one step, and each sends the SHA-256 of its parameters and momentum.
+
+    With a network kind, each member lives on a host of its own (ftcomm.testing's
+    ``Network``, the store on its hub; with faults or not: the same network
+    for both phases' figures); every namespace (and the rules in it) is gone
+    when it returns or raises.
 
     Raises:
         ChaosFailed: a member failed or exited unasked, a world did not form

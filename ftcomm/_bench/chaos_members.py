@@ -4,34 +4,7 @@ and a replica training with torchft's Manager, on the same small model.
 Owns: :class:`Settings` (what every process of a soak runs with), the model a
 member trains (:class:`Model`: its state, a step's gradient and update, the
 digest of its parameters), what a member tells the bench and when (the
-messages below), and the two training loops.
-
-What a process sends the bench over its pipe (every time is
-``time.monotonic()``, one clock for every process of the host):
-
-- ``("gen", generation, size, step, t)``: it is in a new generation (for
-  torchft: a new quorum id, or a new count of participants), at ``step``;
-- ``("first", generation, t, before)``: its first good step in that
-  generation, and when its good step before it ended (``None``: it had none);
-- ``("evicted", t, cut_off)``: the others went on without it (it was
-  taken for dead; ``cut_off``: it was alive but could not reach them, a
-  network fault): it joins again;
-- ``("timeout", t, text)``: its ``join()``/``recover()`` ran out of time
-  (a stall: it calls it again);
-- ``("tick", step, generation)``: every second of steps (it is not stuck);
-- ``("went", step)``: the step it held when the bench said ``go`` (the
-  measured window starts there);
-- ``("done", step_at_end, step, digest)``: it stopped with the others at
-  ``step``; ``step_at_end``: the step it held at the window's end (``None``
-  if it was not in a world then); ``digest``: its parameters' and momentum's
-  SHA-256;
-- ``("error", traceback)`` (membership's ``_fail``).
-
-The bench sends ``("go",)`` once the world is full, and ``("stop", t_end)``
-once the window is over and the world is full again: every process then
-sets a flag in its next allreduce, and all stop at the step whose reduced
-flag is set (the same step on all of them). Each stays a member until the
-bench sends ``("exit",)``, once every one of them is done.
+messages: :func:`ftcomm_member`), and the two training loops.
 """
 
 from __future__ import annotations
@@ -188,6 +161,35 @@ def ftcomm_member(
     ``host``: the network namespace it lives in and its address there
     (``None``: the bench's own network), entered before any thread starts
     (those inherit it); Gloo listens on that address.
+
+    What a process (this one, and :func:`torchft_replica`) sends the bench
+    over ``conn`` (every time is ``time.monotonic()``, one clock for every
+    process of the host):
+
+    - ``("gen", generation, size, step, t)``: it is in a new generation (for
+      torchft: a new quorum id, or a new count of participants), at ``step``;
+    - ``("first", generation, t, before)``: its first good step in that
+      generation, and when its good step before it ended (``None``: it had
+      none);
+    - ``("evicted", t, cut_off)``: the others went on without it (it was
+      taken for dead; ``cut_off``: it was alive but could not reach them, a
+      network fault): it joins again;
+    - ``("timeout", t, text)``: its ``join()``/``recover()`` ran out of time
+      (a stall: it calls it again);
+    - ``("tick", step, generation)``: every second of steps (it is not stuck);
+    - ``("went", step)``: the step it held when the bench said ``go`` (the
+      measured window starts there);
+    - ``("done", step_at_end, step, digest)``: it stopped with the others at
+      ``step``; ``step_at_end``: the step it held at the window's end
+      (``None`` if it was not in a world then); ``digest``: its parameters'
+      and momentum's SHA-256;
+    - ``("error", traceback)`` (membership's ``_fail``).
+
+    The bench sends ``("go",)`` once the world is full, and ``("stop",
+    t_end)`` once the window is over and the world is full again: every
+    process then sets a flag in its next allreduce, and all stop at the step
+    whose reduced flag is set (the same step on all of them). Each stays a
+    member until the bench sends ``("exit",)``, once every one of them is done.
     """
     _enter(env, settings)
     if host is not None:

@@ -4,16 +4,9 @@ Owns: :class:`Fleet` (each member id's processes, the current one and those
 before it, each with a pipe to this process; started from the caller's
 multiprocessing context, ftcomm.testing's fork server; signalled, replaced,
 reaped; cut off the network and healed, where they live on :class:`Hosts`),
-:class:`Incarnation` (one of them, and what the bench knows of it: the
-generation it said it is in, whether the bench stopped or killed it), and
-the stacks a member writes when asked (:func:`install_dumps`,
-:func:`dump`).
-
-A process that the bench did not signal and that exits before it said it
-was done, or that sends ``("error", traceback)``, fails the run
-(:class:`FleetFailed`, with its exit code or its traceback). Where a run
-stalls, :func:`dump` has each member write every thread's and every
-asyncio task's stack (:func:`install_dumps`, in the member).
+:class:`Incarnation` (one of them, and what the bench knows of it), and the
+stacks a member writes when a run stalls (:func:`install_dumps`, in the
+member; :func:`dump`, in the bench).
 """
 
 from __future__ import annotations
@@ -39,7 +32,10 @@ pipe's end are added after them)."""
 
 
 class FleetFailed(Exception):
-    """A process failed, exited unasked, or said nothing in time."""
+    """A process failed, exited unasked, or said nothing in time: one that
+    the bench did not signal and that exits before it said it was done, or
+    that sends ``("error", traceback)``, fails the run (with its exit code
+    or its traceback)."""
 
 
 @dataclass(eq=False)

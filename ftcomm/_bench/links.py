@@ -1,15 +1,11 @@
 """The state copy over links of their own: three members, each in a network
-namespace of its own, joined by a bridge through veth pairs whose every
-direction is rate-limited (``tc ... tbf``), as hosts with their own network
-cards are. On one machine's loopback every byte a member forwards costs the
-same cores again; here each link carries it once, and the figure is what a
-chain is for: the time to two members behind over the time to one.
+namespace of its own, joined by a bridge through rate-limited veth pairs.
 
 Owns: the namespaces (made and removed by :func:`links`, named after this
 process), the members (``ip netns exec NS python -c ...``, one process
-each; rank 0 hosts their c10d store), the rows' table and JSON. Needs root
-and iproute2 (``ip``, ``tc``); :func:`missing` says why not where either
-is absent.
+each; rank 0 hosts their c10d store), the rows (:func:`measure`) and their
+table and JSON. Needs root and iproute2 (``ip``, ``tc``); :func:`missing`
+says why not where either is absent.
 """
 
 from __future__ import annotations
@@ -60,8 +56,10 @@ def _run(*argv: str) -> None:
 
 @contextlib.contextmanager
 def links(gbit: float) -> Iterator[list[str]]:
-    """Three namespaces on a bridge, each link limited to ``gbit`` both ways;
-    yields their names (member ``i`` is ``{_SUBNET}.{i + 1}``). Removed after."""
+    """Three namespaces on a bridge, each link limited to ``gbit`` both ways
+    (``tc ... tbf`` on every direction, as hosts with their own network cards
+    are); yields their names (member ``i`` is ``{_SUBNET}.{i + 1}``). Removed
+    after."""
     tag = f"ftc{os.getpid() % 100000}"
     switch, members = f"{tag}sw", [f"{tag}m{i}" for i in range(MEMBERS)]
     made: list[str] = []
@@ -164,7 +162,11 @@ class Rows:
 
 
 def measure(mib: int, rounds: int, gbit: float) -> Rows:
-    """Run the members over rate-limited links.
+    """Run the members over rate-limited links: ``sync_state`` to one member
+    behind and to two. On one machine's loopback every byte a member
+    forwards costs the same cores again; here each link carries it once, and
+    the figure is what a chain is for: the time to two members behind over
+    the time to one.
 
     Raises: LinksFailed: a namespace could not be made; a member failed,
         did not answer in time, or did not end with the sender's state.

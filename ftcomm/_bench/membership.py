@@ -4,21 +4,9 @@ survivors' first good allreduce in the next generation, per engine, and
 torchft's Manager doing the same beside it.
 
 Owns: the engines the rows run on (:data:`ENGINES`, one line each: adding
-one is a line there), a trial (an engine host and three members, each a
-process of its own started from ftcomm.testing's fork server, one of them
-signalled by this process), torchft's Manager trial, and the rows' table
-(:func:`format_membership`) and JSON (:func:`membership_json`).
+one is a line there), a trial (:func:`_trial`), torchft's Manager trial, and
+the rows' table (:func:`format_membership`) and JSON (:func:`membership_json`).
 torchft is imported only in the processes that use it.
-
-The two ends of a figure are taken in two processes on one machine:
-``time.monotonic()`` is ``CLOCK_MONOTONIC`` on Linux, one clock for every
-process of the host, so the survivors send their time of the first good
-allreduce and this process subtracts the time it sent the signal.
-"Beyond" is the figure less what used to find the failure: the heartbeat
-timeout for a kill (the join window is longer, so that it is not the
-window), the op deadline for a hang. ftcomm finds both sooner: a killed
-member's listener refuses at once, and a hung member's silent heartbeat
-aborts the ops waiting on it (docs/membership.md): a negative beyond.
 """
 
 from __future__ import annotations
@@ -413,9 +401,16 @@ def _trial(
     fault: str,
     n: int,
 ) -> float:
-    """One trial: an engine, three members in; one signalled (a different
-    one each trial), the two others back. Seconds from the signal to the
-    later survivor's first good allreduce in the smaller world."""
+    """One trial: an engine host and three members, each a process of its
+    own started from ftcomm.testing's fork server; one signalled by this
+    process (a different one each trial), the two others back. Seconds from
+    the signal to the later survivor's first good allreduce in the smaller
+    world.
+
+    The two ends of the figure are taken in two processes on one machine:
+    ``time.monotonic()`` is ``CLOCK_MONOTONIC`` on Linux, one clock for every
+    process of the host, so the survivors send their time of the first good
+    allreduce and this process subtracts the time it sent the signal."""
     procs = _Procs(ctx)
     try:
         deadline = time.monotonic() + _TRIAL_TIMEOUT
@@ -463,7 +458,12 @@ class Row:
 
     @property
     def detection(self) -> float:
-        """What "beyond" is counted from: the heartbeat timeout (kill), the op deadline (hang)."""
+        """What "beyond" is counted from: what used to find the failure, the
+        heartbeat timeout for a kill (the join window is longer, so that it
+        is not the window) and the op deadline for a hang. ftcomm finds both
+        sooner (a killed member's listener refuses at once, and a hung
+        member's silent heartbeat aborts the ops waiting on it:
+        docs/membership.md): a negative beyond."""
         return HEARTBEAT_TIMEOUT if self.fault == "kill" else OP_DEADLINE
 
     @property

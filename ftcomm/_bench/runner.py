@@ -3,11 +3,9 @@
 Owns what is measured and what comes back (:class:`Workload`, :class:`Plan`,
 :class:`Report`), the two ways a case issues and times ops on a rank
 (:class:`BlockingRunner`, :class:`AwaitingRunner`), and the run itself: the
-parent spawns the ranks and collects their reports (:func:`_run_children`);
-each rank opens the plan's cases, checks them, then times every workload in
-rounds, alternating the order of the cases, with a store barrier before every
-phase (:func:`_measure`). A case reaches the ranks in the plan, as the
-module-level function that opens it (:attr:`Plan.opens`, pickled by name).
+parent's (:func:`_run_children`) and each rank's (:func:`_measure`). A case
+reaches the ranks in the plan, as the module-level function that opens it
+(:attr:`Plan.opens`, pickled by name).
 """
 
 from __future__ import annotations
@@ -234,6 +232,12 @@ async def _self_check(runner: Runner, impl: str) -> None:
 
 
 async def _measure(rank: int, port: int, plan: Plan, store: Store) -> Report:
+    """One rank's part of the main table: it opens one runner per case of the
+    plan (raw Gloo, ftcomm, torchft when it is installed, ...) and checks each
+    (:func:`_self_check`), then times every workload in rounds, alternating
+    the order of the cases from round to round, with a store barrier before
+    every phase, so that drift on these noisy 2-core machines hits all the
+    cases alike."""
     env = ChildEnv(rank, port, store)
     barrier = _Barrier(store)
     runners: dict[str, Runner] = {}
@@ -343,6 +347,15 @@ class BenchFailed(Exception):
 
 
 def _run_children(plan: Plan, timeout: float) -> Report:
+    """The main table's run: two ranks on loopback, each a spawned process
+    (:func:`_child`); the parent hosts the ``TCPStore``, which the ranks
+    join as clients, and returns rank 0's per-op latencies with every rank's
+    failures (``report`` makes the table of medians, tails and ratios
+    against raw Gloo).
+
+    Raises:
+        BenchFailed: a rank failed, or the run took longer than ``timeout``.
+    """
     ctx = multiprocessing.get_context("spawn")
     store = serve_store(HOST)  # loopback only
     procs: list[multiprocessing.process.BaseProcess] = []

@@ -1,30 +1,11 @@
 """``python -m ftcomm bench --scale``: what a world of members costs as it grows.
 
-Owns: a scale trial (a store, ``size`` members, each a process of its own
-started from ftcomm.testing's fork server; they join together, one is
-SIGKILLed, the others recover), its member process, the count of the
+Owns: a scale trial (:func:`trial`: a store, ``size`` members, each a process
+of its own started from ftcomm.testing's fork server; they join together,
+one is SIGKILLed, the others recover), its member process, the count of the
 store's operations and bytes in one heartbeat round (a counting wrapper
 around the member's heartbeat client: :class:`Counting`), and the rows'
 table (:func:`format_scale`) and JSON (:func:`scale_json`).
-
-Per trial: every process starts and says it is ready (torch imported by
-the fork server, ftcomm by itself); then the bench says ``go`` to all at
-once. **Join** is from ``go`` to the last member's first allreduce done in
-the first generation (which has every member: ``max_size`` is the size;
-where a call runs out of time, the member calls it again, and the stall
-is in the figure and in a note).
-Each member then counts its heartbeat rounds' store operations and bytes
-for :data:`ROUNDS` rounds while it steps (an allreduce of two floats, then
-:data:`STEP_PAUSE` s, a step's compute). Then one member is SIGKILLed;
-**kill to good step** is from the signal to the last survivor's first good
-allreduce in the world without it.
-
-The bytes are those of c10d's ``TCPStore`` protocol as its client frames a
-call (``torch/csrc/distributed/c10d/TCPStore.cpp``): a 1-byte command, then
-each key and value as an 8-byte length and its bytes (a key with the
-store's ``/`` and the engine's prefix before it; a ``multi_get`` adds an
-8-byte count); a reply, each value as an 8-byte length and its bytes.
-TCP's own headers are not counted.
 """
 
 from __future__ import annotations
@@ -102,7 +83,14 @@ class Counting:
     """A store client that counts what goes through it, one heartbeat round
     at a time: rounds begin at each write of the member's own heartbeat key
     (``beat``), the first of every round. Counting starts at the first beat
-    it sees and stops after ``rounds`` rounds (:attr:`done`)."""
+    it sees and stops after ``rounds`` rounds (:attr:`done`).
+
+    The bytes are those of c10d's ``TCPStore`` protocol as its client frames
+    a call (``torch/csrc/distributed/c10d/TCPStore.cpp``): a 1-byte command,
+    then each key and value as an 8-byte length and its bytes (a key with
+    the store's ``/`` and the engine's prefix before it; a ``multi_get`` adds
+    an 8-byte count); a reply, each value as an 8-byte length and its bytes.
+    TCP's own headers are not counted."""
 
     def __init__(self, inner: Any, beat_key: str, prefix_bytes: int, rounds: int) -> None:
         self._inner = inner
@@ -300,6 +288,18 @@ def _target(address: str, job: str, settings: Settings) -> Callable[[str], Targe
 
 def trial(ctx: Any, size: int, loop: str, n: int, rounds: int = ROUNDS) -> Trial:
     """One trial at ``size`` members (``rounds`` heartbeat rounds counted).
+
+    Every process starts and says it is ready (torch imported by the fork
+    server, ftcomm by itself); then the bench says ``go`` to all at once.
+    **Join** is from ``go`` to the last member's first allreduce done in the
+    first generation (which has every member: ``max_size`` is the size;
+    where a call runs out of time, the member calls it again, and the stall
+    is in the figure and in a note). Each member then counts its heartbeat
+    rounds' store operations and bytes for ``rounds`` rounds while it steps
+    (an allreduce of two floats, then :data:`STEP_PAUSE` s, a step's
+    compute). Then one member is SIGKILLed; **kill to good step** is from
+    the signal to the last survivor's first good allreduce in the world
+    without it.
 
     Raises:
         ScaleFailed: a member failed or exited, or said nothing in time.

@@ -1,39 +1,12 @@
 """``python -m ftcomm doctor``: what this machine has, and what ftcomm can do on it.
 
-It reports torch's version and build, the backends torch has here (Gloo,
-NCCL, XCCL) and the devices they would use, whether ``subprocess=True`` can
-run (a writable ``/dev/shm`` with room), uvloop, anyio and torchft, and the
-abort truth table of docs/errors.md for the backends that are here. The
-in-process Gloo row is also checked live: two ranks in this process, rank 0
-aborts an allreduce that rank 1 never joined, and the check passes when that
-op ends with ``CommAborted`` within 2 s, the group's sockets were found (its
-abort is real), rank 1's matching op then fails instead of completing, and
-rank 0's tensor is untouched. ``--store HOST:PORT`` also checks that a store
-answers there.
-
-Exit status: 0 when everything ftcomm needs is here; 1 when something is
-missing or failed (one line of advice for each); 2 for a bad argument.
-Missing optional things (a GPU, uvloop, torchft) are notes, not problems.
-
-This module owns the command line (:func:`main`) and :func:`collect`, which
-runs the checks in the order the report gives them. Each check lives in a
-module of its own, with the facts it gathers and what they mean (its
-``advise_*``):
-
-==================  =======================================================
-``_torch_build``    torch's version and build; Gloo, NCCL, XCCL; devices
-``_environment``    ``/dev/shm``; uvloop, anyio, torchft; the owner loop
-``_live``           the live in-process Gloo abort check
-``_table``          the abort truth table (data: the rows of docs/errors.md)
-``_store_check``    ``--store``: whether a TCPStore answers
-``_etcd_check``     ``--etcd``: whether an etcd cluster answers, and agrees on a leader
-==================  =======================================================
-
-``_record`` is the report's record (:class:`Problem`, the JSON type) and
-``_output`` prints a report. Imports point one way: this module imports
-any of them; ``_output`` imports ``_table``, ``_environment`` and
-``_record``; the checks import ``_record`` only; ``_record`` and ``_table``
-import nothing of the doctor.
+Owns the command line (:func:`main`) and :func:`collect`, which runs the
+checks in the order the report gives them. Each check lives in a module of
+its own (docs/design.md's map), with the facts it gathers and what they mean
+(its ``advise_*``). Imports point one way: ``_record`` and ``_table`` import
+nothing of the doctor; each check imports ``_record`` only; ``_output``
+imports ``_record``, ``_table`` and ``_environment``; this module, any of
+them. What it checks: docs/testing.md, "Checking a machine".
 """
 
 from __future__ import annotations

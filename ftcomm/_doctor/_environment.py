@@ -2,9 +2,6 @@
 uvloop, anyio and torchft, and whether ftcomm's owner loop can start; and
 what of that is a problem (no room in ``/dev/shm``, a loop that cannot
 start) or a note (an optional package missing).
-
-May import: ``._record``, the standard library, and
-``ftcomm._runtime.loop`` (the owner loop's kind).
 """
 
 from __future__ import annotations

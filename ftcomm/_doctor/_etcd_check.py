@@ -1,8 +1,5 @@
 """``--etcd etcd://HOST:PORT[,...]``: whether an etcd cluster answers there,
 each endpoint's version, member and leader, and whether they agree on one.
-
-May import: ``._record``, the standard library, and ``ftcomm._etcd`` (the
-address's parsing, the client).
 """
 
 from __future__ import annotations

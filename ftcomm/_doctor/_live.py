@@ -1,10 +1,6 @@
 """The live abort check: two ranks of one in-process Gloo group in this
 process abort an op for real, or the check fails; its outcome in words, and
 the problem a failure is.
-
-May import: ``._record``, the standard library, torch, and ftcomm's public
-side (``ftcomm.group``, ``ftcomm.errors``, ``ftcomm.backends.gloo``,
-``ftcomm._server`` for a store on loopback).
 """
 
 from __future__ import annotations

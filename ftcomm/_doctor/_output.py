@@ -1,9 +1,6 @@
 """How the report is printed: :func:`render`, the human text, and
-:func:`write`, which prints it or one JSON object on stdout.
-
-May import: ``._record``, ``._table`` (the backends the truth table has
-rows for), ``._environment`` (``/dev/shm``'s path) and the standard library.
-No check runs here: this module only reads a report ``collect`` made.
+:func:`write`, which prints it or one JSON object on stdout. No check runs
+here: this module only reads a report ``collect`` made.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The doctor's record: the JSON type of its report, :class:`Problem`,
-:class:`Findings`, and how sizes are written in it.
-
-May import: the standard library only. Every other module of
-``ftcomm._doctor`` may import this one; it is the bottom of the package.
+:class:`Findings`, and how sizes are written in it. The bottom of the
+package: every other module of ``ftcomm._doctor`` may import it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """``--store HOST:PORT``: whether a TCPStore answers there, within
 :data:`STORE_TIMEOUT`, and the problem it is when none does.
-
-May import: ``._record``, the standard library, and ``ftcomm._store`` (the
-store address's parsing, its client, the words for an unreachable one).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The abort truth table of docs/errors.md, as data: :class:`AbortRow`, one
-row per backend and mode, and :data:`ROWS`, the rows by backend.
-
-May import: the standard library only (nothing of ``ftcomm``). What is true
-here (the rows' ``here`` column) is added by ``ftcomm._doctor.collect``.
+row per backend and mode, and :data:`ROWS`, the rows by backend. What is
+true here (the rows' ``here`` column) is added by ``ftcomm._doctor.collect``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """torch and its backends here: torch's version and build, which of Gloo,
 NCCL and XCCL this build has, the devices they would use, and what of that
 is a problem (an old torch, no Gloo) or a note (no GPU, no XPU).
-
-May import: ``._record``, torch, and ``ftcomm.backends._accel_device``
-(the accelerator backends' names and device types).
 """
 
 from __future__ import annotations

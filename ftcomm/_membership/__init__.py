@@ -1,9 +1,9 @@
 """Membership: generations of a job's world agreed on an existing engine.
 
 Owns nothing itself; re-exports :class:`Membership`, :class:`World` and
-:func:`sync_state`.
-The rule is ``_rule``; the store engine ``_store_engine``; heartbeats
-``_watch``; the state copy ``_state_copy``; the public calls ``membership``.
+:func:`sync_state`. The rule is ``_rule``; the engines ``_store_engine``,
+``_lighthouse`` and ``_etcd_engine``; heartbeats ``_watch``; the state copy
+``_state_copy``; the public calls ``membership``. See docs/membership.md.
 """
 
 from ._names import World as World

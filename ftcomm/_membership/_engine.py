@@ -1,4 +1,4 @@
-"""The contract every membership engine fills (the store, torchft's lighthouse).
+"""The contract every membership engine fills (the store, torchft's lighthouse, etcd).
 
 Owns: :class:`Engine`, the calls :class:`~ftcomm.Membership` makes of an
 engine; all of them block (they run on ftcomm's control threads) and each

@@ -1,23 +1,11 @@
 """The third engine: membership agreed in etcd, and no host whose death ends a job.
 
 Owns: :class:`EtcdEngine`, the store engine's rule on an etcd cluster
-(``etcd://host:port[,host:port...][/prefix]``), and the c10d store each
-member hosts for the groups of the generations it is rank 0 of.
-
-- **The same rule.** Its calls are the store engine's, made of etcd by
-  ``_etcd_store.EtcdStore``: ``world/<g>`` written once by a transaction,
-  ``Evicted`` for a stale member, ``pending()`` the same for every member.
-  A member's own keys live as long as its lease (TTL twice the heartbeat
-  timeout), and an agreeing member waits on a watch of the job's keys
-  rather than polling them.
-- **No single host.** A generation's group meets in a store hosted by its
-  rank 0 (``srv/<id>``: ``"<token> host:port"``), and the next generation,
-  formed without a rank 0 that died, meets in its new rank 0's. A rank 0
-  whose store is gone before its generation is configured has that
-  generation given up as a dead member would.
-- **etcd's own faults.** Every etcd call fails over between the endpoints
-  within its deadline (``ftcomm._etcd``); a quorum that stands is all the
-  engine needs.
+(``etcd://host:port[,host:port...][/prefix]``), its calls made of etcd by
+``_etcd_store.EtcdStore``, and the c10d store each member hosts for the
+groups of the generations it is rank 0 of (``srv/<id>``). Its leases, its
+watch, its stores and etcd's own faults: docs/membership.md, "The etcd
+engine".
 """
 
 from __future__ import annotations
@@ -72,7 +60,7 @@ class _Sweepers:
 
 
 class EtcdEngine(StoreEngine):
-    """One member's view of a job in etcd (see the module's notes)."""
+    """One member's view of a job in etcd (docs/membership.md, "The etcd engine")."""
 
     def __init__(
         self,

@@ -5,23 +5,8 @@ its watcher, paths and sweeper call: ``set``, ``compare_set``, ``append``,
 ``multi_get``, ``delete_key``, ``list_keys``, ``set_timeout``), one
 member's :class:`Lease`, and :class:`Changes` (an etcd watch that wakes an
 agreeing member when a key it reads changes). So the store engine's rule,
-and the guarantees its tests prove, hold on etcd as they are.
-
-Where etcd differs from a c10d store, and what is done about it:
-
-- **Leases.** A member's own keys (``hb/<id>``, ``at/<id>``, ``srv/<id>``)
-  are held by its lease, renewed as it beats: a member gone for the
-  lease's TTL leaves none of them behind. A key of its gone (the process
-  was stopped that long) counts as still its own: the next write puts it
-  back, under a new lease, unless another incarnation created it first.
-  This is the store engine's rule, where a stopped member's key stays.
-- **A missing key.** ``multi_get`` answers ``b""`` for it (a c10d store
-  would wait for it): a heartbeat gone with its lease reads as no one's,
-  so its member is dead (``_watch.Watcher.alive``).
-- **Answers lost in a failover.** A call whose answer was lost is sent
-  again (``_etcd.Etcd.call``): ``compare_set`` then reads its own value
-  as its win, and ``append`` finds its line already there, so no line is
-  appended twice.
+and the guarantees its tests prove, hold on etcd as they are. Where etcd
+differs from a c10d store: docs/membership.md, "The etcd engine".
 """
 
 from __future__ import annotations
@@ -227,8 +212,10 @@ class EtcdStore:
         """As a c10d store's: ``desired`` written where ``key`` holds
         ``expected`` (``""``: where it does not exist); what ``key`` holds
         after, or ``expected`` where it does not exist (nothing written).
-        A key of this member's lease that ran out counts as holding what
-        it held (see the module's notes)."""
+        A key of this member's lease that ran out (its process was stopped
+        that long) counts as holding what it held, and the write puts it
+        back under a new lease unless another incarnation created it first:
+        the store engine's rule, where a stopped member's key stays."""
         full, want, new = self._root + key.encode(), _bytes(expected), _bytes(desired)
         if want == new and want:
             # a read (``_watch.read``): what it would write is what it
@@ -290,8 +277,10 @@ class EtcdStore:
                 return  # ours went in: its answer was lost, and the retry found it
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        """Each key's value, ``b""`` where it does not exist; one round trip
-        per :data:`MAX_TXN_OPS` keys."""
+        """Each key's value, ``b""`` where it does not exist (a c10d store
+        would wait for it): a heartbeat gone with its lease reads as no
+        one's, so its member is dead (``_watch.Watcher.alive``). One round
+        trip per :data:`MAX_TXN_OPS` keys."""
         values: list[bytes] = []
         for at in range(0, len(keys), MAX_TXN_OPS):
             part = keys[at : at + MAX_TXN_OPS]

@@ -1,32 +1,10 @@
 """The second engine: membership agreed by torchft's Lighthouse.
 
-Owns: one member's client of a lighthouse (``torchft.coordination``, the
-optional ``torchft`` extra), its heartbeat thread, the store this member
-hosts for its groups, and how a lighthouse quorum becomes a generation.
-
-A lighthouse decides quorums itself: who is in one is whoever asked for it
-and beats its heartbeat, once the previous quorum's members are all there,
-or ``min_replicas`` are and its ``join_timeout_ms`` has passed. Every
-member of a quorum gets the same answer, so each turns it into the same
-generation on its own:
-
-- every member sends ``{"gen", "rank", "token", "store"}`` with its request:
-  the last generation it was in, its rank there, its incarnation and the
-  address of the store it hosts;
-- the generation is one past the highest ``gen`` sent; the members are
-  those that were in that generation, in their old order, then the others
-  by id, the first ``max_size`` of them (the rest ask again);
-- the group meets in the store of the member at rank 0, under a prefix of
-  the generation's own.
-
-``pending()`` is a quorum request too (as torchft's Manager makes one every
-step): it is due when the quorum's members differ from the world's.
-A quorum with fewer than ``min_size`` members is asked for again.
-
-What the lighthouse cannot tell: whether a live member already has an id
-(its participants are keyed by id), and, for a member that was dropped and
-asks again, that it was dropped: it joins the next generation as a
-newcomer (and ``sync_state`` gives it the state).
+Owns: :class:`LighthouseEngine`, one member's client of a lighthouse
+(``torchft.coordination``, the optional ``torchft`` extra), its heartbeat
+thread, the store this member hosts for its groups, and how a lighthouse
+quorum becomes a generation (:func:`_generation`). How a quorum becomes a
+generation, and what this engine cannot tell: docs/membership.md, "Engines".
 """
 
 from __future__ import annotations
@@ -76,7 +54,19 @@ def host_port(address: str) -> tuple[str, int]:
 
 
 class LighthouseEngine:
-    """One member's view of a job on a torchft lighthouse (see the module)."""
+    """One member's view of a job on a torchft lighthouse.
+
+    The lighthouse decides quorums itself: who is in one is whoever asked
+    for it and beats its heartbeat, once the previous quorum's members are
+    all there, or ``min_replicas`` are and its ``join_timeout_ms`` has
+    passed. Every member of a quorum gets the same answer, and each turns it
+    into the same generation on its own (:func:`_generation`) from what
+    every member sent with its request (``{"gen", "rank", "token", "store",
+    "since"}``: its last generation, its rank there, its incarnation, the
+    address of the store it hosts, when it first asked). Members past
+    ``max_size`` ask again; a quorum with fewer than ``min_size`` members is
+    asked for again by all of them.
+    """
 
     def __init__(
         self,

@@ -1,23 +1,12 @@
 """The store engine's look at paths between members: who reaches whom.
 
-Owns: the keys ``at/<id>``, ``reach/<g>`` and ``cut/<g>`` of a job (the
-table in ``_store_engine``), and the blocking steps that read and write
-them: where members listen, a configure's check of every path of its
-world and the verdict on who is left out, a newcomer's wait until it
-reaches the world, and a recover's probes of members that are not there
-(a refusal is a death). Store errors go up as they are (the engine turns
-them into ``MembershipError``).
-
-Why a check, and why this one. A member cut off from its peers but not
-from the store (a gray failure) keeps its heartbeat: the rule would form
-the same world again and again, and its configure would wait out its
-deadline each time. So as a world's group is configured, every member
-probes every other's listener and reports whom it reached; once every
-report is in, :func:`_rule.leave_out` (a pair counts only where both
-ends reached each other) names the fewest members to leave out, the
-first member to get there writes that once, and every member reads the
-one written. A configure that succeeded waits for the verdict before it
-keeps the world (``_keep``).
+Owns: the keys ``at/<id>``, ``reach/<g>`` and ``cut/<g>`` of a job, and the
+blocking steps that read and write them: where members listen, a
+configure's check of every path of its world and the verdict on who is left
+out (:func:`check`), a newcomer's wait until it reaches the world, and a
+recover's probes of members that are not there (:class:`Absent`: a refusal
+is a death). Store errors go up as they are (the engine turns them into
+``MembershipError``). Why a check, and this one: docs/membership.md, "Paths cut".
 """
 
 from __future__ import annotations

@@ -3,23 +3,8 @@
 Owns: :class:`Listener`, a TCP socket each member holds open for its
 life (on the address its Gloo group uses), whose backlog its watcher
 drains; and :class:`Probes`, connects to other members' listeners made
-without blocking, each ending in one of three answers:
-
-====================  =================================================
-``OK``                the handshake completed: the path works both ways
-``REFUSED``           the host answered that nothing listens there: the
-                      member's process is gone (its listener closed with
-                      it), the evidence of a death that needs no timeout
-``SILENT``            no answer within the probe's time (or the network
-                      said it has no route): the path is cut, or the
-                      host is down
-====================  =================================================
-
-A stopped (SIGSTOP) process still answers: its kernel completes the
-handshake. A probe closes its connection with a reset (``SO_LINGER`` 0),
-so that no ``TIME_WAIT`` piles up on either side. One lost SYN costs TCP
-a second (its first retransmission), so a probe's time is longer than
-that (:data:`PROBE_TIMEOUT`), and one silent probe alone never decides.
+without blocking, each ending in a :class:`Reach`. What a refusal and a
+silence mean to the members: docs/membership.md, "The model".
 """
 
 from __future__ import annotations
@@ -52,7 +37,23 @@ SYNs, and their answers): its verdict leaves members out."""
 
 
 class Reach(enum.Enum):
-    """How a probe ended (see the module's table)."""
+    """How a probe ended.
+
+    ====================  =================================================
+    ``OK``                the handshake completed: the path works both ways
+    ``REFUSED``           the host answered that nothing listens there: the
+                          member's process is gone (its listener closed with
+                          it), the evidence of a death that needs no timeout
+    ``SILENT``            no answer within the probe's time (or the network
+                          said it has no route): the path is cut, or the
+                          host is down
+    ====================  =================================================
+
+    A stopped (SIGSTOP) process still answers: its kernel completes the
+    handshake. One lost SYN costs TCP a second (its first retransmission),
+    so a probe's time is longer than that (:data:`PROBE_TIMEOUT`), and one
+    silent probe alone never decides.
+    """
 
     OK = "ok"
     REFUSED = "refused"
@@ -124,7 +125,9 @@ def parse_address(text: str) -> tuple[str, int] | None:
 
 class Probes(Generic[K]):
     """Connects in flight, at most one per key; :meth:`poll` collects those
-    that ended (or ran out of time). Not thread-safe: one owner."""
+    that ended (or ran out of time). Not thread-safe: one owner. A probe
+    closes its connection with a reset (``SO_LINGER`` 0), so that no
+    ``TIME_WAIT`` piles up on either side."""
 
     def __init__(self) -> None:
         self._flight: dict[K, tuple[socket.socket, float]] = {}

@@ -2,32 +2,11 @@
 
 Owns: :class:`Member`, :class:`WorldRecord` (what the engine stores for one
 generation, and its text form), the roster and ready-list codecs, and
-:func:`decide`, the one rule every member applies to the same inputs.
-
-The rule, stated once. The next generation ``t`` is formed from the
-previous world ``W`` (none before the first) and the members that want in:
-
-* **candidates**, in rank order: ``W``'s members that are alive, in their old
-  order (the *survivors*), then the members of the roster that are not in
-  ``W`` and are alive (the *newcomers*), in the order they registered. A
-  member is alive while its heartbeat moves.
-* **ready**: the candidates that called ``join()``/``recover()`` for ``t``.
-* It is decided, with the ready candidates (the first ``max_size``), once
-  at least ``min_size`` are ready and:
-
-  - where there are survivors: every survivor is ready (the newcomers that
-    are come in, the others wait for the next generation: a newcomer that
-    registered and never came blocks nothing); or the join window has
-    passed and the one deciding is a survivor;
-  - where there are none (the first generation, or every member of ``W``
-    died): ``max_size`` are ready, or the join window has passed.
-
-  So a newcomer never decides while a member of ``W`` lives and is not
-  there: a running world only changes with its own members present (or
-  dead), never behind their backs.
-
-Whoever sees the rule hold first writes the record; the engine makes that
-write happen once (``compare_set``), so every member reads the same world.
+:func:`decide`, the one rule every member applies to the same inputs (and
+:func:`leave_out`, who goes for paths cut). Whoever sees the rule hold first
+writes the record; the engine makes that write happen once
+(``compare_set``), so every member reads the same world. See
+docs/membership.md, "The model".
 """
 
 from __future__ import annotations
@@ -138,7 +117,7 @@ def ready_line(member: Member, present: bool) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Candidates:
-    """Who may be in the next generation (see the module's rule)."""
+    """Who may be in the next generation (the rule: :func:`decide`)."""
 
     survivors: tuple[Member, ...]
     newcomers: tuple[tuple[int, Member], ...]  # (roster index, member)
@@ -191,7 +170,30 @@ def decide(
     min_size: int,
     max_size: int,
 ) -> WorldRecord | None:
-    """The next generation's record, if the rule holds now; else ``None``."""
+    """The next generation's record, if the rule holds now; else ``None``.
+
+    The rule, for the generation after ``prev`` (the world ``W``; none
+    before the first):
+
+    * **candidates**, in rank order: ``W``'s members that are alive, in
+      their old order (the *survivors*), then the members of the roster that
+      are not in ``W`` and are alive (the *newcomers*), in the order they
+      registered. A member is alive while its heartbeat moves.
+    * **ready**: the candidates that called ``join()``/``recover()`` for it.
+    * It is decided, with the ready candidates (the first ``max_size``),
+      once at least ``min_size`` are ready and:
+
+      - where there are survivors: every survivor is ready (the newcomers
+        that are come in, the others wait for the next generation: a
+        newcomer that registered and never came blocks nothing); or the
+        join window has passed and the one deciding (``me``) is a survivor;
+      - where there are none (the first generation, or every member of
+        ``W`` died): ``max_size`` are ready, or the join window has passed.
+
+      So a newcomer never decides while a member of ``W`` lives and is not
+      there: a running world only changes with its own members present (or
+      dead), never behind their backs.
+    """
     found = candidates(prev, roster, alive)
     everyone = found.members
     chosen = tuple(m for m in everyone if m in ready)[:max_size]

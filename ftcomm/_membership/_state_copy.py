@@ -1,36 +1,10 @@
 """The state copy: the members furthest ahead stream their state to the members behind.
 
 Owns :func:`sync_state` (public as ``ftcomm.sync_state``, and the work of
-``Membership.sync_state``): its plan and its stream. What a state is and its
-description are ``_state_wire``'s; where each tensor lands, ``_state_land``'s.
-
-Every member of the group calls it, like a collective, under one deadline:
-
-1. **Each member describes its own state** (:func:`~._state_wire.describe`).
-   A state that cannot be copied fails there, on every member, at every
-   call: the first time, not when a replacement joins.
-2. **One allgather of** ``[step, state ok, description length]``. The
-   members at the highest step are the sources; the members behind are
-   dealt out among them in chains (:func:`plan`): source -> b1 -> b2 ... Each
-   member of a chain forwards each chunk as it lands, so two members behind
-   one source take about the time of one.
-3. **Each source sends its description** to every member of its chain, which
-   matches it against its own state (:func:`~._state_land.match`): in place
-   where the structure is the same, new tensors where it holds ``None`` or an
-   empty container.
-4. **One allgather of the verdicts**: a mismatch is a ``ValueError`` on every
-   member before a tensor byte moves, and the receivers' states are as they were.
-5. **The stream** (:func:`_stream`): each tensor's bytes in chunks of at most
-   :data:`CHUNK`, at most :data:`WINDOW` ops in flight, straight from the
-   sender's tensor into the receiver's where their layouts allow (dense, on
-   the group's device). Any other goes chunk by chunk through at most
-   :data:`BUFFERS` staging buffers on the group's device. A copy or a fill
-   of over :data:`THREAD_COPY` bytes runs on a worker thread: the event loop
-   keeps running.
-
-A sender that dies mid-stream leaves its receivers with a ``CommError`` and a
-state partly written; a ``sync_state`` after ``recover()`` completes it from
-another member.
+``Membership.sync_state``): its plan (:func:`plan`) and its stream
+(:func:`_stream`), the steps of one copy being :func:`copy_state`'s. What a
+state is and its description are ``_state_wire``'s; where each tensor lands,
+``_state_land``'s. What a copy costs and refuses: docs/membership.md, "State".
 """
 
 from __future__ import annotations
@@ -162,7 +136,37 @@ async def sync_state(
 
 
 async def copy_state(group: Group, state: S, step: int, deadline: float) -> tuple[S, int]:
-    """:func:`sync_state`'s work, bound by ``deadline`` (a ``time.monotonic()`` value)."""
+    """:func:`sync_state`'s work, bound by ``deadline`` (a ``time.monotonic()`` value).
+
+    Every member of the group calls it, like a collective:
+
+    1. **Each member describes its own state** (:func:`~._state_wire.describe`).
+       A state that cannot be copied fails there, on every member, at every
+       call: the first time, not when a replacement joins.
+    2. **One allgather of** ``[step, state ok, description length]``. The
+       members at the highest step are the sources; the members behind are
+       dealt out among them in chains (:func:`plan`): source -> b1 -> b2 ...
+       Each member of a chain forwards each chunk as it lands, so two members
+       behind one source take about the time of one.
+    3. **Each source sends its description** to every member of its chain,
+       which matches it against its own state (:func:`~._state_land.match`):
+       in place where the structure is the same, new tensors where it holds
+       ``None`` or an empty container.
+    4. **One allgather of the verdicts**: a mismatch is a ``ValueError`` on
+       every member before a tensor byte moves, and the receivers' states are
+       as they were.
+    5. **The stream** (:func:`_stream`): each tensor's bytes in chunks of at
+       most :data:`CHUNK`, at most :data:`WINDOW` ops in flight, straight from
+       the sender's tensor into the receiver's where their layouts allow
+       (dense, on the group's device). Any other goes chunk by chunk through
+       at most :data:`BUFFERS` staging buffers on the group's device. A copy
+       or a fill of over :data:`THREAD_COPY` bytes runs on a worker thread:
+       the event loop keeps running.
+
+    A sender that dies mid-stream leaves its receivers with a ``CommError``
+    and a state partly written; a ``sync_state`` after ``recover()`` completes
+    it from another member.
+    """
 
     def left() -> float:
         return max(deadline - time.monotonic(), 0.0)

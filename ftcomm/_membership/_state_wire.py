@@ -1,23 +1,10 @@
-"""A training state as data: its description, and where each tensor lands. No I/O.
+"""A training state as data: its description (JSON), and its strict parse. No I/O.
 
-Rules this module keeps (the state copy, ``_state_copy``, moves the bytes):
-
-1. **A state is a tree** of containers (``dict``, ``OrderedDict`` with a
-   module ``state_dict``'s ``_metadata``, ``list``, ``tuple``) whose leaves
-   are tensors (``Parameter`` and ``DTensor`` included: a ``DTensor`` is its
-   local shard) or plain values (``None``, ``bool``, ``int``, ``float``,
-   ``str``, ``bytes``). :func:`describe` raises ``ValueError`` naming the
-   place of anything else, on the member that holds it.
-2. **A description is JSON, never a pickle**: a tree of tagged nodes, and one
-   entry per tensor (dtype, shape, stride, storage offset, byte count, whether
-   it lives on the group's device, or the earlier tensor it is the same view
-   of). :func:`parse` checks every field's type and range, as the frame codec
-   does, and raises ``ValueError`` for anything else.
-3. **A tensor's bytes go in the order of its storage** when it is dense (no
-   overlap, no gaps): no copy, and a new tensor gets the sender's strides.
-   Any other tensor goes in row-major order of its shape.
-
-Where each tensor of a description lands on a receiver is ``_state_land``'s.
+Owns: :func:`describe` (a state taken apart: what a state may hold), the
+description's JSON form (:class:`Described`, :class:`TensorSpec`) and its
+strict :func:`parse`. The state copy, ``_state_copy``, moves the bytes;
+where each tensor of a description lands on a receiver is
+``_state_land``'s. See docs/membership.md, "State".
 """
 
 from __future__ import annotations
@@ -92,7 +79,9 @@ class TensorSpec:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     """The layout of its bytes on the wire (dense): the sender's strides
-    where its tensor is dense, else row-major."""
+    where its tensor is dense (no overlap, no gaps: its bytes go in the
+    order of its storage, with no copy, and a new tensor gets these
+    strides), else row-major."""
     offset: int
     """The sender's storage offset (what its bytes were read from)."""
     nbytes: int
@@ -134,6 +123,13 @@ class Described:
 # -- describing a state -------------------------------------------------------
 def describe(state: object, device: torch.device) -> Described:
     """Take ``state`` apart; ``device``: the group's.
+
+    A state is a tree of containers (``dict``, ``OrderedDict`` with a module
+    ``state_dict``'s ``_metadata``, ``list``, ``tuple``) whose leaves are
+    tensors (``Parameter`` and ``DTensor`` included: a ``DTensor`` is its
+    local shard) or plain values (``None``, ``bool``, ``int``, ``float``,
+    ``str``, ``bytes``). Its description is JSON, never a pickle: a tree of
+    tagged nodes, and one :class:`TensorSpec` per tensor.
 
     Raises:
         ValueError: the state holds what cannot be copied (named with its place).
@@ -378,7 +374,8 @@ def plain_value(node: Node) -> Any:
 
 # -- parsing a description ----------------------------------------------------
 def parse(data: bytes) -> tuple[Node, list[TensorSpec]]:
-    """A description's tree and specs, checked field by field.
+    """A description's tree and specs, checked field by field: every field's
+    type and range, as the frame codec does.
 
     Raises: ValueError: not a description this module wrote.
     """

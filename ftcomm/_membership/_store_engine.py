@@ -78,7 +78,8 @@ SWEEP_CONNECT = 5.0
 
 
 class StoreEngine:
-    """One member's view of a job in a store (see the module's table)."""
+    """One member's view of a job in a store (its keys: docs/membership.md,
+    "The store engine's keys")."""
 
     def __init__(
         self,

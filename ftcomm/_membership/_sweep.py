@@ -1,24 +1,12 @@
 """Old generations' keys, deleted: the store engine's garbage collector.
 
-Owns: the key ``floor`` of a job and :class:`Sweeper`. Once generation
-``g`` is kept, its rank 0's watcher raises ``floor`` to ``g - 1``: every
-generation below it is over, for every member (a later one was kept).
-It then deletes the keys of the generations below ``floor - 1``: the
-job's (``ready``, ``world``, ``quit``, ``reach``, ``cut``, ``sus``,
-``fate``, ``chk``) and their groups' (``ftcomm/groups/<job>/g<n>/``:
-Gloo's, the meet's). So a member that reads generation ``t >= floor``
-finds ``t - 1``'s keys too: its ``cut`` and ``fate`` say why it was left
-out of ``t``.
-
-What members do with ``floor`` (``_store_engine``, ``_watch``): a member
-that reads a world below it (stopped through two generations or more) is
-dropped (``Evicted``); a world it watches, a configure it runs and a
-``pending()`` it asks, below it, are over. ``floor`` is raised before any
-key goes, and every read of a decided world looks at ``floor`` after it,
-so a world proposed again into a deleted key is never taken; the next
-sweep deletes it, and whatever else a stale member wrote below the floor.
-The sweep needs ``Store.list_keys`` (torch 2.10 and later); without it
-nothing is deleted (``floor`` still rises).
+Owns: the key ``floor`` of a job (read, raised, and looked at by an
+agreeing member: :class:`FloorCheck`), what a member dropped below it is
+told (:func:`swept`), and :class:`Sweeper`: once a generation is kept, its
+rank 0's sweeper raises ``floor`` and deletes the keys of the generations
+below ``floor - 1`` (the job's :data:`PER_GENERATION` keys, and their
+groups'). What ``floor`` means to every member, and what stays:
+docs/membership.md, "The store engine's keys".
 """
 
 from __future__ import annotations
@@ -38,8 +26,9 @@ PER_GENERATION = ("ready", "world", "quit", "reach", "cut", "sus", "fate", "chk"
 """The first part of each per-generation key of a job: ``<name>/<g>[/...]``."""
 
 MAX_DELETES = 512
-"""Keys one sweep deletes at most: it runs on the watcher's thread, between
-two heartbeat rounds; the rest go after the next round."""
+"""Keys one sweep (:meth:`Sweeper.sweep_once`) deletes at most; the
+sweeper's thread lists the keys again, and sweeps on at once, while keys
+are left."""
 
 _JOB_KEY = re.compile(rf"({'|'.join(PER_GENERATION)})/([0-9]+)(/|$)")
 _GROUP_KEY = re.compile(r"g([0-9]+)/")

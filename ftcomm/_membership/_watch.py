@@ -2,35 +2,10 @@
 
 Owns: :class:`Watcher`, the only writer of this member's heartbeat key and
 the only reader of everyone else's, and what it concludes (who is alive,
-the roster as last read).
-
-A heartbeat is a key ``hb/<id>`` holding ``"<token> <count>"``, the count
-moving every ``interval``; ``"<token> left"`` once the member left. A member
-is alive while the watcher sees its key move at least every ``timeout``
-seconds (by this process's own clock: no two hosts' clocks are compared),
-with its own token (a restarted member's new token ends the old
-incarnation at once), and while it has not given up the generation the
-watcher follows (``quit/<g>``: it was admitted while its call was being
-cancelled). A member writes its beat with ``compare_set`` from the value it
-wrote last: once another incarnation took the key, the old one (a process
-stopped for longer than the timeout, then resumed) finds out at its next
-beat and stops, and never takes the key back. The watcher counts only time
-it was itself looking:
-while its own round is late by more than half the timeout (a stopped
-process, a starved thread, a store slow to answer) it calls no one dead,
-and after such a pause it starts every member's clock afresh, so that its
-own stall is never taken for everyone else's death.
-
-A member whose listener refuses a connect (``_reach``) is dead at once: its
-process is gone. Once its group is configured, a member's watcher also
-watches that world (:meth:`Watcher.watch`): each round it probes two of the
-world's other members in turn (so that every path from it is tried within
-``ceil((n - 1) / 2)`` rounds), and it calls ``on_broken`` once, from its
-thread, when a member of the world is dead or any member says a probe of
-its found a path cut that had worked in that world, or left it to recover
-(``sus/<g>``, one ``id<TAB>what`` line each), or once the world is below
-the job's ``floor`` (``_sweep``: a later one was kept; its keys may be gone).
-On the member that sweeps, it asks its sweeper (a thread of its own) to.
+the roster as last read); the watch of a configured world
+(:meth:`Watcher.watch`), whose broken paths and dead members abort it; and
+the key names and reads the store engine shares (:func:`read`). What a
+member sees: docs/membership.md, "The model".
 """
 
 from __future__ import annotations
@@ -154,6 +129,25 @@ class Watcher:
     ``tick()`` is one round: beat, read the roster, read every heartbeat.
     ``start()`` runs it on a daemon thread until ``stop()``. A store error
     ends the thread and is kept in :attr:`error`.
+
+    A heartbeat is a key ``hb/<id>`` holding ``"<token> <count>"``, the
+    count moving every ``interval``; ``"<token> left"`` once the member
+    left. A member is alive (:meth:`alive`) while the watcher sees its key
+    move at least every ``timeout`` seconds (by this process's own clock: no
+    two hosts' clocks are compared), with its own token (a restarted
+    member's new token ends the old incarnation at once), while its listener
+    has not refused a connect (``_reach``: its process is gone), and while
+    it has not given up the generation the watcher follows (``quit/<g>``:
+    it was admitted while its call was being cancelled). A member writes its
+    beat with ``compare_set`` from the value it wrote last: once another
+    incarnation took the key, the old one (a process stopped for longer than
+    the timeout, then resumed) finds out at its next beat and stops
+    (:class:`Superseded`), and never takes the key back. The watcher counts
+    only time it was itself looking: while its own round is late by more
+    than half the timeout (a stopped process, a starved thread, a store slow
+    to answer) it calls no one dead, and after such a pause it starts every
+    member's clock afresh, so that its own stall is never taken for
+    everyone else's death.
     """
 
     def __init__(
@@ -288,7 +282,15 @@ class Watcher:
         configured): ``on_broken(reason)`` once, from the watcher's thread,
         when one of them is dead or a path between two of them is cut (of
         those it reached: ``reached``, as the world was configured, and
-        every one a probe of the watch reaches)."""
+        every one a probe of the watch reaches).
+
+        Each round probes two of the world's other members in turn (so that
+        every path from this member is tried within ``ceil((n - 1) / 2)``
+        rounds). The world is broken where any member says a probe of its
+        found a path cut that had worked in that world, or that it left the
+        world to recover (``sus/<g>``, one ``id<TAB>what`` line each), or
+        once the world is below the job's ``floor`` (``_sweep``: a later one
+        was kept; its keys may be gone)."""
         mine = members.index(self.me) if self.me in members else -1
         others = tuple(members[(mine + 1 + i) % len(members)] for i in range(len(members)))
         with self._lock:

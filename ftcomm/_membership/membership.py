@@ -1,11 +1,12 @@
 """``ftcomm.Membership``: who is in the world, agreed, and the group configured for it.
 
-Owns: the public :class:`Membership` and :class:`World`, the argument
-checks, one call at a time per membership, and the step from an agreed
-generation to a configured group (with a watch that gives up a configure
-whose member died). The agreement itself is the engine's
-(``_store_engine``, ``_lighthouse``); each of its blocking calls runs on a
-control thread of its own (spawned, so that waits never queue).
+Owns: the public :class:`Membership` (its :class:`World` and argument
+checks are ``_names``'), one call at a time per membership, and the step
+from an agreed generation to a configured group (``_keep`` configures it
+and keeps it). The agreement itself is the engine's (``_store_engine``,
+``_lighthouse``, ``_etcd_engine``); each of its blocking calls runs on a
+control thread of its own (spawned, so that waits never queue). See
+docs/membership.md.
 """
 
 from __future__ import annotations
@@ -68,37 +69,32 @@ class Membership:
     state of the ones furthest ahead, in place into their own tensors.
 
     Args:
-        address: the engine: a c10d store's ``host:port`` (what
-            :func:`ftcomm.serve_store`'s ``.address`` gives, ``python -m
-            ftcomm store``, torchrun's agent store), optionally with a
-            ``/prefix``; or a torchft lighthouse's ``http://host:port``
-            (``LighthouseServer.address()``; needs torchft), whose own
-            ``min_replicas``, ``join_timeout_ms`` and
-            ``heartbeat_timeout_ms`` then decide when a quorum forms; or an
-            etcd cluster's ``etcd://host:port[,host:port...][/prefix]``
-            (no host whose death ends the job: docs/membership.md).
-        job: the job's name: members of one job share it.
-        member_id: this member's id, unique among the job's live members
-            (a restarted member may take its old id again).
+        address: the engine: a c10d store's ``host:port[/prefix]``, a torchft
+            lighthouse's ``http://host:port``, or an etcd cluster's
+            ``etcd://host:port[,host:port...][/prefix]`` (docs/membership.md,
+            "Engines").
+        job: the job's name, the same on every member of the job.
+        member_id: this member's id, unique among the job's live members (a
+            restarted member may take its old id again).
         min_size: the fewest members a generation may have.
         max_size: the most (``None``: no limit); newcomers beyond it wait.
-        join_window: seconds to wait for more members once ``min_size`` are
-            there (for the first generation), and for a member that is alive
-            but has not come (when recovering).
+        join_window: seconds a first generation waits for more members once
+            ``min_size`` are there, and a recovery for a member alive but not
+            there.
         heartbeat_timeout: seconds of silence after which a member is dead.
-        heartbeat_interval: seconds between heartbeats (a fifth of the
-            timeout by default; at most a third of it, so that a late
-            round of this member's own is told from a dead peer).
+        heartbeat_interval: seconds between heartbeats, a fifth of
+            ``heartbeat_timeout`` by default and at most a third of it
+            (docs/membership.md, "Its settings, and their defaults").
         timeout: the default deadline of each call, in seconds.
-        store_host: lighthouse engine only: the address the store this
-            member hosts for its groups listens on (its rank 0's is used;
-            another machine's address for a multi-host job).
+        store_host: lighthouse engine only: the address the store this member
+            hosts for its groups listens on.
 
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: an empty or malformed id, job or address, ``min_size`` >
-            ``max_size``, a heartbeat interval over a third of its timeout,
-            or a negative or non-finite duration.
+            ``max_size``, a heartbeat timeout that is not positive, a
+            heartbeat interval over a third of its timeout, or a negative or
+            non-finite duration.
     """
 
     def __init__(

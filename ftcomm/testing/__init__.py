@@ -4,7 +4,7 @@
 and returns their values; a :class:`FaultPlan` kills, stops, hangs, delays or
 fails chosen ops of chosen ranks without touching the code under test, and
 with ``network=True`` (each rank a host of its own) cuts, drops or loses
-their packets.
+their packets. See docs/testing.md.
 """
 
 from ._base import RankContext as RankContext

@@ -224,6 +224,18 @@ def _passing(link: str) -> bool:
     return link == "anon_inode:[eventpoll]" or link.endswith(".py")
 
 
+def on_baseline(ctx: RankContext, hook: Callable[[], None]) -> None:
+    """Have ``ctx.baseline()`` call ``hook`` (the harness: count what is
+    open now as the rank's own)."""
+    ctx._rebase = hook
+
+
+def release_store(ctx: RankContext) -> None:
+    """Let go of ``ctx``'s signalling store client, at its rank's end (the
+    harness; the leak check then finds its socket closed)."""
+    ctx._store = None
+
+
 def find_leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str | None:
     """What the rank left behind, once ftcomm's blocking work has ended."""
     # A finished call leaves the pool's books just after its future completes.

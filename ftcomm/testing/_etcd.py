@@ -1,9 +1,10 @@
 """etcd clusters on loopback, for tests of the etcd engine (ftcomm's and yours).
 
-Owns: :class:`EtcdCluster` (1 or 3 etcd processes from the system's
-``etcd`` binary, each on loopback ports of its own, their data in a
-temporary folder; started, waited for until a leader is elected, killed,
-restarted, and gone at the end) and :func:`etcd_missing`.
+Owns: :class:`EtcdCluster` (etcd processes from the system's ``etcd``
+binary, each on loopback ports of its own, their data in a temporary
+folder; started, waited for until a leader is elected, killed, restarted,
+partitioned, and gone at the end), :func:`etcd_missing` and
+:func:`partition_missing`. See docs/testing.md, "etcd clusters".
 """
 
 from __future__ import annotations
@@ -134,17 +135,23 @@ class EtcdNode:
 
 @dataclass
 class EtcdCluster:
-    """``nodes`` etcd processes on loopback (1 or 3), as a context manager.
+    """``nodes`` etcd processes on loopback, as a context manager.
 
     ``address(prefix)`` is what ``Membership`` takes; ``kill(i)`` and
     ``start_node(i)`` take a node down and back; ``partition(i)`` and
     ``heal(i)`` cut it off and back (root and nftables:
     :func:`partition_missing`); ``leader()`` is the index of the node that
-    leads now.
+    leads now. See docs/testing.md, "etcd clusters".
+
+    Args:
+        nodes: how many etcd processes, 1 to :data:`MAX_NODES` (3 for a
+            quorum that outlives one node).
+        timeout: seconds entering waits for the cluster to elect a leader.
 
     Raises (on entering):
         RuntimeError: etcd is missing (:func:`etcd_missing`), or the
             cluster did not elect a leader within ``timeout``.
+        ValueError: ``nodes`` is not between 1 and :data:`MAX_NODES`.
     """
 
     nodes: int = 1

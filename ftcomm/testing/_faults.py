@@ -1,15 +1,12 @@
 """Faults as data: what goes wrong, on which rank, at which op.
 
-A :class:`FaultPlan` is a tuple of :class:`Fault` records. Each names a rank
-and the index of an op that rank issues (counted from 0 over all its
-:class:`~ftcomm.Group` objects and configurations; not an error's ``seq``,
-which counts from 1 within one configuration: ``op=3`` in a rank's first
-configuration is ``seq=4``). A fault that fires logs a warning naming its
-op. The harness installs the rank's faults in its process before the code
-under test runs; the code under test is not edited. Network faults
-(partition, isolate, drop, loss) are carried out by the harness, asked
-through the rank's control pipe (their rules: ``_net.py``).
-Seeded plans (:meth:`FaultPlan.random`) replay exactly from their seed.
+Owns: :class:`Fault` and its :class:`Kind`, :class:`FaultPlan` (a seeded
+plan, :meth:`FaultPlan.random`, replays exactly from its seed), and the
+:class:`Injector` the harness installs in a rank's process before the code
+under test runs (that code is not edited). Network faults (partition,
+isolate, drop, loss) are carried out by the harness, asked through the
+rank's control pipe (their rules: ``_net.py``). See docs/testing.md,
+"Faults as data".
 """
 
 from __future__ import annotations
@@ -90,11 +87,23 @@ DIRECTIONS = ("out", "in")
 
 @dataclass(frozen=True, slots=True)
 class Fault:
-    """One fault: ``kind`` at op ``op`` of ``rank``.
+    """One fault: ``kind`` at op ``op`` of ``rank`` (docs/testing.md).
 
-    ``seconds``: a delay's length, or how long a network fault lasts (0:
-    until the world ends); ``store``: whether a partition keeps the store;
-    ``direction``: which way a drop cuts; ``rate``: a loss's share.
+    Each kind has its constructor: ``Fault.kill(rank, op)``, ``Fault.delay(rank,
+    op, seconds)``, ... A fault that fires logs a warning naming it and its op.
+
+    Args:
+        kind: what the fault does to its op.
+        rank: the rank whose op it strikes.
+        op: the index of that op among the rank's ops, counted from 0 over all
+            its groups and configurations (not an error's ``seq``, which counts
+            from 1 within one configuration).
+        seconds: a delay's length, or how long a network fault lasts (0: until
+            the world ends).
+        message: an error fault's message.
+        store: whether a partition keeps the store reachable.
+        direction: which way a drop cuts: ``"out"`` or ``"in"``.
+        rate: a loss's share of the packets lost, between 0 and 1.
 
     Raises:
         TypeError: ``kind`` is not a :class:`Kind`, or a network fault's
@@ -259,7 +268,16 @@ def _is_number(value: object) -> bool:
 
 @dataclass(frozen=True)
 class FaultPlan:
-    """The faults of one world, and the seed that made them (if random)."""
+    """The faults of one world, and the seed that made them (if random).
+
+    Args:
+        faults: the faults, at most one per rank and op.
+        seed: the seed :meth:`random` drew them from (``None``: not drawn).
+
+    Raises:
+        TypeError: ``faults`` holds something that is not a :class:`Fault`.
+        ValueError: two faults at one rank and op.
+    """
 
     faults: tuple[Fault, ...] = ()
     seed: int | None = None
@@ -299,6 +317,16 @@ class FaultPlan:
         ``delay_rate`` (by up to ``max_delay`` s) or fails with probability
         ``error_rate``; ``kills`` ranks (never one in ``spare``) are killed at
         a random op.
+
+        Args:
+            seed: the seed of the plan's random generator.
+            world_size: how many ranks the world has.
+            ops: how many of each rank's first ops may get a fault.
+            delay_rate: the chance that an op is delayed.
+            error_rate: the chance that an op fails.
+            max_delay: the longest delay, in seconds.
+            kills: how many ranks are killed, each at a random op.
+            spare: the ranks never killed.
         """
         rng = random.Random(seed)
         faults: list[Fault] = []

@@ -1,6 +1,8 @@
 """``inspect(group)``: a look at a :class:`~ftcomm.Group`'s parts,
 for tests that check what a group holds (its native backend, its op table,
-its worker launcher) without reaching into its private attributes."""
+its worker launcher) without reaching into its private attributes. See
+docs/testing.md, "Looking inside a group".
+"""
 
 from __future__ import annotations
 
@@ -40,6 +42,9 @@ def inspect(group: Group) -> Inspection:
     """Look at ``group``'s parts now (any thread). The objects are the
     group's own, not copies: a test may call them (or, to force a path,
     change them), and the look does not follow later configures.
+
+    Args:
+        group: the group to look at.
 
     Raises:
         TypeError: ``group`` is not an :class:`ftcomm.Group`.

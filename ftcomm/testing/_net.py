@@ -1,25 +1,12 @@
 """Network faults: each rank on a host of its own, and rules that cut its wire.
 
 Owns: :func:`network_missing` (why network faults cannot run here), one
-world's network (:class:`Network`: a hub namespace with a bridge and the
-store's address, and one namespace per rank joined to it by a veth pair;
-made by the harness, and removed whatever happened), entering a namespace
-(:func:`enter`: setns(2) on the calling thread), the nftables rules of each
-network fault (:func:`rules`), their application, the timers that heal
-them, and healing one at once (:meth:`Network.heal`, for the chaos bench).
-Needs Linux, root, iproute2 (``ip``) and nftables (``nft``).
-
-The layout (``T`` is ``ftcw<pid>x<n>``, unique per world of this machine)::
-
-    namespace T-hub: br0 10.86.0.254/24 (the store listens here), ports r0, r1, ...
-    namespace T-r<k>: eth0 10.86.0.<k+1>/24, the peer of T-hub's r<k>; lo up
-
-Nothing is added to the root namespace: the harness makes the store's
-socket on a thread that has entered T-hub, and each rank's process enters
-T-r<k> first thing. A fault is a ``netdev`` table on the rank's ``eth0``
-(``egress`` and ``ingress`` hooks): packets vanish on the wire, so neither
-end is told (no RST, no ICMP, no error from ``send``). Deleting the
-namespaces deletes their links and tables with them.
+world's network (:class:`Network`, made by the harness and removed whatever
+happened), entering a namespace (:func:`enter`: setns(2) on the calling
+thread), the nftables rules of each network fault (:func:`rules`), their
+application, the timers that heal them, and healing one at once
+(:meth:`Network.heal`, for the chaos bench). Needs Linux, root, iproute2
+(``ip``) and nftables (``nft``). See docs/testing.md, "Network faults".
 """
 
 from __future__ import annotations
@@ -267,6 +254,10 @@ def rules(fault: Fault, peers: list[str], hub: str = HUB_HOST, device: str = DEV
 # -- one world's network --------------------------------------------------------------
 class Network:
     """One world's hosts: a hub namespace and one namespace per rank.
+
+    Its layout, and how none of it goes in the root namespace:
+    docs/testing.md, "Network faults" (its tag, ``ftcw<pid>x<n>``, is unique
+    per world of this machine).
 
     Made at once (:class:`NetworkFailed` if a command fails, after removing
     what was made); :meth:`close` removes it all, and is safe to call twice.

@@ -28,6 +28,7 @@ from ._base import (
     fd_names,
     find_leaks,
     rank_coroutine,
+    release_store,
     thread_ids,
     world_error,
 )
@@ -100,7 +101,7 @@ def run_thread_world(
                 traceback.format_exception(exc)
             )
         finally:
-            ctx._store = None
+            release_store(ctx)
             _close(ev)
 
     threads = [

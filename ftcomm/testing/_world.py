@@ -3,15 +3,8 @@
 Owns: :func:`run_world` (which hands ``mode="thread"`` to
 ``_thread_world.py``), the fork server ranks start from, a rank process's
 main, and the teardown that joins or kills every rank (and removes a
-network world's namespaces).
-
-A fresh TCPStore per world on loopback, a wall-clock bound on the whole world
-(a hang fails the test, not the suite), each rank's return value or exception
-with its traceback, a leak check inside every rank (fds, threads, blocked
-ftcomm workers, owner-loop stalls), an optional :class:`FaultPlan` applied
-inside the ranks, and every process joined or killed before it returns.
-With ``network=True`` each rank is a host of its own (a network namespace)
-and the store listens on a hub the ranks reach over their own links.
+network world's namespaces). What a world gives a test (its store, its
+bound, its leak checks, its faults): docs/testing.md, "Worlds".
 """
 
 from __future__ import annotations
@@ -42,8 +35,10 @@ from ._base import (
     exception_line,
     fd_names,
     find_leaks,
+    on_baseline,
     proc_stat,
     rank_coroutine,
+    release_store,
     thread_ids,
     world_error,
 )
@@ -182,14 +177,14 @@ def _rank_main(
             fds.update(fd_names())
             threads.update(thread_ids())
 
-        ctx._rebase = rebase  # reach-in: the harness's hook in its RankContext (_base.py)
+        on_baseline(ctx, rebase)
         if ctx.loop == "uvloop":
             import uvloop
 
             value: Any = uvloop.run(rank_coroutine(fn, ctx, args))
         else:
             value = asyncio.run(rank_coroutine(fn, ctx, args))
-        ctx._store = None  # reach-in: the harness's own signalling client, let go
+        release_store(ctx)
         stalls = [str(s) for s in rt.watchdog.stalls] if rt.watchdog else []
         if stalls:
             raise AssertionError(f"owner loop stalled {len(stalls)} time(s):\n{stalls[0]}")
@@ -234,27 +229,33 @@ def run_world(
     """Run ``fn(ctx, *args)`` on ``world_size`` ranks; return their values in rank order.
 
     A rank that raised makes this raise :class:`WorldError` with every rank's
-    traceback (and the plan), unless the rank is listed in ``expect_exit``
-    (rank -> expected exit code, negative for a signal): its value is then
-    ``None``. Ranks that ``plan`` kills or stops may die by SIGKILL; once every
-    other rank is done, the harness SIGKILLs those still stopped or hung.
+    traceback (and the plan), unless the rank is listed in ``expect_exit``:
+    its value is then ``None``. Ranks that ``plan`` kills or stops may die by
+    SIGKILL; once every other rank is done, the harness SIGKILLs those still
+    stopped or hung. See docs/testing.md.
 
-    ``mode="thread"`` runs the ranks as threads of this process instead (one
-    event loop and one Gloo group each): no process start-up, so a world
-    costs milliseconds, but a rank cannot be killed or stopped and a leak is
-    only checked in the process as a whole.
-
-    ``network=True`` (the default where ``plan`` holds a network fault:
-    partition, isolate, drop, loss) runs each rank on a host of its own: a
-    network namespace with its own address (``ctx.host_of(rank)``), linked
-    to a hub where the store listens (``ctx.host``). Every namespace goes
-    when the world ends. Needs Linux, root, iproute2 and nftables
-    (:func:`network_missing` says what is missing).
+    Args:
+        fn: the async function every rank awaits, given its
+            :class:`RankContext` (at a module's top level: spawned ranks
+            import it).
+        world_size: how many ranks the world has.
+        loop: the ranks' event loop, one of :data:`LOOPS`.
+        timeout: the wall-clock bound on the whole world, in seconds.
+        expect_exit: rank -> the exit code it must end with (negative for a
+            signal).
+        args: more positional arguments for ``fn``.
+        plan: the faults to inject (docs/testing.md, "Faults as data").
+        backend: the backend name the ranks read as ``ctx.backend``.
+        mode: ``"process"`` (a spawned process per rank) or ``"thread"`` (a
+            thread of this process per rank: docs/testing.md, "Worlds").
+        network: whether each rank is a host of its own (``None``: where
+            ``plan`` holds a network fault; docs/testing.md, "Network faults").
 
     Raises:
         WorldError: a rank raised, died unexpectedly, hung, or left something behind.
         ValueError: an unknown ``loop`` or ``mode``, kill/stop or network
-            faults in thread mode, or network faults with ``network=False``.
+            faults in thread mode, network faults with ``network=False``, or
+            (process mode) faults on a rank outside the world.
         TypeError: ``network`` is neither a bool nor ``None``.
         RuntimeError: a network world cannot run here, or its namespaces
             could not be made (the command's own words).

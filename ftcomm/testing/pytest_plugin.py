@@ -1,23 +1,12 @@
 """pytest plugin (entry point ``pytest11: ftcomm``): worlds and fault plans as fixtures.
 
-Fixtures:
-    ftcomm_world: a :class:`World`; ``ftcomm_world.run(fn, n)`` runs
-        ``await fn(ctx)`` on ``n`` spawned ranks with the test's fault plan and
-        event loop, and returns the ranks' values.
-    fault_plan: the :class:`~ftcomm.testing.FaultPlan` a world applies; empty
-        unless the test overrides this fixture or marks itself with
-        ``@pytest.mark.ftcomm_faults(Fault.kill(2, 5), ...)``.
-    ftcomm_loop: the ranks' event loop. Every test that uses ``ftcomm_world``
-        runs once per loop: asyncio and uvloop, or those named by
-        ``@pytest.mark.ftcomm_loops(...)``.
-    ftcomm_backend: the backend the ranks should use (``ctx.backend``): once
-        per backend named by ``@pytest.mark.ftcomm_backends(...)``, else gloo.
-    ftcomm_etcd: an :class:`~ftcomm.testing.EtcdCluster` on loopback, one
-        node, or ``@pytest.mark.ftcomm_etcd(nodes=3)``; the test skips, saying
-        why, where etcd is not installed. Gone after the test.
-
-A failing test's report shows every plan its worlds ran with (and its seed),
-so a random plan can be replayed.
+Owns the fixtures ``ftcomm_world`` (a :class:`World`), ``fault_plan`` and
+``ftcomm_etcd``; the parameters ``ftcomm_loop`` and ``ftcomm_backend`` (a
+test that takes either runs once per event loop or backend, those of its
+``ftcomm_loops`` or ``ftcomm_backends`` marker, else asyncio and uvloop,
+and gloo); the markers; and the section of a failing test's report that
+shows every plan its worlds ran (with its seed, so a random plan can be
+replayed). See docs/testing.md, "The pytest plugin".
 """
 
 from __future__ import annotations
@@ -92,11 +81,18 @@ class World:
         mode: str = "process",
         network: bool | None = None,
     ) -> list[Any]:
-        """``run_world(fn, world_size)`` with this test's loop and plan.
+        """``run_world(fn, world_size)`` with this test's loop, backend and plan.
 
-        ``fn`` must be a module-level ``async def fn(ctx: RankContext, *args)``;
-        ``mode="thread"`` runs the ranks as threads, ``network=True`` each
-        on a host of its own (see ``run_world``).
+        Args:
+            fn: a module-level ``async def fn(ctx: RankContext, *args)``.
+            world_size: how many ranks the world has.
+            args: more positional arguments for ``fn``.
+            plan: the faults to inject (default: the test's ``fault_plan``).
+            timeout: the wall-clock bound on the whole world, in seconds.
+            mode: ``"process"`` or ``"thread"``: ranks as processes or as
+                threads (as ``run_world``'s).
+            network: whether each rank is a host of its own (as
+                ``run_world``'s).
 
         Raises:
             WorldError: a rank raised, died unexpectedly or the world hung.
