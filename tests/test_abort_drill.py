@@ -325,9 +325,16 @@ async def copy_back_kills(ctx: RankContext, trials: list[int]) -> list[dict[str,
     _client.WorkerProcess._copy_back = copy_back  # type: ignore[method-assign]
     out = []
     g = ftcomm.Group("gloo", timeout=20, subprocess=True, configure_timeout=60)
+
+    async def first_op_of_a_fresh_configuration() -> list[float]:
+        """Its result is its own, never the old configuration's."""
+        return (await g.allreduce(torch.full((4,), float(10 * (ctx.rank + 1))))).tolist()
+
     try:
         for i, at in enumerate(trials):
             await g.configure(ctx.addr(f"k{i}"), ctx.rank, WORLD)
+            if out:  # the trial before's check: one configure serves both
+                out[-1]["after"] = await first_op_of_a_fresh_configuration()
             t = torch.full((1 << 20,), float(ctx.rank + 1))
             kill_at[0] = at if ctx.rank == 0 else None
             try:
@@ -338,10 +345,9 @@ async def copy_back_kills(ctx: RankContext, trials: list[int]) -> list[dict[str,
             kill_at[0] = None
             values = set(t.unique().tolist())
             fired = len(killed)
-            # Then a fresh configuration: its result is its own, never the old one's.
-            await g.configure(ctx.addr(f"k{i}-after"), ctx.rank, WORLD)
-            after = (await g.allreduce(torch.full((4,), float(10 * (ctx.rank + 1))))).tolist()
-            out.append({"outcome": outcome, "values": values, "after": after, "fired": fired})
+            out.append({"outcome": outcome, "values": values, "after": None, "fired": fired})
+        await g.configure(ctx.addr("k-after"), ctx.rank, WORLD)
+        out[-1]["after"] = await first_op_of_a_fresh_configuration()
     finally:
         _client.WorkerProcess._copy_back = original  # type: ignore[method-assign]
         await g.shutdown()

@@ -245,6 +245,21 @@ def map_entries(text: str) -> tuple[set[str], set[str]]:
     return names, set(re.findall(r"^\*\*(\w+)\*\*", section, re.M))
 
 
+MODULE_DOCSTRING_LINES = 10
+
+
+@pytest.mark.parametrize("path", sorted(FILES.values()), ids=str)
+def test_a_module_docstring_says_what_the_module_owns_in_a_few_lines(path: pathlib.Path) -> None:
+    # The topic's rules and rationale live in docs/ or at the class they govern.
+    doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+    assert doc, f"{path.relative_to(ROOT)} has no module docstring"
+    lines = doc.count("\n") + 1
+    assert lines <= MODULE_DOCSTRING_LINES, (
+        f"{path.relative_to(ROOT)}'s module docstring has {lines} lines "
+        f"(at most {MODULE_DOCSTRING_LINES})"
+    )
+
+
 def test_the_design_doc_is_a_map_not_a_notebook() -> None:
     # The map, a glossary and the invariants; each topic has a page of its own.
     lines = DESIGN.read_text().count("\n")
