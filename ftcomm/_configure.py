@@ -175,21 +175,27 @@ class Configurer:
         self._configure_timeout = configure_timeout
         self._runtime = get_runtime()
 
-    async def configure(
+    def check(
         self,
         store_addr: str,
-        rank: int | None = None,
-        world_size: int | None = None,
-        *,
-        replica_id: str = "0",
-        quorum_id: int | None = None,
-        group_rank: int | None = None,
-        group_world_size: int | None = None,
-        global_ranks: Sequence[int] | None = None,
-        timeout: Timeout | None = None,
-        device_id: int | torch.device | None = None,
-    ) -> None:
-        """:meth:`ftcomm.Group.configure` (its docstring says what it raises)."""
+        rank: int | None,
+        world_size: int | None,
+        replica_id: str,
+        quorum_id: int | None,
+        group_rank: int | None,
+        group_world_size: int | None,
+        global_ranks: Sequence[int] | None,
+        timeout: Timeout | None,
+        device_id: int | torch.device | None,
+    ) -> ConnectSpec:
+        """The connect that :meth:`ftcomm.Group.configure`'s arguments ask for
+        (its signature and defaults are there, once), checked before anything
+        is torn down: first that the caller runs asyncio, then each argument.
+
+        Raises:
+            RuntimeError: no running asyncio loop (trio).
+            TypeError, ValueError: a bad argument, named (see ``Group.configure``).
+        """
         require_asyncio("configure()")
         self._runtime.watch_caller()  # debug mode: is the caller's loop ever held?
         addr, given_rank, given_world = _store_and_ranks(store_addr, rank, world_size)
@@ -226,7 +232,7 @@ class Configurer:
         device = self._device_index(device_id)
         if self.backend == "dummy" and world_size != 1:
             raise ValueError(f"the dummy backend has world_size 1, got {world_size}")
-        spec = ConnectSpec(
+        return ConnectSpec(
             addr,
             rank,
             world_size,
@@ -238,6 +244,10 @@ class Configurer:
             ranks,
             device,
         )
+
+    async def configure(self, spec: ConnectSpec) -> None:
+        """Build the configuration :meth:`check` gave (``Group.configure``)."""
+        rank, addr = spec.rank, spec.store
         started = time.monotonic()
         try:
             await self._build(spec, started)

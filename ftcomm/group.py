@@ -276,18 +276,20 @@ class Group(Collectives):
             CommAborted: ``shutdown()`` or another ``configure()`` superseded this one.
             RuntimeError: awaited without a running asyncio loop (trio).
         """
-        await self._configurer.configure(
+        configurer = self._configurer
+        spec = configurer.check(
             store_addr,
             rank,
             world_size,
-            replica_id=replica_id,
-            quorum_id=quorum_id,
-            group_rank=group_rank,
-            group_world_size=group_world_size,
-            global_ranks=global_ranks,
-            timeout=timeout,
-            device_id=device_id,
+            replica_id,
+            quorum_id,
+            group_rank,
+            group_world_size,
+            global_ranks,
+            timeout,
+            device_id,
         )
+        await configurer.configure(spec)
 
     def abort(self) -> Closing:
         """Abort the group now: in-flight ops end with ``CommAborted``, later
