@@ -31,6 +31,10 @@ def _table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
     return lines
 
 
+def _para(text: str) -> list[str]:
+    return textwrap.wrap(text, width=76, break_on_hyphens=False)
+
+
 def _num(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
@@ -49,7 +53,7 @@ def _header(doc: dict[str, Any]) -> list[str]:
     commit = doc.get("commit")
     at = f" at commit `{commit}`" if commit else ""
     pinned = "each rank pinned to a core" if plan["pin"] else "unpinned"
-    return textwrap.wrap(
+    return _para(
         f"Measured {when}{at} by `python -m ftcomm bench"
         + (" --pin" if plan["pin"] else "")
         + "`: "
@@ -57,9 +61,7 @@ def _header(doc: dict[str, Any]) -> list[str]:
         + f"ftcomm {doc['ftcomm']}; {doc['world_size']} ranks of {doc['backend']} over "
         + f"{doc['transport']}, the {plan['loop']} loop, {pinned}, "
         + f"{plan['rounds']} interleaved rounds. Ratios are to raw `torch.distributed` "
-        + f"({plan['baseline']}) measured in the same run.",
-        width=76,
-        break_on_hyphens=False,
+        + f"({plan['baseline']}) measured in the same run."
     )
 
 
@@ -103,10 +105,15 @@ def _membership(m: dict[str, Any]) -> list[str]:
     lines = [
         "### Membership: a member killed or stopped",
         "",
-        f"{m['members']} members, heartbeat timeout {m['heartbeat_timeout_s']} s, "
-        f"join window {m['join_window_s']} s, op deadline {m['op_deadline_s']} s. "
-        "Detection is the part of the total that the timeouts set; beyond it is "
-        "what recovery itself took.",
+        *_para(
+            f"{m['members']} members, heartbeat timeout {m['heartbeat_timeout_s']} s, "
+            f"join window {m['join_window_s']} s, op deadline {m['op_deadline_s']} s. "
+            "From the signal to the survivors' first good allreduce in the next "
+            "generation (torchft: its first committed step); detection is the "
+            "heartbeat timeout for a SIGKILL and the op deadline for a SIGSTOP, "
+            "and beyond is the total less it (negative: found sooner than the "
+            "timeout, as a killed member's listener refuses at once)."
+        ),
         "",
     ]
     cells = [
@@ -131,9 +138,11 @@ def _fsdp(f: dict[str, Any]) -> list[str]:
     return [
         "### FSDP2",
         "",
-        f"{f['world_size']} ranks, {f['model']}, batch {f['batch']}, "
-        f"{f['steps_per_round']} steps a round, {f['rounds']} rounds; "
-        f"ftcomm's step p50 is {_ratio(f['ratio_p50'])} torch's own group's.",
+        *_para(
+            f"{f['world_size']} ranks, {f['model']}, batch {f['batch']}, "
+            f"{f['steps_per_round']} steps a round, {f['rounds']} rounds; "
+            f"ftcomm's step p50 is {_ratio(f['ratio_p50'])} torch's own group's."
+        ),
         "",
         *_table(["group", "step p50 ms", "step p90 ms"], cells),
         "",
@@ -143,34 +152,40 @@ def _fsdp(f: dict[str, Any]) -> list[str]:
 def _state_copy(s: dict[str, Any]) -> list[str]:
     def rows(items: list[dict[str, Any]], mib: float) -> list[list[str]]:
         return [
-            [r["case"], _num(r["p50_s"], 3), _num(mib * 2**20 * 8 / 1e9 / r["p50_s"], 2)]
+            [r["case"], _num(r["p50_s"], 3), _num(mib * 2**20 / 1e9 / r["p50_s"], 2)]
             for r in items
             if r["p50_s"]
         ]
 
+    extra = s.get("extra_bytes") or {}
+    memory = ", ".join(f"{who} {n / 2**20:.1f} MiB" for who, n in extra.items())
+    torchft = s.get("torchft_ratio_to_raw")
     lines = [
         "### State copied to a rejoining member",
         "",
-        f"{s['mib']:,} MiB in {s['tensors']} tensors, {s['rounds']} rounds; "
-        f"ftcomm {_ratio(s['ratio_to_raw'])} raw's time"
-        + (
-            f", torchft {_ratio(s['torchft_ratio_to_raw'])}"
-            if s.get("torchft_ratio_to_raw") is not None
-            else ""
-        )
-        + f"; two members behind {_ratio(s['two_behind_over_one'])} one's; "
-        f"extra memory {s['extra_bytes']}.",
+        *_para(
+            f"{s['mib']:,} MiB in {s['tensors']} tensors, {s['rounds']} rounds, the "
+            "cases taking turns; a case marked x2 copies to two members behind (a "
+            f"chain). ftcomm took {_ratio(s['ratio_to_raw'])} raw Gloo send/recv's "
+            "time"
+            + (f", torchft's PGTransport {_ratio(torchft)}" if torchft is not None else "")
+            + f"; two behind took {_ratio(s['two_behind_over_one'])} one's time"
+            + (f"; ftcomm's peak extra memory: {memory}." if memory else ".")
+        ),
         "",
-        *_table(["case", "p50 s", "Gbit/s"], rows(s["rows"], s["mib"])),
+        *_table(["case", "p50 s", "GB/s"], rows(s["rows"], s["mib"])),
         "",
     ]
     links = s.get("links")
     if links:
         lines += [
-            f"Over links of their own at {links['gbit']} Gbit/s ({links['mib']} MiB): "
-            f"two behind {_ratio(links['two_behind_over_one'])} one's.",
+            *_para(
+                f"Over links of their own, three members in network namespaces, "
+                f"{links['gbit']} Gbit/s each way ({links['mib']} MiB): two behind "
+                f"took {_ratio(links['two_behind_over_one'])} one's time."
+            ),
             "",
-            *_table(["case", "p50 s", "Gbit/s"], rows(links["rows"], links["mib"])),
+            *_table(["case", "p50 s", "GB/s"], rows(links["rows"], links["mib"])),
             "",
         ]
     return lines
