@@ -960,6 +960,29 @@ def test_a_failure_the_stop_causes_does_not_replace_the_stops_cause(
         assert sibling.cancelled()
 
 
+@pytest.mark.parametrize("cause", ["deadline", "cancel"])
+def test_a_failure_from_before_the_stop_keeps_its_own_error(table: OpTable, cause: str) -> None:
+    """Review finding: an op nobody looked at failed natively (a peer died)
+    before another op's deadline or cancel stopped the group. The break
+    finds it failed; its failure is its own, not the stop's: CommFailed,
+    naming the peer's error, and not marked cancelled by a later cancel()."""
+    sibling_native = ScriptedOp()
+    sibling = issue(table, sibling_native, 60.0)  # unwatched: nothing settles it
+    died = RuntimeError("Connection reset by peer [127.0.0.1]:4242")
+    sibling_native.finish(died)
+    assert sibling.seq in table.inflight  # ended natively, not yet as an op (done() would look)
+    work = issue(table, _StopFailsOthers(lambda: None, stops=False), 60.0)
+    if cause == "deadline":
+        work._expire()
+    else:
+        assert work.cancel() is True
+    error = sibling.exception()
+    assert type(error) is ftcomm.CommFailed, error
+    assert error.__cause__ is died
+    assert sibling.cancel() is False
+    assert not sibling.cancelled()
+
+
 def test_a_settler_that_fails_before_its_break_leaves_no_stale_cause(table: OpTable) -> None:
     """A bug below (here: peek() raises) takes the settler out between its
     claim and its break: the cause it named is dropped, so a later break of

@@ -267,6 +267,11 @@ class OpTable:
         a worker's death or a bad frame (no stop causes those). Under the
         lock; set once, before ``error``; cleared if its settler leaves
         without breaking."""
+        self.done_at_stop: frozenset[int] = frozenset()
+        """The ops in flight whose native op had already ended when
+        ``stopping`` was claimed: a failure of theirs is their own, not the
+        stop's (a fused batch's members, a peer's death before). Set and
+        cleared with ``stopping``, under the lock."""
         self._on_break = on_break
         # A group passes its own lock: the table's error is the group's
         # ERRORED state, under the one lock that guards all of it.
@@ -643,7 +648,16 @@ class OpRecord(Generic[R]):
                 stopping = table.stopping
                 if stopping is None:
                     table.stopping = error  # what a failure the stop causes breaks with
-                elif table.error is None and type(error) is CommFailed:
+                    table.done_at_stop = frozenset(
+                        seq
+                        for seq, work in table.inflight.items()
+                        if work._native is not None and peek(work._native)
+                    )
+                elif (
+                    table.error is None
+                    and type(error) is CommFailed
+                    and self.seq not in table.done_at_stop
+                ):
                     # Failed while another settler stops the group: by that
                     # stop (its sockets shut), as the ops its break ends.
                     error = self._aborted_by(stopping)
@@ -653,6 +667,7 @@ class OpRecord(Generic[R]):
             with table.lock:
                 if table.error is None and table.stopping is error:
                     table.stopping = None
+                    table.done_at_stop = frozenset()
             raise
 
     def _aborted_by(self, cause: CommError) -> CommAborted:
@@ -877,9 +892,16 @@ class OpRecord(Generic[R]):
         if native is not None and peek(native):
             native_error = native.outcome()  # it completed before the break
             error = None if native_error is None else self._native_failure(native_error)
-            if type(error) is CommFailed and cause is self._table.stopping:
-                # Failed by the stop that broke the table (its sockets shut)
-                # before the break looked: by that stop, as in _settle_quietly.
+            table = self._table
+            if (
+                type(error) is CommFailed
+                and cause is table.stopping
+                and self.seq not in table.done_at_stop
+            ):
+                # Failed after the stop that broke the table was claimed (its
+                # sockets shut), before the break looked: by that stop, as in
+                # _settle_quietly. (stopping and done_at_stop no longer
+                # change once the table is broken: read without the lock.)
                 error = self._aborted_by(cause)
         else:
             error = self._aborted_by(cause)
