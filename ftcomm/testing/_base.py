@@ -268,8 +268,8 @@ def find_leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) ->
         paths = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in new_fds]
         return f"fds left open: {paths}"
     new_threads = thread_ids() - threads
-    if new_threads:
-        left = [t for t in threading.enumerate() if t.ident in new_threads]
+    left = [t for t in threading.enumerate() if t.ident in new_threads and t.is_alive()]
+    if left:  # (one that ended since thread_ids() is no leak)
         return f"threads left running: {left}"
     return None
 

@@ -10,6 +10,8 @@ refused. A rank still running at the world's bound has its task cancelled.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import threading
 import time
 import traceback
@@ -72,8 +74,10 @@ def run_thread_world(
     if plan is not None and plan.ranks_that(Kind.KILL, Kind.STOP):
         raise ValueError("kill and stop faults need run_world(mode='process')")
     rt = get_runtime()
-    base_fds, base_threads, base_children = fd_names(), thread_ids(), child_pids()
+    # The baseline after the store: torch's first TCPStore server in a process
+    # opens a pipe it keeps for the process's life, which is no rank's leak.
     store = HarnessStore()
+    base_fds, base_threads, base_children = fd_names(), thread_ids(), child_pids()
     world_id = uuid.uuid4().hex[:12]
     results: list[Any] = [None] * world_size
     failures: dict[int, str] = {}
@@ -88,6 +92,8 @@ def run_thread_world(
             injector = Injector(plan.for_rank(rank), _DirectControl(store))
             dispatch.by_thread[threading.get_ident()] = injector
         ev = new_event_loop(loop)
+        executor = _Executor(rank)
+        ev.set_default_executor(executor)
         try:
             task = ev.create_task(rank_coroutine(fn, ctx, args))
             tasks[rank] = (ev, task)
@@ -101,24 +107,30 @@ def run_thread_world(
                 traceback.format_exception(exc)
             )
         finally:
-            release_store(ctx)
-            _close(ev)
+            try:
+                left = _close(ev, executor, max(deadline[0], time.monotonic() + CLOSE_GRACE))
+            except BaseException as exc:  # a leftover task stopped the loop, say
+                left = f"its loop's close raised: {exception_line(exc)}"
+            if left is not None:
+                failures.setdefault(rank, f"returned, but {left}")
+            release_store(ctx)  # after the close, as the process world does
 
     threads = [
         threading.Thread(target=rank_main, args=(r,), name=f"world-rank{r}", daemon=True)
         for r in range(world_size)
     ]
+    deadline = [time.monotonic() + timeout]  # the world's bound, read by rank_main's close
     try:
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + timeout
         for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            thread.join(max(0.0, deadline[0] - time.monotonic()))
         for rank, thread in enumerate(threads):
             if thread.is_alive():  # past the bound: cancel the rank's task
                 running = tasks.get(rank)
                 if running is not None:
-                    running[0].call_soon_threadsafe(running[1].cancel)
+                    with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                        running[0].call_soon_threadsafe(running[1].cancel)
                 thread.join(10)
                 state = (
                     "still running, blocked outside its event loop"
@@ -141,19 +153,56 @@ def run_thread_world(
     return results
 
 
-def _close(ev: asyncio.AbstractEventLoop) -> None:
+CLOSE_GRACE = 2.0
+"""How long a rank's loop close may wait for what the rank left (its tasks'
+cancellation, its executor calls) once the world's bound has passed."""
+
+
+class _Executor(concurrent.futures.ThreadPoolExecutor):
+    """A rank loop's default executor (``asyncio.to_thread``,
+    ``run_in_executor(None, ...)``), with threads the close can find by name."""
+
+    def __init__(self, rank: int) -> None:
+        self.prefix = f"world-rank{rank}-executor"
+        super().__init__(thread_name_prefix=self.prefix)
+
+    def threads(self) -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith(self.prefix + "_")]
+
+
+def _close(ev: asyncio.AbstractEventLoop, executor: _Executor, until: float) -> str | None:
     """Close a rank's loop as ``asyncio.run`` closes its own (the process
-    world's ranks run under it): cancel what the rank left, finish async
-    generators, and join the default executor's threads (``asyncio.to_thread``)
-    before closing. ``close()`` alone lets those threads end on their own time,
-    after the world has looked for threads left running."""
+    world's ranks run under it): cancel the tasks the rank left, finish its
+    async generators, and join its executor's threads, then close; each wait
+    bounded by ``until`` (monotonic), where ``asyncio.run`` waits forever.
+    Returns what the rank left that would not end by then, or None."""
     try:
         left = asyncio.all_tasks(ev)
         for task in left:
             task.cancel()
         if left:
-            ev.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-        ev.run_until_complete(ev.shutdown_asyncgens())
-        ev.run_until_complete(ev.shutdown_default_executor())
+            timeout = max(0.0, until - time.monotonic())
+            ev.run_until_complete(asyncio.wait(left, timeout=timeout))
+            stuck = [task for task in left if not task.done()]
+            if stuck:
+                return f"left {len(stuck)} task(s) that would not end when cancelled: {stuck}"
+            for task in left:  # as asyncio.run: a leftover task's error is logged
+                if not task.cancelled() and task.exception() is not None:
+                    ev.call_exception_handler(
+                        {
+                            "message": "a task the rank left raised as its loop closed",
+                            "exception": task.exception(),
+                            "task": task,
+                        }
+                    )
+        timeout = max(0.0, until - time.monotonic())
+        ev.run_until_complete(asyncio.wait_for(ev.shutdown_asyncgens(), timeout))
+        executor.shutdown(wait=False, cancel_futures=True)
+        for thread in executor.threads():
+            thread.join(max(0.0, until - time.monotonic()))
+        running = [t for t in executor.threads() if t.is_alive()]
+        if running:
+            return f"left executor calls running (asyncio.to_thread, run_in_executor): {running}"
+        return None
     finally:
         ev.close()
