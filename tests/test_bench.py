@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -789,3 +790,36 @@ def test_a_scale_trial_of_two_members_joins_counts_a_round_and_recovers() -> Non
     assert got.kill_to_good > 0
     assert got.ops_per_round >= 2  # a beat and a read of the roster at least
     assert got.bytes_per_round > 0
+
+
+def _commit_of_a_copy(root: Path, package_dir: Path) -> str:
+    """What ``commit()`` says for a copy of ftcomm at ``package_dir`` (its
+    parent on the path), inside the git repository ``root``."""
+    shutil.copytree(Path(ftcomm.__file__).parent, package_dir / "ftcomm")
+    env = {**os.environ, "PYTHONPATH": str(package_dir)}
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True, timeout=30)
+    subprocess.run([*git, "add", "-A"], check=True, timeout=30)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True, timeout=30)
+    subprocess.run([*git, "tag", "-a", "v9", "-m", "release"], check=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-c", "from ftcomm._bench.report import commit; print(commit())"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+def test_the_bench_records_its_own_checkouts_commit_and_no_other(tmp_path: Path) -> None:
+    """Review finding: ``git describe`` named a release tag, and, for a copy
+    installed inside another project's repository, that project's commit."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    assert re.fullmatch(r"[0-9a-f]{12}", _commit_of_a_copy(checkout, checkout))  # not "v9"
+    project = tmp_path / "project"
+    (project / "site-packages").mkdir(parents=True)
+    assert _commit_of_a_copy(project, project / "site-packages") == "None"

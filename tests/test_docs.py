@@ -332,8 +332,8 @@ def test_the_performance_page_script_renders_ratios_and_refuses_what_it_cannot_p
     assert section.endswith(page.END)
     first = doc["rows"][0]["workload"]
     raw, ours = ({r["case"]: r for r in doc["rows"] if r["workload"] == first}[c] for c in RAW_OURS)
-    assert f"| raw | {raw['p50_us']:,.0f} |" in section
-    assert f"| ftcomm | {ours['p50_us']:,.0f} |" in section
+    assert f"| raw | {page._us(raw['p50_us'])} |" in section
+    assert f"| ftcomm | {page._us(ours['p50_us'])} |" in section
     assert f" {ours['ratio_p50_vs_raw']:.2f}x |" in section
     with pytest.raises(ValueError, match="no section between"):
         page.splice("# a page without the markers\n", section)

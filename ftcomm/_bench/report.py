@@ -90,20 +90,31 @@ def format_table(plan: Plan, report: Report, notes: Sequence[str]) -> str:
 
 # -- JSON and plot ---------------------------------------------------------------------
 def commit() -> str | None:
-    """The git commit of the ftcomm measured (``+dirty`` with uncommitted
-    changes), or None outside a git checkout."""
-    try:
-        out = subprocess.run(
-            ["git", "describe", "--always", "--dirty=+dirty", "--abbrev=12"],
-            cwd=os.path.dirname(os.path.abspath(__file__)),
+    """The git commit of the ftcomm measured, 12 hex digits (``+dirty`` with
+    uncommitted changes to tracked files); None unless this package lies in a
+    git checkout of its own (an installed copy inside another project's
+    repository is not that project's commit)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    source = os.path.dirname(os.path.dirname(package))  # .../ftcomm/_bench -> the checkout
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "--no-optional-locks", *args],  # no index.lock beside the user's own git
+            cwd=package,
             capture_output=True,
             text=True,
             timeout=10,
             check=True,
-        )
+        ).stdout.strip()
+
+    try:
+        if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.realpath(source):
+            return None
+        head = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    return head + ("+dirty" if dirty else "")
 
 
 def machine() -> str:
