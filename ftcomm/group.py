@@ -118,8 +118,9 @@ class Group(Collectives):
             not wait for Python and torch to start (docs/subprocess.md).
         share_min_bytes: with ``subprocess=True``, move a CPU storage that a
             tensor of at least this many bytes brings back for another op into
-            shared memory, in place, where nothing else may alias it (``None``,
-            the default: always copy; docs/subprocess.md).
+            shared memory, in place; only for storages nothing else aliases,
+            which ftcomm cannot check (``None``, the default: always copy;
+            docs/subprocess.md).
         verify: (Gloo only) check with one small allgather before each
             collective that every rank issued the same op, else fail it with
             ``CommFailed`` on every rank, unsent (docs/verify.md).
@@ -134,7 +135,8 @@ class Group(Collectives):
     Raises:
         TypeError: an argument has the wrong type.
         ValueError: an unknown backend, a bad timeout, a negative
-            ``share_min_bytes``, or ``verify=True`` with NCCL/XCCL.
+            ``share_min_bytes``, a ``fuse_bytes`` under 16, or ``verify=True``
+            with NCCL/XCCL.
         RuntimeError: ``"nccl"`` or ``"xccl"`` where torch was built without
             it or sees no such device.
 

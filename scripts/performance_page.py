@@ -111,8 +111,9 @@ def _membership(m: dict[str, Any]) -> list[str]:
             "From the signal to the survivors' first good allreduce in the next "
             "generation (torchft: its first committed step); detection is the "
             "heartbeat timeout for a SIGKILL and the op deadline for a SIGSTOP, "
-            "and beyond is the total less it (negative: found sooner than the "
-            "timeout, as a killed member's listener refuses at once)."
+            "and beyond is the total less it (negative: found sooner, a killed "
+            "member by its listener refusing at once, a stopped one by its "
+            "heartbeat lapsing before the op deadline)."
         ),
         "",
     ]

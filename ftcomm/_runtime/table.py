@@ -223,7 +223,8 @@ class OpTable:
 
     Deadlines: an op that has not completed by its deadline ends with
     ``CommTimeout`` and breaks the table; every other op in flight ends with
-    ``CommAborted``, and a broken table refuses new ops at once. The deadline
+    ``CommAborted`` (one whose native op had ended keeps its own outcome),
+    and a broken table refuses new ops at once. The deadline
     is enforced twice: the native op gets the time left as its own timeout,
     and the owner loop keeps **one** timer per table, armed at the earliest
     deadline in flight or, with nothing in flight, one op-timeout ahead (a
@@ -505,11 +506,12 @@ class CutPoint:
 
 
 class OpRecord(Generic[R]):
-    """One issued op's record, and the one place it ends.
+    """One issued op's record, and how it ends.
 
     Every op ends exactly once: success, or one ftcomm error. Its life is a
-    table of three states, kept by :meth:`_settle` alone (the table's lock
-    guards both steps)::
+    table of three states, kept by :meth:`_settle`, and for a fused batch's
+    successful members by :func:`end_all` (the table's lock guards every
+    step)::
 
         PENDING  --claim (first settler)-->  SETTLING  --publish-->  ENDED
 
@@ -522,11 +524,13 @@ class OpRecord(Generic[R]):
     ``_end``; then ends the other ops in flight the same way, and only then
     wakes the waiters of all of them. (A native op stopped but still ending,
     as a severed Gloo op, breaks the table at once and is published once it
-    has ended: :meth:`_stop_and_publish`.) SETTLING is invisible: every
-    observer (``await``, ``wait()``, ``done()``, ``exception()``,
-    done-callbacks) sees the op pending until ENDED, so none sees an op ended
-    before its error is there, holds its error while the native op may still
-    write, or finds a sibling ended but unpublished. A settler that will break
+    has ended, or, overdue, ``STOP_WAIT`` after its abandon, while a send
+    may still be blocked: :meth:`_stop_and_publish`, docs/gloo.md.) SETTLING
+    is invisible: every observer (``await``, ``wait()``, ``done()``,
+    ``exception()``, done-callbacks) sees the op pending until ENDED, so none
+    sees an op ended before its error is there, holds its error while the
+    native op may still write into its tensors, or finds a sibling ended but
+    unpublished. A settler that will break
     the table names its error as the table's cause as it claims the op
     (:attr:`OpTable.stopping`).
 

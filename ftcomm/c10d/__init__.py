@@ -4,9 +4,8 @@ Swap ``from torchft.process_group import X`` for ``from ftcomm.c10d import X``.
 Every class here is a real ``torch.distributed.ProcessGroup`` (for DDP,
 ``torch.distributed.*(group=pg)``, functional collectives after
 ``pg.register(name)``, ``init_process_group("ftcomm-gloo")`` after
-``register_backends()``), and its ops return ``torch.distributed.Work``
-objects whose ``wait()`` and future end at the op's deadline. See
-docs/migrating.md and docs/facade.md.
+``register_backends()``); its ops' ``wait()`` and future end when the op does,
+at its deadline at the latest. See docs/migrating.md and docs/facade.md.
 """
 
 from ._baby import ProcessGroupBabyGloo as ProcessGroupBabyGloo

@@ -167,7 +167,8 @@ class ProcessGroup(dist.ProcessGroup):
                 kept for its callers).
             group_world_size: the size of that replica group (likewise).
             global_ranks: every member's default-group rank, by group rank,
-                where the caller knows them (found by exchange otherwise).
+                where the caller knows them (checked against the ranks'
+                exchange, which always runs).
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement configure")
 

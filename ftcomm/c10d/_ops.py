@@ -3,10 +3,10 @@
 :class:`GroupOps` takes the arguments torch passes to a ``ProcessGroup``
 (tensor lists, ``*Options``), issues the matching ``Group`` op on the calling
 thread and returns an :class:`~ftcomm.c10d._work.OpWork` whose future holds
-what c10d's would (the outputs, in c10d's nesting). Options: ``reduceOp`` and
-``rootRank`` are honoured; ``timeout`` is the op's deadline when positive, the
-group's when negative (c10d's "unset"). ftcomm drives one tensor per rank, so
-c10d's per-device lists must hold exactly one entry. See docs/facade.md.
+what c10d's would. Options: ``reduceOp`` and ``rootRank`` are honoured;
+``timeout`` is the op's deadline when zero or more (zero expires at once), the
+group's when negative (c10d's "unset"). One tensor per rank: c10d's
+per-device lists must hold exactly one entry. See docs/facade.md.
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ class Launcher:
         backend: the backend the workers run (``"gloo"``, ``"dummy"``, ...).
         spare: keep one worker started ahead (one idle process), so that
             ``configure()`` does not wait for a new process to start Python
-            and import torch (1.5-2 s on the CI machine); the group starts it
+            and import torch (about a second: docs/performance.md); the group starts it
             with :meth:`refill` once each configuration is up.
         share_min_bytes: move a CPU storage into shared memory, in place, when
             a tensor of at least this many bytes brings it back for another
