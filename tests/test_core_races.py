@@ -983,6 +983,80 @@ def test_a_failure_from_before_the_stop_keeps_its_own_error(table: OpTable, caus
     assert not sibling.cancelled()
 
 
+@pytest.mark.parametrize("cause", ["deadline", "cancel"])
+def test_a_failure_from_before_the_stop_that_settles_during_it_keeps_its_error(
+    table: OpTable, cause: str
+) -> None:
+    """Review finding: the same, for a sibling whose own end settles it while
+    the settler stops the group (a look at it from the abandon, here), the
+    other path of the rule (_settle_quietly's)."""
+    sibling_native = ScriptedOp()
+    sibling = issue(table, sibling_native, 60.0)
+    died = RuntimeError("Connection reset by peer [127.0.0.1]:4242")
+    sibling_native.finish(died)  # failed before the stop, unwatched
+    work = issue(table, _StopFailsOthers(sibling.done, stops=False), 60.0)
+    if cause == "deadline":
+        work._expire()
+    else:
+        assert work.cancel() is True
+    error = sibling.exception()
+    assert type(error) is ftcomm.CommFailed, error
+    assert error.__cause__ is died
+
+
+def test_a_peek_that_raises_as_the_stop_is_claimed_leaves_the_op_unclaimed(
+    table: OpTable,
+) -> None:
+    """Review finding: a sibling's peek() raising while the settler records
+    which ops had ended (under the lock, after its claim) left the op claimed
+    and out of the table, so that nothing could end it, and the stop's cause
+    behind for an unrelated break."""
+
+    class BadPeek(ScriptedOp):
+        raised = False
+
+        def peek(self) -> bool:
+            if not self.raised:  # once: the break that follows peeks it again
+                self.raised = True
+                raise RuntimeError("a bug in a sibling's peek()")
+            return False
+
+    issue(table, BadPeek(), 60.0)
+    work = issue(table, ScriptedOp(), 60.0)
+    with pytest.raises(RuntimeError, match="sibling's peek"):
+        work.cancel()
+    assert table.stopping is None
+    assert work.seq in table.inflight  # still pending: a break can end it
+    peer_died = ftcomm.CommFailed("a peer died")
+    table.break_(peer_died)
+    assert table.error is peer_died  # named after its own cause, not the cancel
+    with pytest.raises(ftcomm.CommAborted, match="a peer died"):
+        work.wait(5)
+
+
+def test_the_fault_wrappers_peek_without_the_inner_ops_side_effects(table: OpTable) -> None:
+    """Review finding: the fault wrappers had no peek(), so the stop's record
+    of ended ops (under the table's lock) fell back to their poll(), which
+    polls the inner op: a subprocess call's poll reads its socket and may
+    settle another op on this thread, which takes the lock again."""
+    from ftcomm.testing import _faults
+
+    class Inner(ScriptedOp):
+        def poll(self) -> bool:
+            raise AssertionError("poll() under the table's lock")
+
+        def peek(self) -> bool:
+            return False
+
+    late, failed = _faults._LateOp(Inner(), 0.0), _faults._FailedOp(Inner(), "injected")
+    assert (late.peek(), failed.peek()) == (False, False)
+    issue(table, late, 60.0)
+    issue(table, failed, 60.0)
+    work = issue(table, ScriptedOp(), 60.0)
+    assert work.cancel() is True
+    assert isinstance(table.error, ftcomm.CommAborted)
+
+
 def test_a_settler_that_fails_before_its_break_leaves_no_stale_cause(table: OpTable) -> None:
     """A bug below (here: peek() raises) takes the settler out between its
     claim and its break: the cause it named is dropped, so a later break of

@@ -651,12 +651,18 @@ class OpRecord(Generic[R]):
             if breaks and isinstance(error, CommError):
                 stopping = table.stopping
                 if stopping is None:
+                    try:
+                        done = frozenset(
+                            seq
+                            for seq, work in table.inflight.items()
+                            if work._native is not None and peek(work._native)
+                        )
+                    except BaseException:  # a bug below, KeyboardInterrupt: unclaim
+                        self._claimed = False
+                        table.inflight[self.seq] = self
+                        raise
                     table.stopping = error  # what a failure the stop causes breaks with
-                    table.done_at_stop = frozenset(
-                        seq
-                        for seq, work in table.inflight.items()
-                        if work._native is not None and peek(work._native)
-                    )
+                    table.done_at_stop = done
                 elif (
                     table.error is None
                     and type(error) is CommFailed

@@ -27,6 +27,7 @@ from .._protocol import Kind as ProtoKind
 from .._runtime import faults as _seam
 from .._runtime.loop import get_runtime
 from .._runtime.native import Done, NativeOp
+from .._runtime.table import peek
 
 log = logging.getLogger("ftcomm")
 
@@ -392,6 +393,9 @@ class _LateOp:
     def poll(self) -> bool:
         return time.monotonic() >= self._ready_at and self._inner.poll()
 
+    def peek(self) -> bool:  # poll() without the inner op's side effects
+        return time.monotonic() >= self._ready_at and peek(self._inner)
+
     def outcome(self) -> BaseException | None:
         return self._inner.outcome()
 
@@ -416,6 +420,9 @@ class _FailedOp:
 
     def poll(self) -> bool:
         return self._inner.poll()
+
+    def peek(self) -> bool:  # poll() without the inner op's side effects
+        return peek(self._inner)
 
     def outcome(self) -> BaseException | None:
         return self._error
