@@ -327,3 +327,94 @@ def test_the_first_thread_world_of_a_process_reports_no_leak() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "ok"
+
+
+_ran: list[int] = []
+
+
+async def leaves_queued_executor_calls(ctx: RankContext) -> str:
+    loop = asyncio.get_running_loop()
+    for i in range(12):  # more than the executor's threads: some wait in its queue
+        loop.run_in_executor(None, lambda i=i: (time.sleep(0.05), _ran.append(i)))
+    return "returned"
+
+
+def test_a_rank_loop_runs_the_executor_calls_still_queued_as_asyncio_run_does() -> None:
+    """Review finding: the close cancelled the calls not yet started, so a
+    test passed although its work never happened."""
+    _ran.clear()
+    assert run_world(leaves_queued_executor_calls, 1, mode="thread") == ["returned"]
+    assert sorted(_ran) == list(range(12))
+
+
+async def trivial(ctx: RankContext) -> int:
+    return ctx.rank
+
+
+def test_one_worlds_leftover_executor_thread_is_not_the_next_worlds() -> None:
+    """Review finding: the close found a rank's executor threads by a name
+    every world's rank 0 shares, and so took a thread an earlier world left
+    blocked for its own."""
+    _release.clear()
+    try:
+        with pytest.raises(WorldError, match="left executor calls running"):
+            run_world(leaves_an_executor_call_blocked, 1, mode="thread", timeout=1)
+        assert run_world(trivial, 1, mode="thread", timeout=10) == [0]
+    finally:
+        _release.set()
+
+
+_held_after: list[int] = []
+BREAK_STORE = FaultPlan.of(Fault.break_store(0, 0))
+
+
+async def leaks_after_the_store_breaks(ctx: RankContext) -> None:
+    async with ftcomm.Group("gloo", timeout=5) as g:
+        await g.configure(ctx.addr(), ctx.rank, ctx.world_size)
+        await g.allreduce(torch.ones(1))  # op 0: the harness drops its store here
+        await g.allreduce(torch.ones(1))
+    _held_after.extend(os.pipe())  # may reuse a number the store freed
+
+
+def test_a_leaked_fd_that_reuses_a_number_the_store_freed_is_seen() -> None:
+    """Review finding: with the fd baseline taken after the world's store, a
+    rank's fd that reused the number of one the store had freed (a
+    break_store fault drops the server) was not seen."""
+    run_world(trivial, 1, mode="thread")  # the process's first store: its lasting pipe
+    try:
+        with pytest.raises(WorldError, match="fds left open"):
+            run_world(leaks_after_the_store_breaks, 1, mode="thread", plan=BREAK_STORE)
+    finally:
+        for fd in _held_after:
+            os.close(fd)
+        _held_after.clear()
+
+
+async def leaves_a_generator_that_will_not_close(ctx: RankContext) -> str:
+    async def stubborn() -> Any:
+        try:
+            yield 1
+        finally:
+            while not _release.is_set():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(0.05)
+
+    gen = stubborn()
+    await gen.__anext__()  # suspended in its try: its aclose() runs the finally
+    _kept_gens.append(gen)
+    return "returned"
+
+
+_kept_gens: list[Any] = []
+
+
+def test_an_async_generator_that_will_not_close_is_named_within_the_bound() -> None:
+    _release.clear()
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorldError, match="async generators that would not close"):
+            run_world(leaves_a_generator_that_will_not_close, 1, mode="thread", timeout=1)
+    finally:
+        _release.set()
+        _kept_gens.clear()
+    assert time.monotonic() - started < 1 + 2 + 5

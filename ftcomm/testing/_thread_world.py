@@ -27,6 +27,7 @@ from ._base import (
     RankFn,
     child_pids,
     exception_line,
+    fd_links,
     fd_names,
     find_leaks,
     rank_coroutine,
@@ -74,12 +75,16 @@ def run_thread_world(
     if plan is not None and plan.ranks_that(Kind.KILL, Kind.STOP):
         raise ValueError("kill and stop faults need run_world(mode='process')")
     rt = get_runtime()
-    # The baseline after the store: torch's first TCPStore server in a process
-    # opens a pipe it keeps for the process's life, which is no rank's leak.
-    store = HarnessStore()
     base_fds, base_threads, base_children = fd_names(), thread_ids(), child_pids()
+    store = HarnessStore()
+    # torch's first TCPStore server in a process opens a pipe it keeps for the
+    # process's life: what the store opened and still holds, as the same
+    # object, at the end is the store's, not a rank's leak (a number it freed
+    # and a rank reused is seen).
+    store_fds = fd_links(fd_names() - base_fds)
     world_id = uuid.uuid4().hex[:12]
     results: list[Any] = [None] * world_size
+    returned: set[int] = set()  # ranks whose function has ended (they may be closing)
     failures: dict[int, str] = {}
     tasks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = {}
     dispatch = _PerThread()
@@ -92,12 +97,15 @@ def run_thread_world(
             injector = Injector(plan.for_rank(rank), _DirectControl(store))
             dispatch.by_thread[threading.get_ident()] = injector
         ev = new_event_loop(loop)
-        executor = _Executor(rank)
+        executor = _Executor(f"world-{world_id}-rank{rank}-executor")
         ev.set_default_executor(executor)
         try:
             task = ev.create_task(rank_coroutine(fn, ctx, args))
             tasks[rank] = (ev, task)
-            results[rank] = ev.run_until_complete(task)
+            try:
+                results[rank] = ev.run_until_complete(task)
+            finally:
+                returned.add(rank)
             if injector is not None and plan is not None:
                 unfired = plan.unfired(rank, (f.op for f in injector.applied))
                 if unfired:
@@ -126,24 +134,28 @@ def run_thread_world(
         for thread in threads:
             thread.join(max(0.0, deadline[0] - time.monotonic()))
         for rank, thread in enumerate(threads):
-            if thread.is_alive():  # past the bound: cancel the rank's task
-                running = tasks.get(rank)
-                if running is not None:
-                    with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
-                        running[0].call_soon_threadsafe(running[1].cancel)
-                thread.join(10)
-                state = (
-                    "still running, blocked outside its event loop"
-                    if thread.is_alive()
-                    else "cancelled"
+            if not thread.is_alive():
+                continue
+            closing = rank in returned  # its close names what it waits for
+            running = tasks.get(rank)
+            if running is not None and not closing:  # past the bound: cancel its task
+                with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                    running[0].call_soon_threadsafe(running[1].cancel)
+            thread.join(10 + CLOSE_GRACE)
+            if thread.is_alive():
+                where = "in its loop's close" if closing else "outside its event loop"
+                failures.setdefault(
+                    rank, f"did not finish within {timeout} s (still running, blocked {where})"
                 )
-                failures.setdefault(rank, f"did not finish within {timeout} s ({state})")
+            elif not closing:
+                failures.setdefault(rank, f"did not finish within {timeout} s (cancelled)")
     finally:
         if plan is not None:
             _seam.set_injector(previous)
         store.close()
     if not failures:
-        leaked = find_leaks(rt, base_fds, base_threads, base_children)
+        kept = {fd for fd, now in fd_links(store_fds).items() if now and now == store_fds[fd]}
+        leaked = find_leaks(rt, base_fds | kept, base_threads, base_children)
         if leaked:
             failures[-1] = f"the world left behind: {leaked}"
     if failures:
@@ -156,15 +168,18 @@ def run_thread_world(
 CLOSE_GRACE = 2.0
 """How long a rank's loop close may wait for what the rank left (its tasks'
 cancellation, its executor calls) once the world's bound has passed."""
+MIN_WAIT = 0.1  # a step of the loop, at least, for what ends at once
 
 
 class _Executor(concurrent.futures.ThreadPoolExecutor):
     """A rank loop's default executor (``asyncio.to_thread``,
-    ``run_in_executor(None, ...)``), with threads the close can find by name."""
+    ``run_in_executor(None, ...)``), with threads the close can find by name
+    (``prefix``: the world's id and the rank's). An executor a rank installs
+    itself is the rank's to shut down: the close does not wait for it."""
 
-    def __init__(self, rank: int) -> None:
-        self.prefix = f"world-rank{rank}-executor"
-        super().__init__(thread_name_prefix=self.prefix)
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        super().__init__(thread_name_prefix=prefix)
 
     def threads(self) -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name.startswith(self.prefix + "_")]
@@ -181,7 +196,7 @@ def _close(ev: asyncio.AbstractEventLoop, executor: _Executor, until: float) -> 
         for task in left:
             task.cancel()
         if left:
-            timeout = max(0.0, until - time.monotonic())
+            timeout = max(MIN_WAIT, until - time.monotonic())
             ev.run_until_complete(asyncio.wait(left, timeout=timeout))
             stuck = [task for task in left if not task.done()]
             if stuck:
@@ -195,9 +210,14 @@ def _close(ev: asyncio.AbstractEventLoop, executor: _Executor, until: float) -> 
                             "task": task,
                         }
                     )
-        timeout = max(0.0, until - time.monotonic())
-        ev.run_until_complete(asyncio.wait_for(ev.shutdown_asyncgens(), timeout))
-        executor.shutdown(wait=False, cancel_futures=True)
+        # asyncio.wait, not wait_for: a generator whose aclose() swallows its
+        # cancel would hold wait_for past any bound (3.11).
+        closing = ev.create_task(ev.shutdown_asyncgens())
+        timeout = max(MIN_WAIT, until - time.monotonic())
+        ev.run_until_complete(asyncio.wait({closing}, timeout=timeout))
+        if not closing.done():
+            return "left async generators that would not close"
+        executor.shutdown(wait=False)  # the queued calls run, as under asyncio.run
         for thread in executor.threads():
             thread.join(max(0.0, until - time.monotonic()))
         running = [t for t in executor.threads() if t.is_alive()]
