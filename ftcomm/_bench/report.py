@@ -90,10 +90,10 @@ def format_table(plan: Plan, report: Report, notes: Sequence[str]) -> str:
 
 # -- JSON and plot ---------------------------------------------------------------------
 def commit() -> str | None:
-    """The git commit of the ftcomm measured, 12 hex digits (``+dirty`` with
-    uncommitted changes to tracked files); None unless this package lies in a
-    git checkout of its own (an installed copy inside another project's
-    repository is not that project's commit)."""
+    """The git commit of the ftcomm measured, 12 or more hex digits
+    (``+dirty`` with uncommitted changes to tracked files); None unless this
+    package is tracked in a git checkout of its own (an installed copy inside
+    another project's repository is not that project's commit)."""
     package = os.path.dirname(os.path.abspath(__file__))
     source = os.path.dirname(os.path.dirname(package))  # .../ftcomm/_bench -> the checkout
 
@@ -101,6 +101,7 @@ def commit() -> str | None:
         return subprocess.run(
             ["git", "--no-optional-locks", *args],  # no index.lock beside the user's own git
             cwd=package,
+            env={k: v for k, v in os.environ.items() if not k.startswith("GIT_")},
             capture_output=True,
             text=True,
             timeout=10,
@@ -110,6 +111,7 @@ def commit() -> str | None:
     try:
         if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.realpath(source):
             return None
+        git("ls-files", "--error-unmatch", os.path.basename(__file__))  # tracked, not a copy
         head = git("rev-parse", "--short=12", "HEAD")
         dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
