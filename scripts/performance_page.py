@@ -125,7 +125,7 @@ def _membership(m: dict[str, Any]) -> list[str]:
             _num(r.get("p50_ms")),
             _num(r.get("p90_ms")),
             _num(r.get("beyond_p50_ms")),
-            r["failed"] or "",
+            r["failed"] or (f"{r['voided']} trial(s) voided" if r.get("voided") else ""),
         ]
         for r in m["rows"]
     ]

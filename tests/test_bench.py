@@ -13,6 +13,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -824,3 +825,43 @@ def test_the_bench_records_its_own_checkouts_commit_and_no_other(tmp_path: Path)
     project = tmp_path / "project"
     (project / "site-packages").mkdir(parents=True)
     assert _commit_of_a_copy(project, project / "site-packages") == "None"
+
+
+def _tries(*outcomes: float | str) -> Callable[[int], float]:
+    """A row's trials: a number is a trial's seconds, a string its failure."""
+    left = list(outcomes)
+
+    def run(n: int) -> float:
+        outcome = left.pop(0)
+        if isinstance(outcome, str):
+            raise membership.TrialFailed(outcome)
+        return outcome
+
+    return run
+
+
+EVICTED = "m2 failed:\n... ftcomm.errors.Evicted: member 'm2' was dropped from job 'bench-kill-0'"
+
+
+def test_a_trial_whose_survivor_was_evicted_starved_is_voided_and_run_again() -> None:
+    """Seen in CI on a loaded box: a survivor whose own heartbeat came 0.4 s
+    late (timeout 0.3 s) was evicted, and the whole bench failed for it."""
+    row = membership._row("ftcomm store", "kill", 2, _tries(0.3, EVICTED, 0.4))
+    assert (row.totals, row.voided, row.failed) == ([0.3, 0.4], 1, None)
+    text = membership.format_membership([row], [])
+    assert "1 trial(s) voided and run again: a survivor was evicted" in text
+    assert membership.membership_json([row], [])["rows"][0]["voided"] == 1
+
+
+@pytest.mark.parametrize(
+    "outcomes",
+    [
+        pytest.param((EVICTED,) * (membership.VOIDS + 1), id="evicted past the voids"),
+        pytest.param(("m1 failed: an allreduce of ones gave 2.0, not 3",), id="another failure"),
+    ],
+)
+def test_other_trial_failures_fail_the_row(outcomes: tuple[str, ...]) -> None:
+    row = membership._row("ftcomm store", "kill", 1, _tries(*outcomes))
+    assert row.totals == []
+    assert row.failed is not None
+    assert row.failed.startswith("trial 1: TrialFailed: ")
