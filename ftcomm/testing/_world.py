@@ -255,7 +255,7 @@ def run_world(
         WorldError: a rank raised, died unexpectedly, hung, or left something behind.
         ValueError: an unknown ``loop`` or ``mode``, kill/stop or network
             faults in thread mode, network faults with ``network=False``, or
-            (process mode) faults on a rank outside the world.
+            faults on a rank outside the world.
         TypeError: ``network`` is neither a bool nor ``None``.
         RuntimeError: a network world cannot run here, or its namespaces
             could not be made (the command's own words).
@@ -270,15 +270,15 @@ def run_world(
     network = network_faults if network is None else network
     if network and mode == "thread":
         raise ValueError("network faults and network=True need run_world(mode='process')")
-    if mode == "thread":
-        return run_thread_world(fn, world_size, loop, args, plan, timeout, backend)
-    if mode != "process":
+    if mode not in ("process", "thread"):
         raise ValueError(f"mode must be 'process' or 'thread', got {mode!r}")
-    expect_exit = dict(expect_exit or {})
     if plan is not None:
         outside = sorted({f.rank for f in plan.faults if f.rank >= world_size})
         if outside:
             raise ValueError(f"the plan has faults on ranks {outside} of a world of {world_size}")
+    if mode == "thread":
+        return run_thread_world(fn, world_size, loop, args, plan, timeout, backend)
+    expect_exit = dict(expect_exit or {})
     doomed = plan.ranks_that(Kind.KILL, Kind.STOP) if plan is not None else set()
     ctx_mp = _mp_context()
     started = time.monotonic()
