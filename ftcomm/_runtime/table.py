@@ -646,21 +646,24 @@ class OpRecord(Generic[R]):
         with table.lock:
             if self._claimed:
                 return None
+            stops = breaks and isinstance(error, CommError) and table.stopping is None
+            # Before the claim: a peek that raises (a bug below) leaves the op
+            # pending, as it was (_claimed only ever turns true: work.py reads
+            # it without the lock).
+            done = (
+                frozenset(
+                    seq
+                    for seq, work in table.inflight.items()
+                    if work is not self and work._native is not None and peek(work._native)
+                )
+                if stops
+                else frozenset()
+            )
             self._claimed = True  # PENDING -> SETTLING
             table.inflight.pop(self.seq, None)
             if breaks and isinstance(error, CommError):
                 stopping = table.stopping
                 if stopping is None:
-                    try:
-                        done = frozenset(
-                            seq
-                            for seq, work in table.inflight.items()
-                            if work._native is not None and peek(work._native)
-                        )
-                    except BaseException:  # a bug below, KeyboardInterrupt: unclaim
-                        self._claimed = False
-                        table.inflight[self.seq] = self
-                        raise
                     table.stopping = error  # what a failure the stop causes breaks with
                     table.done_at_stop = done
                 elif (

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -199,11 +199,6 @@ def _link(fd: str) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:  # closed since it was listed
         return ""
-
-
-def fd_links(fds: Iterable[str]) -> dict[str, str]:
-    """What each of ``fds`` (``fd_names()``) is now (``""``: closed)."""
-    return {fd: _link(fd) for fd in fds}
 
 
 def settle_fds(left: Callable[[], set[str]], cap: float = 2.0) -> set[str]:

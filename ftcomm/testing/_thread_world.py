@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import threading
 import time
 import traceback
@@ -27,7 +28,6 @@ from ._base import (
     RankFn,
     child_pids,
     exception_line,
-    fd_links,
     fd_names,
     find_leaks,
     rank_coroutine,
@@ -75,13 +75,9 @@ def run_thread_world(
     if plan is not None and plan.ranks_that(Kind.KILL, Kind.STOP):
         raise ValueError("kill and stop faults need run_world(mode='process')")
     rt = get_runtime()
+    _first_store_of_the_process()
     base_fds, base_threads, base_children = fd_names(), thread_ids(), child_pids()
     store = HarnessStore()
-    # torch's first TCPStore server in a process opens a pipe it keeps for the
-    # process's life: what the store opened and still holds, as the same
-    # object, at the end is the store's, not a rank's leak (a number it freed
-    # and a rank reused is seen).
-    store_fds = fd_links(fd_names() - base_fds)
     world_id = uuid.uuid4().hex[:12]
     results: list[Any] = [None] * world_size
     returned: set[int] = set()  # ranks whose function has ended (they may be closing)
@@ -154,8 +150,7 @@ def run_thread_world(
             _seam.set_injector(previous)
         store.close()
     if not failures:
-        kept = {fd for fd, now in fd_links(store_fds).items() if now and now == store_fds[fd]}
-        leaked = find_leaks(rt, base_fds | kept, base_threads, base_children)
+        leaked = find_leaks(rt, base_fds, base_threads, base_children)
         if leaked:
             failures[-1] = f"the world left behind: {leaked}"
     if failures:
@@ -163,6 +158,16 @@ def run_thread_world(
             [f"rank {r} {text}" if r >= 0 else text for r, text in sorted(failures.items())], plan
         )
     return results
+
+
+@functools.cache
+def _first_store_of_the_process() -> None:
+    """Start and stop a store once, before any world counts fds: torch's
+    first TCPStore server in a process opens a pipe it keeps for the
+    process's life, which is no rank's leak. (Counting the world's store's
+    own fds as the baseline instead would hide a rank's fd that reused a
+    number the store freed: a ``break_store`` fault drops the server.)"""
+    HarnessStore().close()
 
 
 CLOSE_GRACE = 2.0
