@@ -7,6 +7,7 @@ tables and JSON)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -840,7 +841,13 @@ def _tries(*outcomes: float | str) -> Callable[[int], float]:
     return run
 
 
-EVICTED = "m2 failed:\n... ftcomm.errors.Evicted: member 'm2' was dropped from job 'bench-kill-0'"
+EVICTED = """m2 failed:
+ftcomm: membership m2: its heartbeat round took 0.43 s (timeout 0.30 s): no member is called dead
+Traceback (most recent call last):
+  File "membership.py", line 237, in _member_steps
+ftcomm.errors.Evicted: member 'm2' was dropped from job 'bench-kill-0': generation 2 was formed \
+without it (m0, m1); its heartbeat stopped or it did not come in time. join() again
+""".replace("\\\n", "")
 
 
 def test_a_trial_whose_survivor_was_evicted_starved_is_voided_and_run_again() -> None:
@@ -858,6 +865,15 @@ def test_a_trial_whose_survivor_was_evicted_starved_is_voided_and_run_again() ->
     [
         pytest.param((EVICTED,) * (membership.VOIDS + 1), id="evicted past the voids"),
         pytest.param(("m1 failed: an allreduce of ones gave 2.0, not 3",), id="another failure"),
+        pytest.param(
+            (EVICTED.replace("ftcomm: membership m2: its heartbeat round took", "ftcomm:"),),
+            id="evicted with its heartbeat on time",
+        ),
+        pytest.param(
+            (EVICTED.replace("its heartbeat stopped or", "it could not exchange data; or"),),
+            id="evicted for another reason",
+        ),
+        pytest.param((EVICTED + "\nRuntimeError: the teardown failed after it\n",), id="chained"),
     ],
 )
 def test_other_trial_failures_fail_the_row(outcomes: tuple[str, ...]) -> None:
@@ -865,3 +881,19 @@ def test_other_trial_failures_fail_the_row(outcomes: tuple[str, ...]) -> None:
     assert row.totals == []
     assert row.failed is not None
     assert row.failed.startswith("trial 1: TrialFailed: ")
+
+
+def test_a_member_keeps_its_late_heartbeat_warnings_for_its_failure() -> None:
+    """What _fail sends first: the member's own warnings, as logged."""
+    membership._LATE.clear()
+    keep = membership._OnPurpose()
+    late = logging.LogRecord(
+        "ftcomm", logging.WARNING, __file__, 1,
+        "ftcomm: membership %s: its heartbeat round took %.2f s (timeout %.2f s): ...",
+        ("m2", 0.43, 0.3), None,
+    )  # fmt: skip
+    assert keep.filter(late)
+    assert membership._LATE == [
+        "ftcomm: membership m2: its heartbeat round took 0.43 s (timeout 0.30 s): ..."
+    ]
+    membership._LATE.clear()

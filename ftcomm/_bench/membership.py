@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import multiprocessing.connection
 import os
+import re
 import signal
 import time
 import traceback
@@ -165,9 +166,11 @@ def _take_env(env: Mapping[str, str]) -> None:
 
 
 def _fail(conn: Connection) -> None:
-    """Say what failed (the parent raises it as :class:`TrialFailed`), and leave now."""
+    """Say what failed (the parent raises it as :class:`TrialFailed`): the
+    heartbeat rounds of its own it said overran (:func:`_starved` reads
+    them), then the error; and leave now."""
     with contextlib.suppress(Exception):
-        conn.send(("error", traceback.format_exc()))
+        conn.send(("error", "".join(f"{line}\n" for line in _LATE) + traceback.format_exc()))
     os._exit(1)
 
 
@@ -185,11 +188,19 @@ def _host(
         _fail(conn)
 
 
+_LATE: list[str] = []  # this member's "heartbeat round took" warnings
+
+
 class _OnPurpose(logging.Filter):
     """Drops ftcomm's "group aborted" records: in a trial every abort is one
-    the bench caused (a trial that goes wrong fails, and says why)."""
+    the bench caused (a trial that goes wrong fails, and says why). Keeps the
+    member's warnings that a heartbeat round of its own overran, for
+    :func:`_fail`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "its heartbeat round took" in message:
+            _LATE.append(message)
         return getattr(record, "ftcomm_event", None) != "aborted"
 
 
@@ -483,6 +494,23 @@ VOIDS = 2
 survivor was evicted because its own heartbeat came late (a machine starving
 it, with a 0.3 s timeout; the engine did as it should). Counted in the row."""
 
+_EVICTED = re.compile(
+    r"^ftcomm\.errors\.Evicted: member '(?P<member>[^']+)' was dropped from job .*"
+    r"its heartbeat stopped or it did not come in time"
+)
+
+
+def _starved(failure: str) -> bool:
+    """Whether a trial's failure is a survivor evicted for its own late
+    heartbeat: its error, the last line, is that eviction (not one for being
+    cut off, nor one in the chain of another error), and the member had said
+    that a heartbeat round of its own overran the timeout."""
+    lines = [line.strip() for line in failure.strip().splitlines() if line.strip()]
+    found = _EVICTED.match(lines[-1]) if lines else None
+    if found is None:
+        return False
+    return f"membership {found['member']}: its heartbeat round took" in failure
+
 
 def _row(system: str, fault: str, trials: int, run: Callable[[int], float]) -> Row:
     row = Row(system, fault)
@@ -492,7 +520,7 @@ def _row(system: str, fault: str, trials: int, run: Callable[[int], float]) -> R
             try:
                 row.totals.append(run(n))
             except TrialFailed as exc:
-                if "Evicted:" not in str(exc) or row.voided >= VOIDS:
+                if not _starved(str(exc)) or row.voided >= VOIDS:
                     raise
                 row.voided += 1
             n += 1
