@@ -960,18 +960,24 @@ def test_a_failure_the_stop_causes_does_not_replace_the_stops_cause(
         assert sibling.cancelled()
 
 
+@pytest.mark.parametrize("settled", ["by the break", "during the abandon"])
 @pytest.mark.parametrize("cause", ["deadline", "cancel"])
-def test_a_failure_from_before_the_stop_keeps_its_own_error(table: OpTable, cause: str) -> None:
-    """Review finding: an op nobody looked at failed natively (a peer died)
-    before another op's deadline or cancel stopped the group. The break
-    finds it failed; its failure is its own, not the stop's: CommFailed,
-    naming the peer's error, and not marked cancelled by a later cancel()."""
+def test_a_failure_from_before_the_stop_keeps_its_own_error(
+    table: OpTable, cause: str, settled: str
+) -> None:
+    """Review findings: an op nobody looked at failed natively (a peer died)
+    before another op's deadline or cancel stopped the group. Whether the
+    break finds it failed, or its own end settles it while the settler stops
+    the group (a look at it from the abandon: _settle_quietly's path), its
+    failure is its own, not the stop's: CommFailed, naming the peer's error,
+    and not marked cancelled by a later cancel()."""
     sibling_native = ScriptedOp()
     sibling = issue(table, sibling_native, 60.0)  # unwatched: nothing settles it
     died = RuntimeError("Connection reset by peer [127.0.0.1]:4242")
     sibling_native.finish(died)
     assert sibling.seq in table.inflight  # ended natively, not yet as an op (done() would look)
-    work = issue(table, _StopFailsOthers(lambda: None, stops=False), 60.0)
+    look = sibling.done if settled == "during the abandon" else (lambda: None)
+    work = issue(table, _StopFailsOthers(look, stops=False), 60.0)
     if cause == "deadline":
         work._expire()
     else:
@@ -981,27 +987,6 @@ def test_a_failure_from_before_the_stop_keeps_its_own_error(table: OpTable, caus
     assert error.__cause__ is died
     assert sibling.cancel() is False
     assert not sibling.cancelled()
-
-
-@pytest.mark.parametrize("cause", ["deadline", "cancel"])
-def test_a_failure_from_before_the_stop_that_settles_during_it_keeps_its_error(
-    table: OpTable, cause: str
-) -> None:
-    """Review finding: the same, for a sibling whose own end settles it while
-    the settler stops the group (a look at it from the abandon, here), the
-    other path of the rule (_settle_quietly's)."""
-    sibling_native = ScriptedOp()
-    sibling = issue(table, sibling_native, 60.0)
-    died = RuntimeError("Connection reset by peer [127.0.0.1]:4242")
-    sibling_native.finish(died)  # failed before the stop, unwatched
-    work = issue(table, _StopFailsOthers(sibling.done, stops=False), 60.0)
-    if cause == "deadline":
-        work._expire()
-    else:
-        assert work.cancel() is True
-    error = sibling.exception()
-    assert type(error) is ftcomm.CommFailed, error
-    assert error.__cause__ is died
 
 
 def test_a_peek_that_raises_as_the_stop_is_claimed_leaves_the_op_unclaimed(
