@@ -61,6 +61,12 @@ class TrialFailed(Exception):
     """A trial's process failed, exited, or said nothing in time."""
 
 
+class SetupFailed(TrialFailed):
+    """A trial failed before its signal: its engine or its first generation
+    of three was not there in time (on a loaded machine, a member that
+    starts late misses the join window). Nothing was measured yet."""
+
+
 # -- the engines --------------------------------------------------------------------------
 @contextlib.contextmanager
 def _serve_store() -> Iterator[str]:
@@ -425,12 +431,15 @@ def _trial(
     procs = _Procs(ctx)
     try:
         deadline = time.monotonic() + _TRIAL_TIMEOUT
-        procs.start("engine", _host, serve)
-        address: str = procs.expect(["engine"], "address", deadline)["engine"][1]
         names = [f"m{i}" for i in range(MEMBERS)]
-        for name in names:
-            start_member(procs, name, address, n)
-        procs.expect(names, "in", deadline, where=lambda m: m[1] == MEMBERS)
+        try:
+            procs.start("engine", _host, serve)
+            address: str = procs.expect(["engine"], "address", deadline)["engine"][1]
+            for name in names:
+                start_member(procs, name, address, n)
+            procs.expect(names, "in", deadline, where=lambda m: m[1] == MEMBERS)
+        except TrialFailed as exc:
+            raise SetupFailed(f"before the signal: {exc}") from exc
         time.sleep(_SETTLE)
         victim = names[n % MEMBERS]
         survivors = [name for name in names if name != victim]
@@ -490,7 +499,8 @@ class Row:
 
 
 VOIDS = 2
-"""Trials of a row that may be voided and run again: those in which a
+"""Trials of a row that may be voided and run again: those that failed before
+their signal (:class:`SetupFailed`: nothing measured), and those in which a
 survivor was evicted because its own heartbeat came late (a machine starving
 it, with a 0.3 s timeout; the engine did as it should). Counted in the row."""
 
@@ -520,7 +530,8 @@ def _row(system: str, fault: str, trials: int, run: Callable[[int], float]) -> R
             try:
                 row.totals.append(run(n))
             except TrialFailed as exc:
-                if not _starved(str(exc)) or row.voided >= VOIDS:
+                voidable = isinstance(exc, SetupFailed) or _starved(str(exc))
+                if not voidable or row.voided >= VOIDS:
                     raise
                 row.voided += 1
             n += 1
@@ -593,8 +604,8 @@ def format_membership(rows: Sequence[Row], notes: Sequence[str]) -> str:
         "by its heartbeat)"
     )
     lines.extend(
-        f"note: {row.label}: {row.voided} trial(s) voided and run again: a survivor "
-        "was evicted, its own heartbeat late (a loaded machine)"
+        f"note: {row.label}: {row.voided} trial(s) voided and run again: not set up "
+        "in time, or a survivor evicted for its own late heartbeat (a loaded machine)"
         for row in rows
         if row.voided
     )
