@@ -524,17 +524,15 @@ def _starved(failure: str) -> bool:
 
 def _row(system: str, fault: str, trials: int, run: Callable[[int], float]) -> Row:
     row = Row(system, fault)
-    n = 0  # each try's number: its job's name
     try:
         while len(row.totals) < trials:
-            try:
-                row.totals.append(run(n))
+            try:  # each try's number (its job's name): the tries before it
+                row.totals.append(run(len(row.totals) + row.voided))
             except TrialFailed as exc:
                 voidable = isinstance(exc, SetupFailed) or _starved(str(exc))
                 if not voidable or row.voided >= VOIDS:
                     raise
                 row.voided += 1
-            n += 1
     except Exception as exc:  # the other rows still run
         row.failed = f"trial {len(row.totals) + 1}: {type(exc).__name__}: {exc}"
     return row

@@ -646,34 +646,34 @@ class OpRecord(Generic[R]):
         with table.lock:
             if self._claimed:
                 return None
-            stops = breaks and isinstance(error, CommError) and table.stopping is None
-            # Before the claim: a peek that raises (a bug below) leaves the op
-            # pending, as it was (_claimed only ever turns true: work.py reads
-            # it without the lock).
-            done = (
-                frozenset(
+            stopping = table.stopping
+            # This op's error will stop the group, the first to: its cause.
+            cause = error if breaks and stopping is None and isinstance(error, CommError) else None
+            done: frozenset[int] = frozenset()
+            if cause is not None:
+                # Before the claim: a peek that raises (a bug below) leaves the
+                # op pending, as it was (_claimed only ever turns true:
+                # work.py reads it without the lock).
+                done = frozenset(
                     seq
                     for seq, work in table.inflight.items()
                     if work is not self and work._native is not None and peek(work._native)
                 )
-                if stops
-                else frozenset()
-            )
             self._claimed = True  # PENDING -> SETTLING
             table.inflight.pop(self.seq, None)
-            if breaks and isinstance(error, CommError):
-                stopping = table.stopping
-                if stopping is None:
-                    table.stopping = error  # what a failure the stop causes breaks with
-                    table.done_at_stop = done
-                elif (
-                    table.error is None
-                    and type(error) is CommFailed
-                    and self.seq not in table.done_at_stop
-                ):
-                    # Failed while another settler stops the group: by that
-                    # stop (its sockets shut), as the ops its break ends.
-                    error = self._aborted_by(stopping)
+            if cause is not None:
+                table.stopping = cause  # what a failure the stop causes breaks with
+                table.done_at_stop = done
+            elif (
+                breaks
+                and stopping is not None
+                and table.error is None
+                and type(error) is CommFailed
+                and self.seq not in table.done_at_stop
+            ):
+                # Failed while another settler stops the group: by that stop
+                # (its sockets shut), as the ops its break ends.
+                error = self._aborted_by(stopping)
         try:
             return self._stop_and_publish(error, breaks)
         except BaseException:  # left before it broke the table: no stale cause

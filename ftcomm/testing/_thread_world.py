@@ -112,7 +112,7 @@ def run_thread_world(
             )
         finally:
             try:
-                left = _close(ev, executor, max(deadline[0], time.monotonic() + CLOSE_GRACE))
+                left = _close(ev, executor, max(deadline, time.monotonic() + CLOSE_GRACE))
             except BaseException as exc:  # a leftover task stopped the loop, say
                 left = f"its loop's close raised: {exception_line(exc)}"
             if left is not None:
@@ -123,12 +123,12 @@ def run_thread_world(
         threading.Thread(target=rank_main, args=(r,), name=f"world-rank{r}", daemon=True)
         for r in range(world_size)
     ]
-    deadline = [time.monotonic() + timeout]  # the world's bound, read by rank_main's close
+    deadline = time.monotonic() + timeout  # the world's bound, read by rank_main's close
     try:
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(max(0.0, deadline[0] - time.monotonic()))
+            thread.join(max(0.0, deadline - time.monotonic()))
         for rank, thread in enumerate(threads):
             if not thread.is_alive():
                 continue
