@@ -10,11 +10,13 @@ worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import select
 import signal
 import time
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -849,15 +851,61 @@ async def test_the_worker_unmaps_shared_storages_that_died(group: ftcomm.Group) 
         for i in range(20):
             t = torch.full((1024,), float(i))
             t.share_memory_()
+            storage = weakref.ref(t.untyped_storage())
             assert torch.equal(await group.allreduce(t), torch.full((1024,), float(i)))
             del t
-            gc.collect()  # the storage dies: the next op tells the worker
+            # The storage dies: the next op tells the worker. (Seen in CI: the
+            # op's call, on the thread that read its reply, can hold it a
+            # moment after the await; then its death came after the next op.)
+            deadline = time.monotonic() + 10
+            while storage() is not None:
+                assert time.monotonic() < deadline, "a shared storage outlived its op"
+                gc.collect()
+                await asyncio.sleep(0.001)
     finally:
         gc.unfreeze()
     await group.allreduce(torch.ones(1))  # carries the last one's release
     assert worker.pool.shared.take_dead() == ()  # every death was passed on
     # Each mapping holds an fd in the worker: released ones are closed.
     assert _fd_count(worker.pid) <= before + 2
+
+
+@pytest.mark.asyncio
+async def test_a_storage_that_dies_after_the_next_op_is_released_by_the_one_after(
+    group: ftcomm.Group,
+) -> None:
+    """The interleaving CI met, forced: a shared storage outlives the op after
+    its own (held here, as the thread that read a reply can hold its call a
+    moment); its release then rides with the op after that one."""
+    import gc
+
+    worker = subprocess_backend(group).worker
+    t = torch.full((1024,), 2.0)
+    t.share_memory_()
+    await group.allreduce(t)
+    mapped = _torch_storages_mapped(worker.pid)
+    assert mapped >= 1  # the worker maps the caller's storage
+    held = t.untyped_storage()
+    del t
+    try:
+        await group.allreduce(torch.ones(1))  # staged while the storage lives
+        assert _torch_storages_mapped(worker.pid) == mapped
+    finally:
+        del held
+        gc.collect()
+    await group.allreduce(torch.ones(1))  # carries the release
+    assert worker.pool.shared.take_dead() == ()
+    assert _torch_storages_mapped(worker.pid) == mapped - 1  # the worker unmapped it
+
+
+def _torch_storages_mapped(pid: int) -> int:
+    """The worker's fds on torch's shared storages (``/dev/shm/torch_*``), not
+    on ftcomm's own segments."""
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed since it was listed
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return sum(link.startswith("/dev/shm/torch_") for link in links)
 
 
 @pytest.mark.asyncio
