@@ -14,7 +14,14 @@ from torch._C._distributed_c10d import TCPStore
 from ftcomm import serve_store
 from ftcomm._runtime.loop import get_runtime, new_event_loop
 from ftcomm.testing import EtcdCluster, etcd_missing
-from ftcomm.testing._base import child_pids, fd_names, settle_fds, shm_segments, thread_ids
+from ftcomm.testing._base import (
+    child_pids,
+    fds_opened_since,
+    open_fds,
+    settle_fds,
+    shm_segments,
+    thread_ids,
+)
 from ftcomm.testing._world import _mp_context
 
 os.environ.setdefault("FTCOMM_DEBUG", "1")
@@ -104,7 +111,7 @@ def no_leaks() -> Iterator[None]:
     """Every test leaves no thread, child process (running or unreaped), fd,
     shared-memory segment or owner-loop stall behind."""
     rt = get_runtime()
-    threads, fds, children = thread_ids(), fd_names(), child_pids(zombies=True, descendants=True)
+    threads, fds, children = thread_ids(), open_fds(), child_pids(zombies=True, descendants=True)
     segments = {s for s in shm_segments() if s.startswith(f"ftcomm-{os.getpid()}-")}
     stalls = len(rt.watchdog.stalls) if rt.watchdog else 0
     yield
@@ -120,12 +127,12 @@ def no_leaks() -> Iterator[None]:
     assert not left, f"child processes left behind (running or unreaped): {left}"
     mine = {s for s in shm_segments() if s.startswith(f"ftcomm-{os.getpid()}-")}
     assert not (mine - segments), f"/dev/shm segments left: {mine - segments}"
-    leaked = fd_names() - fds
+    leaked = fds_opened_since(fds)
     if leaked:
         # A native client may close its socket on a thread of its own just
         # after the test let go of it (torchft's lighthouse client, on its
         # runtime's thread): what is still open after a bounded wait is a leak.
-        leaked = settle_fds(lambda: fd_names() - fds, cap=5.0)
+        leaked = settle_fds(lambda: fds_opened_since(fds), cap=5.0)
     assert not leaked, (
         f"fds left behind: {[os.path.realpath(f'/proc/self/fd/{fd}') for fd in leaked]}"
     )

@@ -22,7 +22,7 @@ from ftcomm.backends import Backend, ConnectSpec
 from ftcomm.backends import gloo as gloo_mod
 from ftcomm.backends.subprocess._client import connecting, starting
 from ftcomm.testing import inspect
-from ftcomm.testing._base import fd_names
+from ftcomm.testing._base import fds_opened_since, open_fds
 
 
 class _Refused(dist.ProcessGroupGloo):  # type: ignore[misc]
@@ -108,7 +108,7 @@ async def test_a_held_configure_error_holds_no_native_fds(
     monkeypatch.setattr(gloo_mod.dist, "ProcessGroupGloo", _Refused)
     g = ftcomm.Group("gloo", timeout=30)
     peers_came(store.port, "held", 2, [1])
-    before = fd_names()
+    before = open_fds()
     try:
         await g.configure(f"127.0.0.1:{store.port}/held", 0, 2)
     except ftcomm.CommFailed as exc:
@@ -123,7 +123,7 @@ async def test_a_held_configure_error_holds_no_native_fds(
     # (late, on a busy machine: an fd for a moment, nothing to await). A
     # group the error held would hold its fds for good.
     for _ in range(200):  # 10 s at most
-        left = fd_names() - before
+        left = fds_opened_since(before)
         if not left:
             break
         await asyncio.sleep(0.05)

@@ -594,6 +594,29 @@ def test_reaper_batches_end_no_sooner_than_the_one_before() -> None:
     assert rt.reaper.wait_idle(5)
 
 
+def test_a_batch_does_not_inherit_the_end_of_one_already_dropped() -> None:
+    """CI finding: a batch took the latest end of every batch ever handed
+    over, dropped or not. A group let go after an earlier op's long
+    deadline then read as one that ends late, so a leak check (which waits
+    only for what ends soon) looked before it was dropped, and skipped."""
+    rt = get_runtime()
+    release = threading.Event()
+
+    class Blocker:
+        def __del__(self) -> None:
+            release.wait(10)
+
+    rt.dispose(object(), until=time.monotonic() + 60)  # an op's long deadline
+    assert rt.reaper.wait_idle(5)  # dropped: it holds up nothing now
+    rt.dispose(Blocker())  # nothing in flight: it ends soon, and is waited for
+    try:
+        assert rt.reaper.wait_short(0.3) is False
+    finally:
+        release.set()
+    assert rt.reaper.wait_short(5.0) is True
+    assert rt.reaper.pending == 0
+
+
 def test_call_passes_on_a_timeout_error_raised_by_the_coroutine() -> None:
     """concurrent.futures.TimeoutError is TimeoutError: do not take one for the other."""
 

@@ -42,8 +42,15 @@ class _Pending:
         self._items: dict[int, float | None] = {}
         self._ids = itertools.count()
 
-    def add(self, until: float | None) -> int:
+    def add(self, until: float | None, *, queued: bool = False) -> int:
+        """Count an item in; ``queued``: it waits behind the items still
+        pending (one thread runs them in order), so it ends no sooner than
+        the latest of them (a parked one no longer holds up the rest)."""
         with self.cond:
+            if queued:
+                ahead = [u for u in self._items.values() if u is not None and u != float("inf")]
+                if ahead:
+                    until = max(ahead) if until is None else max(until, *ahead)
             token = next(self._ids)
             self._items[token] = until
             return token
@@ -377,7 +384,6 @@ class Reaper:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending = _Pending()
         self._lock = threading.Lock()
-        self._last_until: float | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -389,14 +395,8 @@ class Reaper:
         """
         if not objs:
             return
-        with self._lock:
-            # One thread, in order: a batch ends no sooner than the one before it.
-            if until is not None and self._last_until is not None:
-                until = max(until, self._last_until)
-            elif until is None:
-                until = self._last_until
-            self._last_until = until
-            self._queue.put((self._pending.add(until), list(objs)))
+        with self._lock:  # counted in the order it is queued in
+            self._queue.put((self._pending.add(until, queued=True), list(objs)))
 
     @property
     def pending(self) -> int:

@@ -143,8 +143,30 @@ async def rank_coroutine(fn: RankFn, ctx: RankContext, args: tuple[Any, ...]) ->
     return fn(ctx, *args)
 
 
-def fd_names() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+FdMap = dict[str, tuple[str, int, int]]
+"""Open fds: each number with what it is open on (the link's text, device,
+inode)."""
+
+
+def open_fds() -> FdMap:
+    """This process's open fds, each with what it is open on: a number that
+    was closed and opened again on something else is then told apart."""
+    found: FdMap = {}
+    for fd in os.listdir("/proc/self/fd"):
+        path = f"/proc/self/fd/{fd}"
+        try:
+            st = os.stat(path)
+            found[fd] = (os.readlink(path), st.st_dev, st.st_ino)
+        except OSError:  # closed since it was listed (the listing's own, say)
+            continue
+    return found
+
+
+def fds_opened_since(before: FdMap) -> set[str]:
+    """The fds open now that were not open on the same thing in ``before``:
+    a leak is seen even where it reuses the number of an fd that something
+    else (a late close, a garbage collection) freed meanwhile."""
+    return {fd for fd, what in open_fds().items() if before.get(fd) != what}
 
 
 def thread_ids() -> set[int]:
@@ -236,7 +258,7 @@ def release_store(ctx: RankContext) -> None:
     ctx._store = None
 
 
-def find_leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) -> str | None:
+def find_leaks(rt: Any, fds: FdMap, threads: set[int], children: set[int]) -> str | None:
     """What the rank left behind, once ftcomm's blocking work has ended."""
     # A finished call leaves the pool's books just after its future completes.
     # Bounded by the calls' own deadlines: a configure against a broken store may
@@ -261,9 +283,9 @@ def find_leaks(rt: Any, fds: set[str], threads: set[int], children: set[int]) ->
         # in-process Gloo cannot be stopped earlier, by design. Its sockets
         # are the reaper's until then, so there is nothing to compare.
         return None
-    new_fds = fd_names() - fds
+    new_fds = fds_opened_since(fds)
     if any(_passing(_link(fd)) for fd in new_fds):
-        new_fds = settle_fds(lambda: fd_names() - fds)  # see _passing
+        new_fds = settle_fds(lambda: fds_opened_since(fds))  # see _passing
     if new_fds:
         paths = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in new_fds]
         return f"fds left open: {paths}"

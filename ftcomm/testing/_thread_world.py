@@ -28,8 +28,8 @@ from ._base import (
     RankFn,
     child_pids,
     exception_line,
-    fd_names,
     find_leaks,
+    open_fds,
     rank_coroutine,
     release_store,
     thread_ids,
@@ -76,7 +76,7 @@ def run_thread_world(
         raise ValueError("kill and stop faults need run_world(mode='process')")
     rt = get_runtime()
     _first_store_of_the_process()
-    base_fds, base_threads, base_children = fd_names(), thread_ids(), child_pids()
+    base_fds, base_threads, base_children = open_fds(), thread_ids(), child_pids()
     store = HarnessStore()
     world_id = uuid.uuid4().hex[:12]
     results: list[Any] = [None] * world_size

@@ -33,9 +33,9 @@ from ._base import (
     RankFn,
     child_pids,
     exception_line,
-    fd_names,
     find_leaks,
     on_baseline,
+    open_fds,
     proc_stat,
     rank_coroutine,
     release_store,
@@ -171,10 +171,10 @@ def _rank_main(
 
         injector = install(plan, ctx.rank, control) if plan is not None else None
         rt = get_runtime()
-        fds, threads, children = fd_names(), thread_ids(), child_pids()
+        fds, threads, children = open_fds(), thread_ids(), child_pids()
 
         def rebase() -> None:  # ctx.baseline(): what is open now stays open
-            fds.update(fd_names())
+            fds.update(open_fds())
             threads.update(thread_ids())
 
         on_baseline(ctx, rebase)
