@@ -26,7 +26,7 @@ from ftcomm._runtime.deadline import to_seconds
 from ftcomm._runtime.driven import Drivers, TaskDriven
 from ftcomm._runtime.loop import Runtime, get_runtime
 from ftcomm._runtime.table import OpTable
-from ftcomm._runtime.threads import WorkerPool
+from ftcomm._runtime.threads import Handoff, WorkerPool
 from ftcomm._runtime.work import Work
 
 
@@ -575,15 +575,21 @@ def test_hung_worker_calls_do_not_starve_configure() -> None:
     assert all(f.result(5) for f in blocked)
 
 
+class _BlocksItsDrop:
+    """Held in a Handoff, so that the reaper's is its last reference: its
+    drop blocks the reaper thread until ``release`` is set."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+
+    def __del__(self) -> None:
+        self.release.wait(10)
+
+
 def test_reaper_batches_end_no_sooner_than_the_one_before() -> None:
     rt = get_runtime()
     release = threading.Event()
-
-    class Blocker:
-        def __del__(self) -> None:
-            release.wait(10)
-
-    rt.dispose(Blocker(), until=time.monotonic() + 30)
+    rt.dispose(Handoff(_BlocksItsDrop(release)), until=time.monotonic() + 30)
     rt.dispose(object())  # queued behind the blocker: it cannot end "soon"
     try:
         started = time.monotonic()
@@ -601,20 +607,36 @@ def test_a_batch_does_not_inherit_the_end_of_one_already_dropped() -> None:
     only for what ends soon) looked before it was dropped, and skipped."""
     rt = get_runtime()
     release = threading.Event()
-
-    class Blocker:
-        def __del__(self) -> None:
-            release.wait(10)
-
     rt.dispose(object(), until=time.monotonic() + 60)  # an op's long deadline
     assert rt.reaper.wait_idle(5)  # dropped: it holds up nothing now
-    rt.dispose(Blocker())  # nothing in flight: it ends soon, and is waited for
+    rt.dispose(Handoff(_BlocksItsDrop(release)))  # nothing in flight: it ends soon
     try:
         assert rt.reaper.wait_short(0.3) is False
     finally:
         release.set()
     assert rt.reaper.wait_short(5.0) is True
     assert rt.reaper.pending == 0
+
+
+def test_a_batch_behind_one_that_ends_late_ends_soon_once_that_one_has_ended() -> None:
+    """Review finding: a batch's end inherited when it was handed over
+    stayed after the batch ahead of it was dropped."""
+    rt = get_runtime()
+    first, second = threading.Event(), threading.Event()
+    rt.dispose(Handoff(_BlocksItsDrop(first)), until=time.monotonic() + 60)
+    rt.dispose(Handoff(_BlocksItsDrop(second)))
+    try:
+        assert rt.reaper.wait_short(0.3) is True  # behind one that ends late: late too
+        first.set()
+        end = time.monotonic() + 5
+        while rt.reaper.pending > 1 and time.monotonic() < end:
+            time.sleep(0.01)  # the first batch's removal follows its drop
+        assert rt.reaper.pending == 1
+        assert rt.reaper.wait_short(0.3) is False  # now first in line: it ends soon
+    finally:
+        first.set()
+        second.set()
+    assert rt.reaper.wait_idle(5)
 
 
 def test_call_passes_on_a_timeout_error_raised_by_the_coroutine() -> None:

@@ -20,7 +20,7 @@ import torch
 import ftcomm
 from ftcomm._runtime.loop import get_runtime
 from ftcomm.testing import Fault, FaultPlan, RankContext, WorldError, _world, run_world
-from ftcomm.testing._base import exception_line
+from ftcomm.testing._base import exception_line, fds_opened_since, open_fds
 
 _held: list[int] = []
 
@@ -419,6 +419,7 @@ def test_a_leak_on_a_number_that_was_open_before_the_world_is_seen(mode: str) ->
     the baseline had (and something else freed meanwhile) was not seen."""
     freed = os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_RDONLY)
     args = (freed if mode == "thread" else None,)
+    assert get_runtime().reaper.wait_idle(5)  # what it holds would skip the fd check
     try:
         with pytest.raises(WorldError, match=r"fds left open: .*pipe"):
             run_world(leaks_on_numbers_freed_meanwhile, 1, args=args, mode=mode)
@@ -456,3 +457,22 @@ def test_an_async_generator_that_will_not_close_is_named_within_the_bound() -> N
         _release.set()
         _kept_gens.clear()
     assert time.monotonic() - started < 1 + 2 + 5
+
+
+def test_an_fd_is_what_it_is_open_on_not_its_number_or_its_path(tmp_path: Any) -> None:
+    """Review finding: a file renamed or deleted while open is the same fd
+    (each xdist worker holds its log open while a test runs); a number
+    opened again on something else is a new one."""
+    path = tmp_path / "log"
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY)
+    try:
+        before = open_fds()
+        os.rename(path, tmp_path / "log.1")
+        os.unlink(tmp_path / "log.1")
+        assert fds_opened_since(before) == set()
+        other = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(other, fd)
+        os.close(other)
+        assert fds_opened_since(before) == {str(fd)}
+    finally:
+        os.close(fd)

@@ -35,22 +35,25 @@ _Inbox = queue.SimpleQueue["_Item | None"]
 
 
 class _Pending:
-    """Items in progress, each with the time by which it ends (None: soon)."""
+    """Items in progress, each with the time by which it ends (None: soon).
 
-    def __init__(self) -> None:
+    ``in_order``: one thread runs the items in the order they came (the
+    reaper's), so an item ends no sooner than the items still ahead of it;
+    its end is worked out when waited for, from what is still pending (an
+    item that has ended holds up nothing). A parked item (:meth:`park`) is
+    not waited for; its own end still counts for the items after it, since
+    the thread drops its objects between theirs once nothing else holds them.
+    """
+
+    def __init__(self, *, in_order: bool = False) -> None:
         self.cond = threading.Condition()
-        self._items: dict[int, float | None] = {}
+        self._items: dict[int, float | None] = {}  # in the order added
+        self._parked: set[int] = set()
         self._ids = itertools.count()
+        self._in_order = in_order
 
-    def add(self, until: float | None, *, queued: bool = False) -> int:
-        """Count an item in; ``queued``: it waits behind the items still
-        pending (one thread runs them in order), so it ends no sooner than
-        the latest of them (a parked one no longer holds up the rest)."""
+    def add(self, until: float | None) -> int:
         with self.cond:
-            if queued:
-                ahead = [u for u in self._items.values() if u is not None and u != float("inf")]
-                if ahead:
-                    until = max(ahead) if until is None else max(until, *ahead)
             token = next(self._ids)
             self._items[token] = until
             return token
@@ -58,18 +61,19 @@ class _Pending:
     def remove(self, token: int) -> None:
         with self.cond:
             del self._items[token]
+            self._parked.discard(token)
             self.cond.notify_all()
 
-    def long(self, token: int) -> None:
-        """Item ``token`` ends at no time anyone can wait for (parked)."""
+    def park(self, token: int) -> None:
+        """Item ``token`` ends at no time anyone can wait for."""
         with self.cond:
-            self._items[token] = float("inf")
+            self._parked.add(token)
             self.cond.notify_all()
 
-    def wait_no_long(self, timeout: float) -> bool:
-        """Wait (at most ``timeout`` s) until no item is :meth:`long`."""
+    def wait_unparked(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until no item is parked."""
         with self.cond:
-            return self.cond.wait_for(lambda: float("inf") not in self._items.values(), timeout)
+            return self.cond.wait_for(lambda: not self._parked, timeout)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -82,9 +86,18 @@ class _Pending:
         """Wait (at most ``cap`` s) for the items that end within ``cap`` s."""
         limit = time.monotonic() + cap
         with self.cond:
-            return self.cond.wait_for(
-                lambda: all(u is not None and u > limit for u in self._items.values()), cap
-            )
+            return self.cond.wait_for(lambda: self._all_end_after(limit), cap)
+
+    def _all_end_after(self, limit: float) -> bool:
+        """Whether no item still pending ends by ``limit`` (under ``cond``)."""
+        ahead: float | None = None  # the latest end of the items before, in order
+        for token, until in self._items.items():
+            if self._in_order and ahead is not None:
+                until = ahead if until is None else max(until, ahead)
+            if token not in self._parked and (until is None or until <= limit):
+                return False
+            ahead = until
+        return True
 
 
 class WorkerPool:
@@ -382,7 +395,7 @@ class Reaper:
 
     def __init__(self, name: str = "ftcomm-reaper") -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._pending = _Pending()
+        self._pending = _Pending(in_order=True)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -396,7 +409,7 @@ class Reaper:
         if not objs:
             return
         with self._lock:  # counted in the order it is queued in
-            self._queue.put((self._pending.add(until, queued=True), list(objs)))
+            self._queue.put((self._pending.add(until), list(objs)))
 
     @property
     def pending(self) -> int:
@@ -414,7 +427,7 @@ class Reaper:
     def wait_unparked(self, timeout: float) -> bool:
         """Block (at most ``timeout`` s) until nothing is parked (held
         elsewhere when handed over); False if something still is."""
-        return self._pending.wait_no_long(timeout)
+        return self._pending.wait_unparked(timeout)
 
     def _run(self) -> None:
         parked: list[_Parked] = []  # Handoffs whose objects others still held
@@ -437,7 +450,7 @@ class Reaper:
                 del batch
                 if held:
                     parked.append(_Parked(token, held, time.monotonic()))
-                    self._pending.long(token)  # no exit waits for it
+                    self._pending.park(token)  # no exit waits for it
                 else:
                     self._pending.remove(token)
             for p in [p for p in parked if p.settle()]:

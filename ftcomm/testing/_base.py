@@ -144,21 +144,30 @@ async def rank_coroutine(fn: RankFn, ctx: RankContext, args: tuple[Any, ...]) ->
 
 
 FdMap = dict[str, tuple[str, int, int]]
-"""Open fds: each number with what it is open on (the link's text, device,
-inode)."""
+"""Open fds: each number with what it is open on (see :func:`open_fds`)."""
 
 
 def open_fds() -> FdMap:
-    """This process's open fds, each with what it is open on: a number that
-    was closed and opened again on something else is then told apart."""
+    """This process's open fds, each with what it is open on (device and
+    inode), so that a number that was closed and opened again on something
+    else is told apart. Anonymous inodes (epoll, eventfd, timerfd) share one
+    inode: of those only the kind tells them apart, not one from another."""
     found: FdMap = {}
     for fd in os.listdir("/proc/self/fd"):
         path = f"/proc/self/fd/{fd}"
         try:
-            st = os.stat(path)
-            found[fd] = (os.readlink(path), st.st_dev, st.st_ino)
-        except OSError:  # closed since it was listed (the listing's own, say)
+            link = os.readlink(path)
+        except OSError:  # closed since it was listed (the listing's own fd, say)
             continue
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:  # closed since
+            continue
+        except OSError:  # open, on something that cannot be looked at (a dead mount)
+            found[fd] = (link, -1, -1)
+            continue
+        # a file's path is not part of what it is: renamed or deleted, it is the same file
+        found[fd] = (link if link.startswith("anon_inode:") else "", st.st_dev, st.st_ino)
     return found
 
 
