@@ -426,7 +426,7 @@ async def test_an_init_that_never_completes_is_aborted_at_the_configure_deadline
         # lookup, 1 s (CI: the connect timed out at a 1.5 s deadline).
         with pytest.raises(CommTimeout, match="configure"):
             await g.configure(addr, 0, 2, timeout=4.0)
-        assert time.monotonic() - start < 4.0 + 1.0
+        assert 4.0 - 0.1 < time.monotonic() - start < 4.0 + 1.0  # at the deadline
         assert fake.groups, "the configure's connect never reached the communicator"
         pg = fake.group
         await _until(lambda: pg.aborted)

@@ -22,6 +22,7 @@ from helpers import ScriptedOp, issue
 
 import ftcomm
 from ftcomm._runtime import loop as loop_mod
+from ftcomm._runtime import threads
 from ftcomm._runtime.deadline import to_seconds
 from ftcomm._runtime.driven import Drivers, TaskDriven
 from ftcomm._runtime.loop import Runtime, get_runtime
@@ -588,6 +589,7 @@ class _BlocksItsDrop:
 
 def test_reaper_batches_end_no_sooner_than_the_one_before() -> None:
     rt = get_runtime()
+    assert rt.reaper.wait_idle(5)  # nothing ahead from an earlier test
     release = threading.Event()
     rt.dispose(Handoff(_BlocksItsDrop(release)), until=time.monotonic() + 30)
     rt.dispose(object())  # queued behind the blocker: it cannot end "soon"
@@ -623,6 +625,7 @@ def test_a_batch_behind_one_that_ends_late_ends_soon_once_that_one_has_ended() -
     stayed after the batch ahead of it was dropped."""
     rt = get_runtime()
     first, second = threading.Event(), threading.Event()
+    assert rt.reaper.wait_idle(5)  # nothing ahead from an earlier test
     rt.dispose(Handoff(_BlocksItsDrop(first)), until=time.monotonic() + 60)
     rt.dispose(Handoff(_BlocksItsDrop(second)))
     try:
@@ -637,6 +640,31 @@ def test_a_batch_behind_one_that_ends_late_ends_soon_once_that_one_has_ended() -
         first.set()
         second.set()
     assert rt.reaper.wait_idle(5)
+
+
+def test_a_parked_batch_is_not_waited_for_and_holds_up_no_later_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review finding: a parked batch's late end made the batches after it
+    read as late too, though a parked batch waits beside the queue."""
+    monkeypatch.setattr(threads, "SOLE_WAIT", 0.05)
+    reaper = threads.Reaper(name="ftcomm-test-reaper")
+    kept, release = _BlocksItsDrop(threading.Event()), threading.Event()
+    kept.release.set()  # its own drop, once we let go, does not block
+    reaper.dispose(Handoff(kept), until=time.monotonic() + 60)  # we still hold it
+    try:
+        deadline = time.monotonic() + 5
+        while reaper.wait_unparked(0.0):  # until it parked it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        reaper.dispose(Handoff(_BlocksItsDrop(release)))
+        assert reaper.wait_short(0.3) is False  # ends soon: waited for
+        assert reaper.wait_short(0.3) is False
+    finally:
+        release.set()
+        del kept
+        assert reaper.wait_idle(10)
+        reaper.close()
 
 
 def test_call_passes_on_a_timeout_error_raised_by_the_coroutine() -> None:

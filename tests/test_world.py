@@ -469,10 +469,10 @@ def test_an_fd_is_what_it_is_open_on_not_its_number_or_its_path(tmp_path: Any) -
         before = open_fds()
         os.rename(path, tmp_path / "log.1")
         os.unlink(tmp_path / "log.1")
-        assert fds_opened_since(before) == set()
+        assert str(fd) not in fds_opened_since(before)
         other = os.open(os.devnull, os.O_RDONLY)
         os.dup2(other, fd)
         os.close(other)
-        assert fds_opened_since(before) == {str(fd)}
+        assert str(fd) in fds_opened_since(before)
     finally:
         os.close(fd)

@@ -41,8 +41,8 @@ class _Pending:
     reaper's), so an item ends no sooner than the items still ahead of it;
     its end is worked out when waited for, from what is still pending (an
     item that has ended holds up nothing). A parked item (:meth:`park`) is
-    not waited for; its own end still counts for the items after it, since
-    the thread drops its objects between theirs once nothing else holds them.
+    not waited for, and holds up no later one: it waits for its holder to
+    let go, beside the queue, not in it.
     """
 
     def __init__(self, *, in_order: bool = False) -> None:
@@ -92,9 +92,11 @@ class _Pending:
         """Whether no item still pending ends by ``limit`` (under ``cond``)."""
         ahead: float | None = None  # the latest end of the items before, in order
         for token, until in self._items.items():
+            if token in self._parked:
+                continue
             if self._in_order and ahead is not None:
                 until = ahead if until is None else max(until, ahead)
-            if token not in self._parked and (until is None or until <= limit):
+            if until is None or until <= limit:
                 return False
             ahead = until
         return True
