@@ -664,16 +664,9 @@ class OpRecord(Generic[R]):
             if cause is not None:
                 table.stopping = cause  # what a failure the stop causes breaks with
                 table.done_at_stop = done
-            elif (
-                breaks
-                and stopping is not None
-                and table.error is None
-                and type(error) is CommFailed
-                and self.seq not in table.done_at_stop
-            ):
-                # Failed while another settler stops the group: by that stop
-                # (its sockets shut), as the ops its break ends.
-                error = self._aborted_by(stopping)
+            elif breaks and stopping is not None and table.error is None:
+                # Failed while another settler stops the group.
+                error = self._failed_by(stopping, error)
         try:
             return self._stop_and_publish(error, breaks)
         except BaseException:  # left before it broke the table: no stale cause
@@ -685,6 +678,16 @@ class OpRecord(Generic[R]):
 
     def _aborted_by(self, cause: CommError) -> CommAborted:
         return aborted_by(cause, **self._ctx())
+
+    def _failed_by(self, stop: CommError, error: BaseException) -> BaseException:
+        """``error``, as named once the claimed ``stop`` shut the group's
+        sockets: a ``CommFailed`` is the stop's (``CommAborted``), unless
+        this op's native op had already ended when the stop was claimed
+        (:attr:`OpTable.done_at_stop`: a fused batch's members, a peer's
+        death before)."""
+        if type(error) is CommFailed and self.seq not in self._table.done_at_stop:
+            return self._aborted_by(stop)
+        return error
 
     def _stop_and_publish(
         self, error: BaseException, breaks: bool
@@ -905,17 +908,11 @@ class OpRecord(Generic[R]):
         if native is not None and peek(native):
             native_error = native.outcome()  # it completed before the break
             error = None if native_error is None else self._native_failure(native_error)
-            table = self._table
-            if (
-                type(error) is CommFailed
-                and cause is table.stopping
-                and self.seq not in table.done_at_stop
-            ):
-                # Failed after the stop that broke the table was claimed (its
-                # sockets shut), before the break looked: by that stop, as in
-                # _settle_quietly. (stopping and done_at_stop no longer
-                # change once the table is broken: read without the lock.)
-                error = self._aborted_by(cause)
+            if error is not None and cause is self._table.stopping:
+                # Failed after the stop that broke the table was claimed,
+                # before the break looked. (stopping and done_at_stop no
+                # longer change once the table is broken: read without the lock.)
+                error = self._failed_by(cause, error)
         else:
             error = self._aborted_by(cause)
         return self._settle_quietly(error, False) or []

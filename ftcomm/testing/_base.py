@@ -154,13 +154,11 @@ def open_fds() -> FdMap:
     inode: of those only the kind tells them apart, not one from another."""
     found: FdMap = {}
     for fd in os.listdir("/proc/self/fd"):
-        path = f"/proc/self/fd/{fd}"
-        try:
-            link = os.readlink(path)
-        except OSError:  # closed since it was listed (the listing's own fd, say)
+        link = _link(fd)
+        if not link:  # closed since it was listed (the listing's own fd, say)
             continue
         try:
-            st = os.stat(path)
+            st = os.stat(f"/proc/self/fd/{fd}")
         except FileNotFoundError:  # closed since
             continue
         except OSError:  # open, on something that cannot be looked at (a dead mount)
